@@ -1,0 +1,61 @@
+# weightsync developer targets. Every target that needs the environment depends on `setup`, which is
+# idempotent and fast once the virtualenv and the control-plane binaries are cached.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: setup binaries test test-unit e2e demo bench crds lint dev-up dev-down dev-status clean
+
+setup: $(STAMP) binaries
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install --upgrade pip >/dev/null
+	$(VPY) -m pip install -e '.[agent,gdr,dev]'
+	touch $@
+
+binaries:
+	bash e2e/scripts/build-binaries.sh >/dev/null
+
+## test: every CI test (unit, agent multi-process, control plane, e2e); GPU tests are deselected.
+test: setup
+	$(VPY) -m pytest -m 'not gpu' $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(VPY) -m pytest -m 'not gpu and not cluster and not e2e' $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)
+	$(VPY) -m pytest -m gpu $(PYTEST_ARGS)
+
+e2e: setup
+	$(VPY) -m pytest -m e2e $(PYTEST_ARGS)
+
+demo: setup
+	$(VPY) -m weightsync.e2e.demo
+
+bench: setup
+	mkdir -p bench/results
+	$(VPY) -m weightsync.agent.bench --transport nccl --size-mb 1024 --json | tee bench/results/nccl.json
+	$(VPY) -m weightsync.agent.bench --transport ipc --size-mb 1024 --json | tee bench/results/ipc.json
+
+crds: $(STAMP)
+	$(VPY) -m weightsync.crds.generate
+
+lint: $(STAMP)
+	$(VPY) -m ruff check .
+	$(VPY) -m mypy crds operator agent e2e weightsync
+
+dev-up: setup
+	$(VPY) -m weightsync.e2e.cli up
+
+dev-down:
+	$(VPY) -m weightsync.e2e.cli down
+
+dev-status:
+	$(VPY) -m weightsync.e2e.cli status
+
+clean:
+	rm -rf .dev build *.egg-info

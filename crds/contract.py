@@ -1,0 +1,125 @@
+"""Names shared by the operator and the agent: one place, so neither side spells them twice.
+
+The operator writes these (labels, annotations, env, mounted files); the agent reads them. Changing a
+value here is a wire change between operator and agent versions.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --- API identity -------------------------------------------------------------------------------------
+GROUP: Final = "weightsync.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "WeightSyncJob"
+PLURAL: Final = "weightsyncjobs"
+SINGULAR: Final = "weightsyncjob"
+SHORT_NAME: Final = "wsj"
+CRD_NAME: Final = f"{PLURAL}.{GROUP}"
+
+# --- Labels on every object the operator owns ---------------------------------------------------------
+LABEL_JOB: Final = f"{GROUP}/job"            # the WeightSyncJob's name
+LABEL_ROLE: Final = f"{GROUP}/role"          # one of ROLE_*
+LABEL_REPLICA: Final = f"{GROUP}/replica"    # inference replica index ("0", "1", ...)
+LABEL_RANK: Final = f"{GROUP}/rank"          # pod index within its role / replica
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+MANAGED_BY: Final = "weightsync-operator"
+
+ROLE_TRAINER: Final = "trainer"
+ROLE_INFERENCE: Final = "inference"
+ROLE_COLOCATED: Final = "colocated"
+
+# --- Annotations: desired state (operator -> agent) ----------------------------------------------------
+ANN_TARGET_VERSION: Final = f"{GROUP}/target-version"   # the version this inference pod should load
+ANN_PAUSED: Final = f"{GROUP}/paused"                   # "true" while spec.paused (engine paused)
+ANN_MEMBERSHIP_GENERATION: Final = f"{GROUP}/membership-generation"
+
+# --- Annotations: observed state (agent -> its own pod -> operator) -----------------------------------
+ANN_SERVED_VERSION: Final = f"{GROUP}/served-version"     # inference: last fully loaded version
+ANN_PUBLISHED_VERSION: Final = f"{GROUP}/published-version"  # trainer: last version staged by the trainer
+ANN_ENGINE_PAUSED: Final = f"{GROUP}/engine-paused"       # "true" once the engine confirmed a pause
+ANN_LAST_SYNC: Final = f"{GROUP}/last-sync"               # JSON: {version, durationSeconds, bytes, mode}
+ANN_SYNC_ERROR: Final = f"{GROUP}/sync-error"             # last failure message, cleared on success
+
+# --- Pod condition / readiness gate --------------------------------------------------------------------
+POD_CONDITION_SYNCED: Final = f"{GROUP}/synced"
+
+# --- WeightSyncJob condition types (metav1.Condition) -------------------------------------------------
+COND_READY: Final = "Ready"
+COND_SYNCED: Final = "Synced"
+COND_PROGRESSING: Final = "Progressing"
+COND_PAUSED: Final = "Paused"
+COND_DEGRADED: Final = "Degraded"
+JOB_CONDITION_TYPES: Final = (COND_READY, COND_SYNCED, COND_PROGRESSING, COND_PAUSED, COND_DEGRADED)
+
+# --- Environment variables the operator sets on every container of an owned pod -----------------------
+ENV_JOB: Final = "WEIGHTSYNC_JOB"
+ENV_NAMESPACE: Final = "WEIGHTSYNC_NAMESPACE"
+ENV_POD_NAME: Final = "WEIGHTSYNC_POD_NAME"
+ENV_POD_IP: Final = "WEIGHTSYNC_POD_IP"
+ENV_ROLE: Final = "WEIGHTSYNC_ROLE"
+ENV_RANK: Final = "WEIGHTSYNC_RANK"                 # rank within the role (trainer rank / rank in replica)
+ENV_WORLD_SIZE: Final = "WEIGHTSYNC_WORLD_SIZE"     # ranks within the role (trainer) or replica
+ENV_REPLICA: Final = "WEIGHTSYNC_REPLICA"           # inference replica index
+ENV_TOPOLOGY_PATH: Final = "WEIGHTSYNC_TOPOLOGY_PATH"
+ENV_TOKEN_PATH: Final = "WEIGHTSYNC_TOKEN_PATH"
+ENV_SOCKET_DIR: Final = "WEIGHTSYNC_SOCKET_DIR"
+ENV_CONTROL_PORT: Final = "WEIGHTSYNC_CONTROL_PORT"
+ENV_METRICS_PORT: Final = "WEIGHTSYNC_METRICS_PORT"
+ENV_TRANSPORT_PORT: Final = "WEIGHTSYNC_TRANSPORT_PORT"
+ENV_TRANSFER_MODE: Final = "WEIGHTSYNC_TRANSFER_MODE"
+ENV_BUCKET_SIZE_MB: Final = "WEIGHTSYNC_BUCKET_SIZE_MB"
+ENV_VERIFY: Final = "WEIGHTSYNC_VERIFY"
+ENV_ENGINE_TYPE: Final = "WEIGHTSYNC_ENGINE_TYPE"
+ENV_ENGINE_URL: Final = "WEIGHTSYNC_ENGINE_URL"
+
+# --- Mounted paths inside owned pods -------------------------------------------------------------------
+SOCKET_DIR: Final = "/var/run/weightsync"                 # emptyDir shared by the agent and the app
+AGENT_SOCKET_NAME: Final = "agent.sock"
+TOPOLOGY_DIR: Final = "/etc/weightsync/topology"          # the topology ConfigMap
+TOPOLOGY_FILE: Final = "topology.json"
+TOKEN_DIR: Final = "/etc/weightsync/token"                # the per-job Secret
+TOKEN_FILE: Final = "token"
+SHM_DIR: Final = "/dev/shm"
+
+# --- Ports (per pod; every pod has its own IP) --------------------------------------------------------
+CONTROL_PORT: Final = 47100     # agent <-> agent control channel (HMAC-authenticated frames)
+METRICS_PORT: Final = 47101     # /healthz and /metrics
+TRANSPORT_PORT: Final = 47102   # torch.distributed / NIXL listener
+AGENT_PORTS: Final = (CONTROL_PORT, METRICS_PORT, TRANSPORT_PORT)
+
+# --- Names of owned objects ----------------------------------------------------------------------------
+AGENT_CONTAINER: Final = "weightsync-agent"
+
+
+def trainer_pod_name(job: str, index: int) -> str:
+    return f"{job}-trainer-{index}"
+
+
+def inference_pod_name(job: str, replica: int, index: int) -> str:
+    return f"{job}-inference-{replica}-{index}"
+
+
+def colocated_pod_name(job: str, index: int) -> str:
+    return f"{job}-colocated-{index}"
+
+
+def service_name(job: str) -> str:
+    return job
+
+
+def token_secret_name(job: str) -> str:
+    return f"{job}-token"
+
+
+def topology_configmap_name(job: str) -> str:
+    return f"{job}-topology"
+
+
+def service_account_name(job: str) -> str:
+    return f"{job}-agent"
+
+
+def network_policy_name(job: str) -> str:
+    return f"{job}-agents"
