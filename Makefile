@@ -22,16 +22,16 @@ binaries:
 
 ## test: every CI test (unit, agent multi-process, control plane, e2e); GPU tests are deselected.
 test: setup
-	$(VPY) -m pytest -m 'not gpu' $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m 'not gpu' $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
-	$(VPY) -m pytest -m 'not gpu and not cluster and not e2e' $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m 'not gpu and not cluster and not e2e' $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
-	$(VPY) -m pytest -m gpu $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m gpu $(PYTEST_ARGS)
 
 e2e: setup
-	$(VPY) -m pytest -m e2e $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
 
 demo: setup
 	$(VPY) -m weightsync.e2e.demo

@@ -1,0 +1,1 @@
+"""weightsync.agent.demo"""

@@ -1,0 +1,1 @@
+"""weightsync.e2e.runtime"""
