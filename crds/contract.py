@@ -123,3 +123,6 @@ def service_account_name(job: str) -> str:
 
 def network_policy_name(job: str) -> str:
     return f"{job}-agents"
+
+# --- Local e2e: nodes whose pods the process runtime (weightsync.e2e.runtime) runs as host processes --
+LABEL_PROCESS_NODE: Final = f"{GROUP}/process-node"   # value "true" on a process node
