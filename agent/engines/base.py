@@ -1,0 +1,84 @@
+"""The engine adapter interface: how an inference agent hands weights to an engine.
+
+One adapter per engine type (SGLang and vLLM over HTTP, Custom over the local client socket). The agent
+drives every adapter through `load_version`, which owns the ordering rules users rely on: pause before
+the first byte, commit only after the last bucket, resume always (also when the load fails).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+
+
+class EngineError(RuntimeError):
+    """The engine refused or failed an operation; the message says which and why."""
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """What the inference agent needs from an engine. Methods raise EngineError on failure."""
+
+    def pause(self) -> None:
+        """Stop admitting new generation work (in-flight requests may finish or be aborted)."""
+
+    def resume(self) -> None:
+        """Admit generation again. Must be safe to call when not paused."""
+
+    def begin_update(self, version: int) -> None:
+        """Prepare to receive the tensors of `version`."""
+
+    def load_bucket(self, tensors: NamedTensors) -> None:
+        """Load one bucket of (name, tensor) pairs into the engine's weights."""
+
+    def commit(self, version: int) -> None:
+        """Make `version` the served version; called only after every bucket loaded and verified."""
+
+    def abort(self, version: int, reason: str) -> None:
+        """Forget a partial load of `version`; the engine keeps serving its previous version."""
+
+    def served_version(self) -> int | None:
+        """The version the engine reports it serves, or None if unknown."""
+
+
+def load_version(
+    adapter: EngineAdapter,
+    version: int,
+    buckets: Iterable[NamedTensors],
+    *,
+    pause_generation: bool,
+) -> int:
+    """Load `version` bucket by bucket; returns the number of tensors loaded.
+
+    Pause happens before the first bucket and resume after the last one, also when anything fails
+    (review of seed 001): a failed load is aborted and re-raised, never committed.
+    """
+    paused = False
+    loaded = 0
+    try:
+        if pause_generation:
+            adapter.pause()
+            paused = True
+        adapter.begin_update(version)
+        try:
+            for bucket in buckets:
+                adapter.load_bucket(bucket)
+                loaded += len(bucket)
+        except BaseException as exc:
+            try:
+                adapter.abort(version, f"{type(exc).__name__}: {exc}")
+            except Exception:  # the original failure is the one to report
+                log.exception("engine abort failed", extra={"version": version})
+            raise
+        adapter.commit(version)
+        return loaded
+    finally:
+        if paused:
+            adapter.resume()
