@@ -126,3 +126,9 @@ def network_policy_name(job: str) -> str:
 
 # --- Local e2e: nodes whose pods the process runtime (weightsync.e2e.runtime) runs as host processes --
 LABEL_PROCESS_NODE: Final = f"{GROUP}/process-node"   # value "true" on a process node
+
+# --- Agent settings from spec.updatePolicy (operator -> agent env); defaults apply when unset ----------
+ENV_PAUSE_GENERATION: Final = "WEIGHTSYNC_PAUSE_GENERATION"   # "true"/"false": pause engines around a load
+ENV_MAX_STALENESS: Final = "WEIGHTSYNC_MAX_STALENESS"         # versions a replica may lag before synced=False
+ENV_KUBE_ENABLED: Final = "WEIGHTSYNC_KUBE"                   # "false": agent runs without an API server
+ENV_APP_SOCKET: Final = "WEIGHTSYNC_AGENT_SOCKET"             # app side: full path of the agent's Unix socket
