@@ -132,3 +132,7 @@ ENV_PAUSE_GENERATION: Final = "WEIGHTSYNC_PAUSE_GENERATION"   # "true"/"false": 
 ENV_MAX_STALENESS: Final = "WEIGHTSYNC_MAX_STALENESS"         # versions a replica may lag before synced=False
 ENV_KUBE_ENABLED: Final = "WEIGHTSYNC_KUBE"                   # "false": agent runs without an API server
 ENV_APP_SOCKET: Final = "WEIGHTSYNC_AGENT_SOCKET"             # app side: full path of the agent's Unix socket
+
+# --- Operator bookkeeping on owned objects (written and read by the operator only) ---------------------
+ANN_SPEC_HASH: Final = f"{GROUP}/spec-hash"              # hash of an owned object as built; differs => outdated
+ANN_MEMBERSHIP_HASH: Final = f"{GROUP}/membership-hash"  # on the topology ConfigMap: hash of pods, ranks, IPs
