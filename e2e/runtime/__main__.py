@@ -1,0 +1,46 @@
+"""`python -m weightsync.e2e.runtime --kubeconfig K --nodes a,b --state-dir D`: the process runtime as a
+process (what `make dev-up` launches). SIGTERM / SIGINT stop it cleanly, killing every pod process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from weightsync.e2e.runtime.runtime import ProcessRuntime
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m weightsync.e2e.runtime", description=__doc__)
+    parser.add_argument("--kubeconfig", required=True, help="admin kubeconfig of the cluster")
+    parser.add_argument("--nodes", required=True, help="comma-separated process node names")
+    parser.add_argument("--state-dir", required=True, type=Path, help="pod dirs and container logs go here")
+    parser.add_argument("--python-bin-dir", type=Path, default=None, help="prepended to PATH (default: this venv)")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    runtime = ProcessRuntime(args.kubeconfig, nodes, args.state_dir, args.python_bin_dir)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    runtime.start()
+    print(f"process runtime ready nodes={','.join(nodes)} state_dir={args.state_dir}", flush=True)
+    done.wait()
+    runtime.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""How a container becomes a host process (pure): mounts, the wrapper command line, executable lookup.
+
+Each container runs in its own mount namespace: `unshare --mount --propagation private` then a tiny
+shell binds each volume's host directory at its mountPath (so /var/run/secrets/..., /dev/shm and
+/var/run/weightsync are per pod) and execs the command. `setpriv --pdeathsig KILL` makes the kernel kill
+the process if the runtime thread that started it dies, so a crashed runtime leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+WRAPPER_NAME = "weightsync-container"
+
+
+@dataclass(frozen=True)
+class Mount:
+    host_path: str
+    container_path: str
+    read_only: bool = False
+    is_file: bool = False
+
+
+def sort_mounts(mounts: Sequence[Mount]) -> list[Mount]:
+    """Parents before children, so a nested mountPath lands inside its parent's mount."""
+    return sorted(mounts, key=lambda m: (posixpath.normpath(m.container_path).count("/"), m.container_path))
+
+
+def mount_script(mounts: Sequence[Mount], workdir: str) -> str:
+    """The shell run inside the new mount namespace before exec."""
+    lines = ["set -e"]
+    for m in sort_mounts(mounts):
+        src, dst = shlex.quote(m.host_path), shlex.quote(m.container_path)
+        if m.is_file:
+            parent = shlex.quote(posixpath.dirname(m.container_path) or "/")
+            lines.append(f"mkdir -p {parent}; [ -e {dst} ] || : > {dst}")
+        else:
+            lines.append(f"mkdir -p {dst}")
+        lines.append(f"mount --bind {src} {dst}")
+        if m.read_only:
+            lines.append(f"mount -o remount,bind,ro {dst}")
+    lines.append(f"mkdir -p {shlex.quote(workdir)}; cd {shlex.quote(workdir)}")
+    lines.append('exec "$@"')
+    return "\n".join(lines)
+
+
+def wrapper_argv(mounts: Sequence[Mount], workdir: str, argv: Sequence[str]) -> list[str]:
+    """The full host command line for a container."""
+    return [
+        "setpriv", "--pdeathsig", "KILL", "--",
+        "unshare", "--mount", "--propagation", "private", "--",
+        "/bin/sh", "-c", mount_script(mounts, workdir), WRAPPER_NAME, *argv,
+    ]  # fmt: skip
+
+
+def to_host_path(container_path: str, mounts: Sequence[Mount]) -> str:
+    """Where a path the container will see lives on the host (through the deepest covering mount)."""
+    path = posixpath.normpath(container_path)
+    best: Mount | None = None
+    for m in mounts:
+        root = posixpath.normpath(m.container_path)
+        if (path == root or path.startswith(root.rstrip("/") + "/")) and (
+            best is None or len(root) > len(posixpath.normpath(best.container_path))
+        ):
+            best = m
+    if best is None:
+        return path
+    rest = posixpath.relpath(path, posixpath.normpath(best.container_path))
+    return best.host_path if rest == "." else posixpath.join(best.host_path, rest)
+
+
+def find_executable(name: str, env: Mapping[str, str], workdir: str, mounts: Sequence[Mount]) -> str | None:
+    """The container path `name` resolves to (like execvp), or None when nothing executable matches."""
+
+    def ok(container_path: str) -> bool:
+        host = to_host_path(container_path, mounts)
+        return os.path.isfile(host) and os.access(host, os.X_OK)
+
+    if "/" in name:
+        path = name if name.startswith("/") else posixpath.join(workdir, name)
+        return path if ok(path) else None
+    for directory in env.get("PATH", os.defpath).split(":"):
+        candidate = posixpath.join(directory or workdir, name)
+        if ok(candidate):
+            return candidate
+    return None

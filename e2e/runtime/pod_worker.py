@@ -1,0 +1,410 @@
+"""One thread per pod: volumes, container lifecycle (init, native sidecars, app), probes, status, deletion.
+
+The loop is level-triggered: every tick (or wake-up from the watch) it compares what runs with what the
+latest pod object asks for, acts, and patches pods/status when the computed status changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from weightsync.e2e.runtime.containers import Backoff, ContainerRunner, rfc3339
+from weightsync.e2e.runtime.envvars import EnvError, Lookup, container_env, expand, service_env
+from weightsync.e2e.runtime.kube import ApiError, KubeClient, pod_path
+from weightsync.e2e.runtime.launch import find_executable, wrapper_argv
+from weightsync.e2e.runtime.pod_volumes import PodVolumes
+from weightsync.e2e.runtime.probes import ProbeState, run_probe
+from weightsync.e2e.runtime.status import KIND_APP, KIND_INIT, KIND_SIDECAR, comparable, status_patch
+from weightsync.e2e.runtime.token import PodTokens
+from weightsync.e2e.runtime.volumes import VolumeError
+
+log = logging.getLogger(__name__)
+JSON = dict[str, Any]
+
+
+@dataclass
+class RuntimeContext:
+    """What every pod worker shares (built once by ProcessRuntime)."""
+
+    client: KubeClient
+    lookup: Lookup
+    api_host: str
+    api_port: int
+    python_bin_dir: Path
+    pods_dir: Path
+    shm_root: Path
+    claims_dir: Path
+    backoff_base_s: float
+    backoff_max_s: float
+    volume_refresh_s: float
+    tick_s: float
+    resync_status_s: float
+    host_ip: Callable[[str], str]
+    allocate_ip: Callable[[str, str | None], str]
+    release_ip: Callable[[str], None]
+
+
+def pod_dir_name(namespace: str, name: str, uid: str) -> str:
+    return f"{namespace}_{name}_{uid}"
+
+
+class PodWorker:
+    def __init__(self, ctx: RuntimeContext, pod: JSON, on_exit: Callable[[str], None]) -> None:
+        meta = pod["metadata"]
+        self.ctx = ctx
+        self.uid: str = meta["uid"]
+        self.namespace: str = meta["namespace"]
+        self.name: str = meta["name"]
+        self.key = f"{self.namespace}/{self.name}"
+        self.node_name: str = pod.get("spec", {}).get("nodeName", "")
+        self.dir = ctx.pods_dir / pod_dir_name(self.namespace, self.name, self.uid)
+        self._pod = pod
+        self._gone = False
+        self._stopping = False
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._on_exit = on_exit
+        self._thread = threading.Thread(target=self._run, name=f"pod-{self.key}", daemon=True)
+        self.volumes = PodVolumes(self.dir, ctx.shm_root / self.uid, ctx.claims_dir)
+        spec = pod.get("spec", {})
+        self.tokens = PodTokens(ctx.client, self.namespace, spec.get("serviceAccountName", "default"), self.name, self.uid)
+        backoff = lambda: Backoff(ctx.backoff_base_s, ctx.backoff_max_s)  # noqa: E731
+        self.init_runners = [
+            ContainerRunner(
+                c, KIND_SIDECAR if c.get("restartPolicy") == "Always" else KIND_INIT, self.log_file(c["name"]), backoff()
+            )
+            for c in spec.get("initContainers") or []
+        ]
+        self.app_runners = [ContainerRunner(c, KIND_APP, self.log_file(c["name"]), backoff()) for c in spec.get("containers") or []]
+        self.pod_ip = ""
+        self.host_ip = ""
+        self.start_time = rfc3339()
+        self.initialized = not self.init_runners
+        self.init_failed = False
+        self.volume_error: str | None = None
+        self._volumes_synced_at = 0.0
+        self._synced_pod_rv: str | None = None
+        self._last_status: JSON | None = None
+        self._last_status_at = 0.0
+        self._transitions: dict[str, tuple[str, str]] = {}
+        self._terminal = False
+
+    # --- thread-safe entry points (called by the watch threads / runtime) -------------------------------
+    def log_file(self, container: str) -> Path:
+        return self.dir / f"{container}.log"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def update(self, pod: JSON) -> None:
+        with self._lock:
+            self._pod = pod
+        self._wake.set()
+
+    def gone(self) -> None:
+        """The pod object is deleted from the API (force delete, or our own grace-0 delete)."""
+        self._gone = True
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Runtime shutdown: kill the processes, leave the pod object alone."""
+        self._stopping = True
+        self._wake.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- the loop --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._setup()
+            while True:
+                with self._lock:
+                    pod = self._pod
+                if self._stopping:
+                    self._kill_all(grace_cap_s=2.0)
+                    return
+                if self._gone:
+                    self._kill_all(grace_cap_s=2.0)
+                    self._cleanup()
+                    return
+                if pod["metadata"].get("deletionTimestamp"):
+                    self._terminate(pod)
+                    return
+                try:
+                    self._sync(pod)
+                except Exception:
+                    log.exception("pod sync failed pod=%s uid=%s", self.key, self.uid)
+                self._wake.wait(self.ctx.tick_s)
+                self._wake.clear()
+        except Exception:
+            log.exception("pod worker crashed pod=%s uid=%s; killing its processes", self.key, self.uid)
+            self._kill_all(grace_cap_s=1.0)
+        finally:
+            self._on_exit(self.uid)
+
+    def _setup(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        status = self._pod.get("status") or {}
+        self.pod_ip = self.ctx.allocate_ip(self.uid, status.get("podIP"))
+        self.host_ip = self.ctx.host_ip(self._pod["spec"].get("nodeName", ""))
+        self.start_time = status.get("startTime") or rfc3339()
+        log.info("pod admitted pod=%s uid=%s ip=%s dir=%s", self.key, self.uid, self.pod_ip, self.dir)
+
+    def _sync(self, pod: JSON) -> None:
+        now = time.monotonic()
+        rv = pod["metadata"].get("resourceVersion")
+        if now - self._volumes_synced_at >= self.ctx.volume_refresh_s or rv != self._synced_pod_rv:
+            self._synced_pod_rv = rv
+            self._volumes_synced_at = now
+            try:
+                self.volumes.sync(pod, self.pod_ip, self.host_ip, self.ctx.lookup, self.tokens)
+                self.volume_error = None
+            except VolumeError as exc:
+                if self.volume_error != str(exc):
+                    log.warning("volumes not ready pod=%s error=%s", self.key, exc)
+                self.volume_error = str(exc)
+        for runner in self.init_runners + self.app_runners:
+            if runner.reap():
+                term = runner.state["terminated"]
+                log.info(
+                    "container exited pod=%s container=%s exit_code=%s restarts=%d",
+                    self.key, runner.name, term["exitCode"], runner.restart_count,
+                )
+        if not self._terminal:
+            self._drive(pod, now)
+        self._probe_all(pod, time.monotonic())
+        self._publish(pod)
+
+    # --- container lifecycle ---------------------------------------------------------------------------
+    def _drive(self, pod: JSON, now: float) -> None:
+        policy = pod["spec"].get("restartPolicy", "Always")
+        for runner in self.init_runners:
+            if runner.kind == KIND_SIDECAR:
+                self._keep_running(pod, runner, now, "Always")
+                if not runner.started and not self.initialized:
+                    return  # the next init container waits for this sidecar to have started
+                continue
+            if self.initialized or runner.completed:
+                continue
+            term = runner.state.get("terminated")
+            if runner.running:
+                return
+            if term is not None and term.get("exitCode") == 0:
+                runner.completed = True
+                continue
+            if term is not None and policy == "Never":
+                self.init_failed = True
+                self._finish(pod, "init container failed")
+                return
+            self._keep_running(pod, runner, now, "OnFailure")
+            return
+        if not self.initialized:
+            self.initialized = True
+            log.info("pod initialized pod=%s", self.key)
+        for runner in self.app_runners:
+            self._keep_running(pod, runner, now, policy)
+        if all(r.state.get("terminated") and not r.wants_restart(policy) for r in self.app_runners):
+            self._finish(pod, "all containers terminated")
+
+    def _keep_running(self, pod: JSON, runner: ContainerRunner, now: float, policy: str) -> None:
+        """Start a container that never ran, restart one that exited (if the policy says so) after backoff."""
+        if runner.running:
+            return
+        term = runner.state.get("terminated")
+        if term is not None:
+            if not runner.wants_restart(policy):
+                return
+            delay = runner.schedule_restart(now)
+            if delay > 0:
+                runner.set_waiting(
+                    "CrashLoopBackOff", f"back-off {delay:g}s restarting failed container={runner.name} pod={self.name}"
+                )
+                return
+        if now < runner.next_start_at:
+            return
+        self._launch(pod, runner, now)
+
+    def _launch(self, pod: JSON, runner: ContainerRunner, now: float) -> None:
+        retry_at = now + max(self.ctx.backoff_base_s, 1.0)
+        if self.volume_error:
+            runner.set_waiting("ContainerCreating", self.volume_error)
+            runner.next_start_at = retry_at
+            return
+        spec = runner.spec
+        try:
+            env = self._env(pod, spec)
+            mounts = self.volumes.mounts_for(pod, spec)
+        except (EnvError, VolumeError) as exc:
+            reason = exc.reason if isinstance(exc, EnvError) else "CreateContainerConfigError"
+            runner.set_waiting(reason, str(exc))
+            runner.next_start_at = retry_at
+            return
+        argv = [expand(a, env) for a in (spec.get("command") or []) + (spec.get("args") or [])]
+        if not spec.get("command"):
+            runner.set_waiting(
+                "CreateContainerError",
+                f"container {runner.name} has no command: the process runtime runs `command`+`args` on the host "
+                "and cannot run an image entrypoint; set `command`",
+            )
+            runner.next_start_at = retry_at
+            return
+        workdir = spec.get("workingDir") or str(self.dir / "rootfs")
+        if find_executable(argv[0], env, workdir, mounts) is None:
+            runner.set_waiting(
+                "ExecutableNotFound",
+                f'exec: "{argv[0]}": executable file not found in $PATH={env.get("PATH", "")} '
+                "(the process runtime runs commands from the host and the project's Python environment)",
+            )
+            runner.next_start_at = runner.next_start_at if runner.next_start_at > now else retry_at
+            return
+        runner.launch(wrapper_argv(mounts, workdir, argv), env, now)
+        log.info(
+            "container started pod=%s container=%s kind=%s pid=%s restarts=%d argv=%s",
+            self.key, runner.name, runner.kind, runner.pid, runner.restart_count, argv,
+        )
+
+    def _env(self, pod: JSON, spec: JSON) -> dict[str, str]:
+        base = {
+            "PATH": f"{self.ctx.python_bin_dir}:{os.environ.get('PATH', os.defpath)}",
+            "HOME": "/root",
+            "HOSTNAME": self.name,
+            "PYTHONUNBUFFERED": "1",
+            **{k: v for k, v in os.environ.items() if k in ("LANG", "LC_ALL", "TZ")},
+            **service_env(self.ctx.api_host, self.ctx.api_port),
+        }
+        env = container_env(pod, spec, self.pod_ip, self.host_ip, self.ctx.lookup, base)
+        if not env.get("PATH", "").startswith(f"{self.ctx.python_bin_dir}:"):
+            env["PATH"] = f"{self.ctx.python_bin_dir}:{env.get('PATH', os.defpath)}"
+        return env
+
+    # --- probes ----------------------------------------------------------------------------------------
+    def _probe_all(self, pod: JSON, now: float) -> None:
+        grace = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
+        for runner in self.init_runners + self.app_runners:
+            if not runner.running:
+                continue
+            if runner.kind == KIND_INIT:
+                runner.started = True
+                continue
+            if runner.startup is not None and not runner.started:
+                self._probe_once(runner, runner.startup, now)
+                if runner.startup.result is True:
+                    runner.started = True
+                elif runner.startup.result is False:
+                    self._probe_kill(runner, "startup", grace)
+                    continue
+                else:
+                    continue
+            if runner.liveness is not None:
+                self._probe_once(runner, runner.liveness, now)
+                if runner.liveness.result is False:
+                    self._probe_kill(runner, "liveness", grace)
+                    continue
+            if runner.readiness is not None:
+                self._probe_once(runner, runner.readiness, now)
+                runner.ready = bool(runner.readiness.result)
+            else:
+                runner.ready = runner.started
+
+    def _probe_once(self, runner: ContainerRunner, probe: ProbeState, now: float) -> None:
+        if probe.due(now):
+            result = run_probe(probe.spec, self.pod_ip, runner.pid, runner.env, runner.spec.get("ports") or [])
+            before = probe.result
+            probe.record(result, time.monotonic())
+            if probe.result != before:
+                log.info(
+                    "probe verdict changed pod=%s container=%s result=%s message=%s",
+                    self.key, runner.name, probe.result, result.message,
+                )
+
+    def _probe_kill(self, runner: ContainerRunner, which: str, grace: float) -> None:
+        probe_spec = runner.spec.get(f"{which}Probe") or {}
+        grace = float(probe_spec.get("terminationGracePeriodSeconds", grace))
+        log.info("container failed %s probe, restarting pod=%s container=%s", which, self.key, runner.name)
+        runner.kill(grace)
+
+    # --- status ----------------------------------------------------------------------------------------
+    def _publish(self, pod: JSON, force: bool = False) -> None:
+        views = [r.view() for r in self.init_runners + self.app_runners]
+        patch = status_patch(
+            pod, views, pod_ip=self.pod_ip, host_ip=self.host_ip, start_time=self.start_time,
+            sandbox_ready=True, initialized=self.initialized, init_failed=self.init_failed,
+            transitions=self._transitions, now=rfc3339(),
+        )
+        if self._terminal and patch["status"]["phase"] == "Running":
+            patch["status"]["phase"] = "Failed"
+        now = time.monotonic()
+        stale = now - self._last_status_at >= self.ctx.resync_status_s
+        if not force and not stale and self._last_status is not None and comparable(patch) == self._last_status:
+            return
+        try:
+            self.ctx.client.patch(pod_path(self.namespace, self.name, "status"), patch)
+        except ApiError as exc:
+            if exc.status == 404:
+                self.gone()
+            else:
+                log.warning("status patch failed pod=%s error=%s", self.key, exc)
+            return
+        self._last_status = comparable(patch)
+        self._last_status_at = now
+        for cond in patch["status"]["conditions"]:
+            self._transitions[cond["type"]] = (cond["status"], cond["lastTransitionTime"])
+
+    def _finish(self, pod: JSON, why: str) -> None:
+        """The pod is terminal (Succeeded / Failed): stop its sidecars, never restart anything again."""
+        self._terminal = True
+        log.info("pod finished pod=%s reason=%s", self.key, why)
+        grace = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
+        for runner in reversed(self.init_runners):
+            runner.kill(grace)
+
+    # --- deletion --------------------------------------------------------------------------------------
+    def _kill_all(self, grace_cap_s: float | None = None, grace_s: float = 30.0) -> None:
+        """Regular containers first (together), then sidecars in reverse order, each within the grace period."""
+        grace = grace_s if grace_cap_s is None else min(grace_s, grace_cap_s)
+        deadline = time.monotonic() + grace
+        apps = [r for r in self.app_runners if r.running]
+        for runner in apps:
+            runner.signal(15)
+        for runner in apps:
+            runner.kill(max(deadline - time.monotonic(), 0.0))
+        for runner in reversed(self.init_runners):
+            runner.kill(max(deadline - time.monotonic(), 2.0 if grace > 0 else 0.0))
+
+    def _terminate(self, pod: JSON) -> None:
+        meta = pod["metadata"]
+        grace = meta.get("deletionGracePeriodSeconds")
+        if grace is None:
+            grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+        log.info("pod terminating pod=%s grace_s=%s", self.key, grace)
+        self._kill_all(grace_s=float(grace))
+        try:
+            self._publish(pod, force=True)
+        except Exception:
+            log.debug("final status patch failed pod=%s", self.key, exc_info=True)
+        try:
+            self.ctx.client.delete(
+                pod_path(self.namespace, self.name),
+                {"gracePeriodSeconds": 0, "preconditions": {"uid": self.uid}},
+            )
+            log.info("pod deleted pod=%s uid=%s", self.key, self.uid)
+        except ApiError as exc:
+            if exc.status not in (404, 409):
+                log.warning("pod delete failed pod=%s error=%s; will retry on resync", self.key, exc)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        self.volumes.cleanup()
+        self.ctx.release_ip(self.uid)
