@@ -6,10 +6,13 @@
 #
 # Environment:
 #   WEIGHTSYNC_CACHE    cache root (default: $XDG_CACHE_HOME/weightsync or ~/.cache/weightsync)
-#   KUBEBUILDER_ASSETS  a directory with setup-envtest binaries (etcd, kube-apiserver, kubectl): those
-#                       are used as they are and not built.
+#   KUBEBUILDER_ASSETS  a directory with setup-envtest binaries (etcd, kube-apiserver, kubectl): each
+#                       binary found there is used as it is and not built; for `kubernetes` only the
+#                       commands missing there (envtest has no scheduler / controller-manager) are built.
+#   WEIGHTSYNC_<NAME>   (e.g. WEIGHTSYNC_KUBE_APISERVER) an explicit binary: not built either.
 # Prints the directory of each component's binaries on stdout, one "name=dir" line each.
-set -euo pipefail
+# A finished build is marked by a `.complete` file; a build is serialized per component with flock.
+set -Eeuo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../versions.env
@@ -19,23 +22,75 @@ mkdir -p "$cache/bin" "$cache/build"
 export GOFLAGS="${GOFLAGS:--buildvcs=false}" CGO_ENABLED=0 GOTOOLCHAIN="${GOTOOLCHAIN:-auto}"
 
 log() { printf '[build-binaries] %s\n' "$*" >&2; }
+die() { printf '[build-binaries] ERROR: %s\n' "$*" >&2; exit 1; }
 
-# build_in_wrapper NAME VERSION DIR "require lines" "replace lines" pkg:out ... -- ldflags
-wrapper_module() {  # dir module-requires...
-  local dir="$1"; shift
+current=""
+on_error() {
+  local rc=$?
+  # Print once, from the main shell (subshells and command substitutions inherit the trap via set -E).
+  [ "$BASHPID" = "$$" ] && [ -n "$current" ] && printf '[build-binaries] ERROR: building %s failed (exit %s; output above); fix the cause, then re-run: %s %s\n' \
+    "$current" "$rc" "e2e/scripts/build-binaries.sh" "$current" >&2
+  exit "$rc"
+}
+trap on_error ERR
+
+need_go() {
+  command -v go >/dev/null 2>&1 || die "go not found: install Go >= 1.24 (https://go.dev/dl), or set KUBEBUILDER_ASSETS / WEIGHTSYNC_<BINARY> to prebuilt binaries"
+}
+
+# An explicitly provided binary (WEIGHTSYNC_KUBE_APISERVER, TEST_ASSET_KUBE_APISERVER, KUBEBUILDER_ASSETS).
+provided() {  # name -> path on stdout, or nothing
+  local name="$1" var suffix
+  suffix="$(printf '%s' "$name" | tr 'a-z-' 'A-Z_')"
+  for var in "WEIGHTSYNC_$suffix" "TEST_ASSET_$suffix"; do
+    if [ -n "${!var:-}" ] && [ -x "${!var}" ]; then echo "${!var}"; return; fi
+  done
+  if [ -n "${KUBEBUILDER_ASSETS:-}" ] && [ -x "$KUBEBUILDER_ASSETS/$name" ]; then echo "$KUBEBUILDER_ASSETS/$name"; fi
+}
+
+wrapper_module() {  # dir
+  local dir="$1"
   mkdir -p "$dir"
   { echo "module weightsync.local/build"; echo; echo "go 1.24"; echo; } > "$dir/go.mod"
   printf 'package build\n' > "$dir/doc.go"
 }
 
-done_marker() { [ -f "$1/.complete" ]; }
+# complete DIR [binary ...]: the build in DIR finished and holds every named binary.
+complete() {
+  local dir="$1" b; shift
+  [ -f "$dir/.complete" ] || return 1
+  for b in "$@"; do [ -x "$dir/$b" ] || return 1; done
+}
+
+lock() {  # component: one build of a component at a time (a second caller waits, then finds it done)
+  exec 9>"$cache/build/$1.lock"
+  if ! flock -n 9; then log "another build of $1 is running; waiting for it"; flock 9; fi
+}
+
+# A build started by an older copy of this script holds no lock: never delete the directory it writes.
+not_running_elsewhere() {  # tmp-dir
+  local pids
+  pids="$(pgrep -f -- "$1" | grep -vx "$$" | tr '\n' ' ' || true)"
+  [ -z "${pids// /}" ] || die "a build is already writing $1 (pids: $pids); wait for it to finish, then re-run"
+}
 
 build_kubernetes() {
   local v="$KUBERNETES_VERSION" out="$cache/bin/kubernetes-$KUBERNETES_VERSION"
-  if done_marker "$out"; then echo "kubernetes=$out"; return; fi
+  local all=(kube-apiserver kube-controller-manager kube-scheduler kubectl) cmds=() c
+  for c in "${all[@]}"; do
+    if [ -n "$(provided "$c")" ]; then log "kubernetes: using provided $(provided "$c")"; else cmds+=("$c"); fi
+  done
+  if [ ${#cmds[@]} -eq 0 ]; then echo "kubernetes=${KUBEBUILDER_ASSETS:-provided}"; return; fi
+  if complete "$out" "${cmds[@]}"; then echo "kubernetes=$out"; return; fi
+  need_go; lock kubernetes
+  if complete "$out" "${cmds[@]}"; then echo "kubernetes=$out"; return; fi
   local staging="v0.${v#v1.}" work="$cache/build/kubernetes-$v"
-  log "building kubernetes $v (staging modules $staging): kube-apiserver, kube-controller-manager, kube-scheduler, kubectl"
+  log "building kubernetes $v (staging modules $staging): ${cmds[*]}"
+  not_running_elsewhere "$out.tmp"
   wrapper_module "$work"
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
+  # Keep the binaries of an earlier partial build (e.g. one that skipped envtest's kube-apiserver).
+  if [ -f "$out/.complete" ]; then cp -p "$out"/kube* "$out.tmp/" 2>/dev/null || true; fi
   (
     cd "$work"
     go mod edit -require="k8s.io/kubernetes@$v"
@@ -54,22 +109,28 @@ build_kubernetes() {
     for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
       ld="$ld -X $p.gitVersion=$v -X $p.gitMajor=1 -X $p.gitMinor=$(echo "$v" | cut -d. -f2) -X $p.gitCommit=$commit -X $p.gitTreeState=clean -X $p.buildDate=$date"
     done
-    mkdir -p "$out.tmp"
-    for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+    for cmd in "${cmds[@]}"; do
       log "  go build $cmd"
       go build -trimpath -ldflags "$ld" -o "$out.tmp/$cmd" "k8s.io/kubernetes/cmd/$cmd"
     done
   )
   rm -rf "$out"; mv "$out.tmp" "$out"; touch "$out/.complete"
+  "$out/${cmds[0]}" --version >&2 || true
   echo "kubernetes=$out"
 }
 
 build_simple() {  # name version module package binary [ldflags]
   local name="$1" v="$2" module="$3" pkg="$4" bin="$5" ld="${6:-}"
-  local out="$cache/bin/$name-$v" work="$cache/build/$name-$v"
-  if done_marker "$out"; then echo "$name=$out"; return; fi
+  local out="$cache/bin/$name-$v" work="$cache/build/$name-$v" p
+  p="$(provided "$bin")"
+  if [ -n "$p" ]; then log "$name: using provided $p"; echo "$name=$(dirname "$p")"; return; fi
+  if complete "$out" "$bin"; then echo "$name=$out"; return; fi
+  need_go; lock "$name"
+  if complete "$out" "$bin"; then echo "$name=$out"; return; fi
   log "building $name $v ($pkg)"
+  not_running_elsewhere "$out.tmp"
   wrapper_module "$work"
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
   (
     cd "$work"
     go mod edit -require="$module@$v"
@@ -78,7 +139,6 @@ build_simple() {  # name version module package binary [ldflags]
     if go list -f '{{.Name}}' "$pkg" 2>/dev/null | grep -qx main; then rm deps.go; fi
     go mod tidy >/dev/null 2>&1 || true
     go get "$pkg@$v" >/dev/null 2>&1 || go mod download "$module@$v"
-    mkdir -p "$out.tmp"
     go build -trimpath -ldflags "-s -w $ld" -o "$out.tmp/$bin" "$pkg"
   )
   rm -rf "$out"; mv "$out.tmp" "$out"; touch "$out/.complete"
@@ -100,15 +160,13 @@ build_helm() {
 components=("$@")
 [ ${#components[@]} -gt 0 ] || components=(kubernetes etcd kwok helm)
 for c in "${components[@]}"; do
-  if [ -n "${KUBEBUILDER_ASSETS:-}" ] && [ "$c" != kwok ] && [ "$c" != helm ] && \
-     [ -x "$KUBEBUILDER_ASSETS/kube-apiserver" ] && [ "$c" = etcd ] && [ -x "$KUBEBUILDER_ASSETS/etcd" ]; then
-    echo "etcd=$KUBEBUILDER_ASSETS"; continue
-  fi
+  current="$c"
   case "$c" in
     kubernetes) build_kubernetes ;;
     etcd) build_etcd ;;
     kwok) build_kwok ;;
     helm) build_helm ;;
-    *) echo "unknown component: $c (known: kubernetes etcd kwok helm)" >&2; exit 2 ;;
+    *) current=""; die "unknown component: $c (known: kubernetes etcd kwok helm)" ;;
   esac
 done
+current=""
