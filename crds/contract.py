@@ -136,3 +136,14 @@ ENV_APP_SOCKET: Final = "WEIGHTSYNC_AGENT_SOCKET"             # app side: full p
 # --- Operator bookkeeping on owned objects (written and read by the operator only) ---------------------
 ANN_SPEC_HASH: Final = f"{GROUP}/spec-hash"              # hash of an owned object as built; differs => outdated
 ANN_MEMBERSHIP_HASH: Final = f"{GROUP}/membership-hash"  # on the topology ConfigMap: hash of pods, ranks, IPs
+
+# --- Node labels of GPU nodes (simulated ones in e2e/nodes.py; GPU feature discovery sets the nvidia.com ones
+# on real clusters). `placement.topologyKey` may name any of the topology keys to pack pods into one domain.
+RESOURCE_GPU: Final = "nvidia.com/gpu"
+LABEL_GPU_PRODUCT: Final = "nvidia.com/gpu.product"        # e.g. "NVIDIA-H100-80GB-HBM3"
+LABEL_GPU_COUNT: Final = "nvidia.com/gpu.count"            # GPUs on the node, e.g. "8"
+LABEL_HOSTNAME: Final = "kubernetes.io/hostname"
+LABEL_ZONE: Final = "topology.kubernetes.io/zone"
+LABEL_RACK: Final = f"topology.{GROUP}/rack"               # no upstream standard for racks
+LABEL_NVLINK_DOMAIN: Final = "nvidia.com/gpu.clique"       # NVLink domain (GFD's clique label on MNNVL systems)
+TOPOLOGY_KEYS: Final = (LABEL_HOSTNAME, LABEL_NVLINK_DOMAIN, LABEL_RACK, LABEL_ZONE)
