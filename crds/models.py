@@ -40,6 +40,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
+    StrictStr,
     ValidationError,
     WithJsonSchema,
     field_validator,
@@ -467,7 +469,7 @@ def _validate_int_or_percent(value: int | str) -> int | str:
 
 
 IntOrPercent = Annotated[
-    int | str,
+    StrictInt | StrictStr,
     AfterValidator(_validate_int_or_percent),
     WithJsonSchema({"x-kubernetes-int-or-string": True}),
 ]
