@@ -1,0 +1,350 @@
+"""The client library apps import: `TrainerSession` for trainers, `InferenceSession` for Custom engines.
+
+Both talk to the pod's agent over its Unix socket (agent/local.py); tensor bytes go through staging
+segments (agent/staging.py), so a publish is one copy of the trainer's local shards into shared memory and
+returns as soon as the trainer may reuse (or keep updating) its own memory.
+
+    with TrainerSession() as s:
+        s.publish(model, version=step)            # nn.Module, state_dict, or (name, tensor) pairs
+
+    sess = InferenceSession(on_bucket=load, on_commit=commit)
+    sess.start()                                  # background thread; reconnects if the agent restarts
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from weightsync.agent import buckets, local, staging
+from weightsync.crds import contract
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """A local shard with explicit global placement, for tensor-parallel shards held as plain tensors."""
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+
+
+Weights = torch.nn.Module | Mapping[str, Any] | Iterable[tuple[str, Any]]
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """What a rank publishes for one tensor: its local bytes and where they sit in the global tensor."""
+
+    name: str
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+
+
+def default_socket_path() -> Path:
+    explicit = os.environ.get(contract.ENV_APP_SOCKET)
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get(contract.ENV_SOCKET_DIR) or contract.SOCKET_DIR) / contract.AGENT_SOCKET_NAME
+
+
+def _dtensor_shard(name: str, t: Any) -> LocalShard:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    assert isinstance(t, DTensor)
+    if any(p.is_partial() for p in t.placements):
+        raise ValueError(f"{name}: a DTensor with a Partial placement has no bytes to publish; reduce it first")
+    local_t = t.to_local()
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(shape) != tuple(local_t.shape):
+        raise ValueError(f"{name}: local shard shape {tuple(local_t.shape)} does not match its placement {tuple(shape)}")
+    return LocalShard(name, local_t.detach(), tuple(t.shape), tuple(int(o) for o in offset))
+
+
+def _shard_of(name: str, value: Any) -> LocalShard:
+    if isinstance(value, TensorShard):
+        t = value.tensor.detach()
+        if len(value.global_shape) != t.dim() or len(value.global_offset) != t.dim():
+            raise ValueError(f"{name}: global shape/offset rank does not match the tensor's {t.dim()} dims")
+        for d, (g, o) in enumerate(zip(value.global_shape, value.global_offset, strict=True)):
+            if o < 0 or o + t.shape[d] > g:
+                raise ValueError(f"{name}: dim {d} shard [{o}, {o + t.shape[d]}) lies outside global size {g}")
+        return LocalShard(name, t, tuple(value.global_shape), tuple(value.global_offset))
+    if type(value).__name__ == "DTensor":
+        return _dtensor_shard(name, value)
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        return LocalShard(name, t, tuple(t.shape), (0,) * t.dim())
+    raise TypeError(f"{name}: expected a tensor, DTensor or TensorShard, got {type(value).__name__}")
+
+
+def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    if t.numel() == 0 or type(t).__name__ == "DTensor":
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def local_shards(weights: Weights) -> tuple[list[LocalShard], dict[str, str]]:
+    """Normalise what the app passes to publish into local shards, plus tied aliases {dropped: kept}.
+
+    Tied weights (e.g. lm_head.weight sharing embed_tokens.weight) are published once under the first name;
+    the alias map tells receivers the other name refers to the same bytes.
+    """
+    if isinstance(weights, torch.nn.Module):
+        items: Iterable[tuple[str, Any]] = weights.state_dict(keep_vars=True).items()
+    elif isinstance(weights, Mapping):
+        items = weights.items()
+    else:
+        items = weights
+    shards: list[LocalShard] = []
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    names: set[str] = set()
+    for name, value in items:
+        if name in names:
+            raise ValueError(f"tensor name {name!r} appears twice in one publish")
+        names.add(name)
+        raw = value.data if isinstance(value, torch.nn.Parameter) else value
+        key = _alias_key(raw) if isinstance(raw, torch.Tensor) else None
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        shards.append(_shard_of(name, raw))
+    return shards, aliases
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes in row-major order: the same digest on both sides means bit-exact."""
+    c = t.detach().contiguous().cpu()
+    if c.numel() == 0:
+        return hashlib.sha256(b"").hexdigest()
+    return hashlib.sha256(c.view(torch.uint8).reshape(-1).numpy().tobytes()).hexdigest()
+
+
+def checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    return {name: tensor_checksum(t) for name, t in named}
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    version: int
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+class TrainerSession:
+    """A trainer rank's connection to its agent. Not thread-safe: one publish at a time per session."""
+
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, rank: int | None = None,
+                 timeout: float = 120.0) -> None:
+        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        self.rank = int(os.environ.get(contract.ENV_RANK, "0")) if rank is None else rank
+        self.timeout = timeout
+        self._conn: local.LocalConn | None = None
+        self._segments: dict[str, staging.Segment] = {}
+
+    def _connection(self) -> local.LocalConn:
+        if self._conn is None:
+            conn = local.connect(self.socket_path, self.timeout)
+            conn.request({"op": "hello", "kind": "trainer", "rank": self.rank, "pid": os.getpid()})
+            self._conn = conn
+        return self._conn
+
+    def _segment(self, handle: dict[str, Any]) -> staging.Segment:
+        name = str(handle["name"])
+        seg = self._segments.get(name)
+        if seg is None or seg.size != int(handle["size"]):
+            seg = staging.attach_segment(handle)
+            self._segments[name] = seg
+        return seg
+
+    def publish(self, weights: Weights, version: int) -> PublishResult:
+        """Stage this rank's shards of `version` with the agent; returns when `weights` may be reused."""
+        if version < 1:
+            raise ValueError(f"version must be >= 1, got {version}")
+        t0 = time.perf_counter()
+        shards, aliases = local_shards(weights)
+        sizes = [staging.tensor_nbytes(s.tensor) for s in shards]
+        offsets, total = staging.pack_offsets(sizes)
+        devices = {s.tensor.device.type for s in shards}
+        device = "cpu" if devices <= {"cpu"} else str(next(s.tensor.device for s in shards if s.tensor.is_cuda))
+        conn = self._connection()
+        reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total, "device": device})
+        seg = self._segment(reply["segment"])
+        metas = []
+        with torch.no_grad():
+            for s, off, n in zip(shards, offsets, sizes, strict=True):
+                seg.view(off, s.tensor.dtype, s.tensor.shape).copy_(s.tensor)
+                metas.append({
+                    "name": s.name, "dtype": staging.dtype_name(s.tensor.dtype), "shape": list(s.tensor.shape),
+                    "global_shape": list(s.global_shape), "global_offset": list(s.global_offset),
+                    "offset": off, "nbytes": n,
+                })
+        if seg.tensor.is_cuda:
+            torch.cuda.synchronize(seg.tensor.device)
+        conn.request({"op": "publish", "version": version, "rank": self.rank, "segment": seg.name,
+                      "tensors": metas, "aliases": aliases})
+        return PublishResult(version, len(metas), sum(sizes), time.perf_counter() - t0)
+
+    def close(self) -> None:
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> TrainerSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+BucketCallback = Callable[[int, list[tuple[str, torch.Tensor]]], None]
+
+
+class InferenceSession:
+    """A Custom engine's end of the agent: the agent drives, this session calls the engine's callbacks.
+
+    `on_bucket(version, [(name, tensor), ...])` must copy what it keeps: the tensors alias a staging segment
+    that the agent reuses for the next bucket. `on_commit(version)` is called once per version, only after
+    every bucket arrived; `on_abort(version, reason)` when a partial load is dropped. Pause and resume
+    callbacks are optional (the demo engine refuses predictions while paused).
+    """
+
+    def __init__(
+        self,
+        on_bucket: BucketCallback,
+        on_commit: Callable[[int], None],
+        *,
+        on_begin: Callable[[int], None] | None = None,
+        on_abort: Callable[[int, str], None] | None = None,
+        on_pause: Callable[[], None] | None = None,
+        on_resume: Callable[[], None] | None = None,
+        socket_path: str | os.PathLike[str] | None = None,
+        rank: int | None = None,
+        served_version: int | None = None,
+    ) -> None:
+        self.on_bucket = on_bucket
+        self.on_commit = on_commit
+        self.on_begin = on_begin
+        self.on_abort = on_abort
+        self.on_pause = on_pause
+        self.on_resume = on_resume
+        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        self.rank = int(os.environ.get(contract.ENV_RANK, "0")) if rank is None else rank
+        self.served_version = served_version
+        self.paused = False
+        self.connected = threading.Event()
+        self._segments: dict[str, staging.Segment] = {}
+        self._stop = threading.Event()
+        self._conn: local.LocalConn | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> InferenceSession:
+        self._thread = threading.Thread(target=self.serve_forever, name="weightsync-inference", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve the agent's requests; reconnect when the agent restarts, until close()."""
+        while not self._stop.is_set():
+            try:
+                self._conn = local.connect(self.socket_path, timeout=3600)
+                self._conn.request({"op": "hello", "kind": "inference", "rank": self.rank, "pid": os.getpid(),
+                                    "served_version": self.served_version})
+                self.connected.set()
+                self._serve(self._conn)
+            except (ConnectionError, OSError, local.LocalProtocolError) as exc:
+                if self._stop.is_set():
+                    return
+                log.warning("agent connection lost, reconnecting: %s", exc)
+                time.sleep(0.2)
+            finally:
+                self.connected.clear()
+                if self._conn is not None:
+                    self._conn.close()
+
+    def _serve(self, conn: local.LocalConn) -> None:
+        while not self._stop.is_set():
+            header, _ = conn.recv()
+            try:
+                fields = self._handle(header)
+            except Exception as exc:
+                log.exception("engine callback failed op=%s", header.get("op"))
+                conn.reply_error(f"{type(exc).__name__}: {exc}")
+            else:
+                conn.reply_ok(**fields)
+
+    def _handle(self, h: dict[str, Any]) -> dict[str, Any]:
+        op = h["op"]
+        if op == "bucket":
+            seg = self._segment(h["segment"])
+            layout = buckets.BucketLayout.from_dict(h["layout"])
+            if layout.nbytes > seg.size:
+                raise ValueError(f"bucket of {layout.nbytes} B does not fit segment {seg.name} ({seg.size} B)")
+            pairs = buckets.unpack(seg.tensor, layout)
+            self.on_bucket(int(h["version"]), pairs)
+            if seg.tensor.is_cuda:
+                torch.cuda.synchronize(seg.tensor.device)  # the agent reuses the buffer after our reply
+        elif op == "begin":
+            if self.on_begin:
+                self.on_begin(int(h["version"]))
+        elif op == "commit":
+            self.on_commit(int(h["version"]))
+            self.served_version = int(h["version"])
+        elif op == "abort":
+            if self.on_abort:
+                self.on_abort(int(h["version"]), str(h.get("reason", "")))
+        elif op == "pause":
+            if self.on_pause:
+                self.on_pause()
+            self.paused = True
+        elif op == "resume":
+            if self.on_resume:
+                self.on_resume()
+            self.paused = False
+        elif op == "release":
+            self._release(str(h.get("name", "")))
+        elif op != "served":
+            raise ValueError(f"unknown op {op!r}")
+        return {"version": self.served_version}
+
+    def _segment(self, handle: dict[str, Any]) -> staging.Segment:
+        name = str(handle["name"])
+        seg = self._segments.get(name)
+        if seg is None:
+            seg = staging.attach_segment(handle)
+            self._segments[name] = seg
+        return seg
+
+    def _release(self, name: str) -> None:
+        seg = self._segments.pop(name, None)
+        if seg is not None:
+            seg.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.sock.shutdown(2)
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()

@@ -1,0 +1,151 @@
+"""The Custom engine adapter: forwards every engine operation to the app's InferenceSession.
+
+The app connects to the agent's Unix socket (agent/local.py) and says hello as `inference`; the agent
+registers that connection in an `AppRegistry`. Buckets are packed into one reusable staging segment and
+only their index travels over the socket, so one bucket costs one copy and one round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+from weightsync.agent import buckets, local, staging
+from weightsync.agent.engines.base import EngineError, NamedTensors
+
+log = logging.getLogger(__name__)
+
+
+class AppRegistry:
+    """The inference app connections of this pod, by rank; the local socket handler fills it."""
+
+    def __init__(self) -> None:
+        self._conns: dict[int, local.LocalConn] = {}
+        self._served: dict[int, int | None] = {}
+        self._cond = threading.Condition()
+
+    def add(self, rank: int, conn: local.LocalConn, served_version: int | None) -> None:
+        with self._cond:
+            old = self._conns.get(rank)
+            if old is not None and old is not conn:
+                old.close()
+            self._conns[rank] = conn
+            self._served[rank] = served_version
+            self._cond.notify_all()
+
+    def remove(self, conn: local.LocalConn) -> None:
+        with self._cond:
+            for rank, c in list(self._conns.items()):
+                if c is conn:
+                    del self._conns[rank]
+
+    def wait(self, rank: int, timeout: float) -> local.LocalConn:
+        with self._cond:
+            if not self._cond.wait_for(lambda: rank in self._conns, timeout):
+                raise EngineError(f"no Custom engine connected for rank {rank} within {timeout:.0f}s: the app must "
+                                  "create an InferenceSession on the agent socket")
+            return self._conns[rank]
+
+    def connected(self) -> list[int]:
+        with self._cond:
+            return sorted(self._conns)
+
+    def hello_served(self, rank: int) -> int | None:
+        with self._cond:
+            return self._served.get(rank)
+
+
+class CustomEngineAdapter:
+    """EngineAdapter for apps using weightsync.agent.client.InferenceSession."""
+
+    def __init__(self, registry: AppRegistry, ranks: list[int], *, prefix: str, connect_timeout: float = 120.0,
+                 device: str = "cpu") -> None:
+        self.registry = registry
+        self.ranks = ranks
+        self.rank = ranks[0]  # which rank's session receives the next buckets
+        self.prefix = prefix
+        self.connect_timeout = connect_timeout
+        self.device = device
+        self._segment: staging.Segment | None = None
+        self._version: int | None = None
+
+    def _request(self, rank: int, header: dict[str, Any]) -> dict[str, Any]:
+        conn = self.registry.wait(rank, self.connect_timeout)
+        try:
+            return conn.request(header)
+        except local.LocalProtocolError as exc:
+            raise EngineError(f"Custom engine rank {rank}: {exc}") from None
+        except (ConnectionError, OSError) as exc:
+            self.registry.remove(conn)
+            raise EngineError(f"Custom engine rank {rank} disconnected during {header['op']}: {exc}") from None
+
+    def _all(self, header: dict[str, Any]) -> None:
+        for r in self.ranks:
+            self._request(r, header)
+
+    def pause(self) -> None:
+        self._all({"op": "pause"})
+
+    def resume(self) -> None:
+        self._all({"op": "resume"})
+
+    def begin_update(self, version: int) -> None:
+        self._version = version
+        self._all({"op": "begin", "version": version})
+
+    def _ensure_segment(self, nbytes: int) -> staging.Segment:
+        seg = self._segment
+        if seg is not None and seg.size >= nbytes:
+            return seg
+        if seg is not None:
+            for r in self.registry.connected():
+                self._request(r, {"op": "release", "name": seg.name})
+            seg.unlink()
+        self._segment = staging.create_segment(nbytes, f"{self.prefix}-engine", self.device)
+        return self._segment
+
+    def load_bucket(self, tensors: NamedTensors) -> None:
+        if self._version is None:
+            raise EngineError("load_bucket called before begin_update")
+        layout = buckets.BucketLayout.build((n, t.dtype, t.shape) for n, t in tensors)
+        seg = self._ensure_segment(layout.nbytes)
+        with torch.no_grad():
+            buckets.pack(seg.tensor, layout, [t for _, t in tensors])
+        if seg.tensor.is_cuda:
+            torch.cuda.synchronize(seg.tensor.device)
+        self._request(self.rank, {"op": "bucket", "version": self._version, "segment": seg.handle(),
+                                  "layout": layout.to_dict()})
+
+    def commit(self, version: int) -> None:
+        self._all({"op": "commit", "version": version})
+        self._version = None
+
+    def abort(self, version: int, reason: str) -> None:
+        self._version = None
+        self._all({"op": "abort", "version": version, "reason": reason})
+
+    def served_version(self) -> int | None:
+        versions: list[int] = []
+        for r in self.ranks:
+            v = self._request(r, {"op": "served"}).get("version")
+            if v is None:
+                return None
+            versions.append(int(v))
+        return min(versions)
+
+    def wait_connected(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for r in self.ranks:
+            try:
+                self.registry.wait(r, max(0.0, deadline - time.monotonic()))
+            except EngineError:
+                return False
+        return True
+
+    def close(self) -> None:
+        if self._segment is not None:
+            self._segment.unlink()
+            self._segment = None

@@ -1,0 +1,62 @@
+"""/healthz and /metrics over HTTP on the agent's metrics port (kubelet probes, Prometheus scrapes)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+log = logging.getLogger(__name__)
+
+HealthFn = Callable[[], tuple[bool, dict[str, Any]]]
+
+
+def _handler(registry: CollectorRegistry, health: HealthFn) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+            elif path in ("/healthz", "/readyz"):
+                try:
+                    ok, detail = health()
+                except Exception as exc:  # a broken health function is itself unhealthy
+                    ok, detail = False, {"error": f"{type(exc).__name__}: {exc}"}
+                body = json.dumps({"ok": ok, **detail}, default=str).encode()
+                self._send(200 if ok else 503, body, "application/json")
+            else:
+                self._send(404, b"not found: use /healthz or /metrics\n", "text/plain")
+
+        def _send(self, code: int, body: bytes, ctype: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("http %s", format % args)
+
+    return Handler
+
+
+class HealthServer:
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, health: HealthFn) -> None:
+        self.server = ThreadingHTTPServer((host, port), _handler(registry, health))
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, name="health-http", daemon=True)
+
+    def start(self) -> HealthServer:
+        self._thread.start()
+        log.info("health/metrics listening port=%s", self.port)
+        return self
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,50 @@
+"""Prometheus metrics of one agent (bytes, seconds, versions), on its own registry so tests can run several
+agents in one process and the operator's metrics never mix with the agent's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclass
+class AgentMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.transfer_bytes = Counter(
+            "weightsync_agent_transfer_bytes_total", "Weight bytes moved between agents",
+            ["direction", "mode"], registry=r)
+        self.staged_bytes = Counter(
+            "weightsync_agent_staged_bytes_total", "Bytes the local trainer published into staging", registry=r)
+        self.sync_seconds = Histogram(
+            "weightsync_agent_sync_seconds", "Seconds to fetch, load and commit one version (inference)",
+            ["mode"], buckets=_SECONDS, registry=r)
+        self.serve_seconds = Histogram(
+            "weightsync_agent_serve_seconds", "Seconds to serve one version to one inference agent (trainer)",
+            ["mode"], buckets=_SECONDS, registry=r)
+        self.publish_seconds = Histogram(
+            "weightsync_agent_publish_seconds", "Seconds from a stage request to the published reply",
+            buckets=_SECONDS, registry=r)
+        self.versions = Counter(
+            "weightsync_agent_versions_total", "Versions handled, by result", ["result"], registry=r)
+        self.published_version = Gauge(
+            "weightsync_agent_published_version", "Newest version staged by the local trainer", registry=r)
+        self.served_version = Gauge(
+            "weightsync_agent_served_version", "Version the local engine serves (committed)", registry=r)
+        self.target_version = Gauge(
+            "weightsync_agent_target_version", "Version this agent should serve", registry=r)
+        self.engine_paused = Gauge(
+            "weightsync_agent_engine_paused", "1 while the engine is paused by spec.paused", registry=r)
+        self.rejected_frames = Counter(
+            "weightsync_agent_rejected_frames_total", "Control-channel frames rejected, by reason",
+            ["reason"], registry=r)
+        self.api_writes = Counter(
+            "weightsync_agent_api_writes_total", "Writes to the Kubernetes API, by kind", ["kind"], registry=r)
+        self.api_write_seconds = Histogram(
+            "weightsync_agent_api_write_seconds", "Seconds per Kubernetes API write", ["kind"],
+            buckets=_SECONDS, registry=r)

@@ -1,0 +1,268 @@
+"""The agent's link to its own Pod object: desired state in (annotations), observed state out.
+
+Why the Pod and not the WeightSyncJob: the per-job Role lets an agent get/watch/patch only its own pod
+(resourceNames + a `metadata.name=<pod>` field selector), and per-pod detail belongs on pods, not in an
+unbounded job status. A watch delivers a new target version within milliseconds, unlike a projected file.
+
+Writes are coalesced: the writer thread sends only what changed since the last successful write, so a
+version costs at most one annotation patch and (only when synced flips) one pods/status patch. Everything
+here is optional: without an API server the agent takes its target from the trainer's announcements.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from weightsync.agent.metrics import AgentMetrics
+from weightsync.crds import contract
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Desired:
+    """What the operator asks of this pod."""
+
+    target_version: int | None = None
+    paused: bool = False
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the agent reports about this pod. None leaves a field unreported."""
+
+    served_version: int | None = None
+    published_version: int | None = None
+    engine_paused: bool | None = None
+    last_sync: dict[str, Any] | None = None
+    sync_error: str | None = None
+    synced: bool | None = None
+    synced_reason: str = ""
+    synced_message: str = ""
+
+
+def desired_from_annotations(annotations: dict[str, str] | None) -> Desired:
+    ann = annotations or {}
+    raw = ann.get(contract.ANN_TARGET_VERSION)
+    target: int | None = None
+    if raw not in (None, ""):
+        try:
+            target = int(str(raw))
+        except ValueError:
+            log.warning("ignoring non-integer %s=%r", contract.ANN_TARGET_VERSION, raw)
+    return Desired(target, str(ann.get(contract.ANN_PAUSED, "")).lower() == "true")
+
+
+def synced_state(latest: int | None, served: int | None, max_staleness: int) -> tuple[bool, str, str]:
+    """Is a replica serving `served` close enough to the newest version `latest`? (status, reason, message)"""
+    if latest is None:
+        return True, "NoVersionPublished", "the trainer has not published a version yet"
+    lag = latest - (served or 0)
+    if lag <= max_staleness:
+        return True, "UpToDate", f"serving {served}, newest {latest}, maxStaleness {max_staleness}"
+    return False, "Stale", f"serving {served}, newest {latest}: {lag} versions behind, maxStaleness {max_staleness}"
+
+
+def annotations_for(obs: Observed) -> dict[str, str | None]:
+    """The annotation values this observation implies (None deletes an annotation)."""
+    out: dict[str, str | None] = {}
+    if obs.served_version is not None:
+        out[contract.ANN_SERVED_VERSION] = str(obs.served_version)
+    if obs.published_version is not None:
+        out[contract.ANN_PUBLISHED_VERSION] = str(obs.published_version)
+    if obs.engine_paused is not None:
+        out[contract.ANN_ENGINE_PAUSED] = "true" if obs.engine_paused else "false"
+    if obs.last_sync is not None:
+        out[contract.ANN_LAST_SYNC] = json.dumps(obs.last_sync, sort_keys=True, separators=(",", ":"))
+    out[contract.ANN_SYNC_ERROR] = obs.sync_error[:1024] if obs.sync_error else None
+    return out
+
+
+def annotation_patch(want: dict[str, str | None], written: dict[str, str | None]) -> dict[str, str | None]:
+    """Only the keys whose value differs from what was last written."""
+    return {k: v for k, v in want.items() if written.get(k) != v or k not in written}
+
+
+def condition_for(obs: Observed, now: dt.datetime) -> dict[str, Any] | None:
+    if obs.synced is None:
+        return None
+    stamp = now.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "type": contract.POD_CONDITION_SYNCED,
+        "status": "True" if obs.synced else "False",
+        "reason": obs.synced_reason or ("Synced" if obs.synced else "NotSynced"),
+        "message": obs.synced_message,
+        "lastProbeTime": None,
+        "lastTransitionTime": stamp,
+    }
+
+
+def load_kube_config() -> Any:
+    """A CoreV1Api from KUBECONFIG when set, else the in-cluster config (the pod's projected token)."""
+    from kubernetes import client, config
+
+    if os.environ.get("KUBECONFIG"):
+        config.load_kube_config(config_file=os.environ["KUBECONFIG"])
+    else:
+        config.load_incluster_config()
+    return client.CoreV1Api()
+
+
+@dataclass
+class WriteStats:
+    counts: dict[str, int] = field(default_factory=lambda: {"annotations": 0, "status": 0})
+    seconds: list[float] = field(default_factory=list)
+
+
+class PodLink:
+    """Watches this pod's annotations and writes its observed state, each in its own thread."""
+
+    def __init__(self, namespace: str, name: str, on_desired: Callable[[Desired], None],
+                 metrics: AgentMetrics | None = None, api: Any = None) -> None:
+        self.namespace = namespace
+        self.name = name
+        self.on_desired = on_desired
+        self.metrics = metrics
+        self.api = api
+        self.desired = Desired()
+        self.stats = WriteStats()
+        self._want = Observed()
+        self._written_ann: dict[str, str | None] = {}
+        self._written_cond: tuple[str, str] | None = None
+        self._cond = threading.Condition()
+        self._dirty = False
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> PodLink:
+        if self.api is None:
+            self.api = load_kube_config()
+        pod = self.api.read_namespaced_pod(self.name, self.namespace)
+        self._seed(pod)
+        for target, name in ((self._watch_loop, "pod-watch"), (self._write_loop, "pod-write")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("watching own pod namespace=%s pod=%s", self.namespace, self.name)
+        return self
+
+    def _seed(self, pod: Any) -> None:
+        ann = dict(pod.metadata.annotations or {})
+        self._written_ann = {k: v for k, v in ann.items() if k.startswith(f"{contract.GROUP}/")}
+        for c in (pod.status.conditions or []) if pod.status else []:
+            if c.type == contract.POD_CONDITION_SYNCED:
+                self._written_cond = (c.status, c.reason or "")
+        self._apply(ann)
+        self._rv = pod.metadata.resource_version
+
+    def _apply(self, annotations: dict[str, str] | None) -> None:
+        d = desired_from_annotations(annotations)
+        if d != self.desired:
+            self.desired = d
+            try:
+                self.on_desired(d)
+            except Exception:
+                log.exception("desired-state callback failed")
+
+    def _watch_loop(self) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        while not self._stop.is_set():
+            w = watch.Watch()
+            try:
+                for ev in w.stream(self.api.list_namespaced_pod, self.namespace,
+                                   field_selector=f"metadata.name={self.name}", resource_version=self._rv,
+                                   timeout_seconds=120, allow_watch_bookmarks=True):
+                    if self._stop.is_set():
+                        return
+                    obj = ev["object"]
+                    if ev["type"] in ("ADDED", "MODIFIED"):
+                        self._apply(obj.metadata.annotations)
+                    self._rv = w.resource_version or self._rv
+            except ApiException as exc:
+                if exc.status == 410:  # our resourceVersion is too old: re-read and start over
+                    self._seed(self.api.read_namespaced_pod(self.name, self.namespace))
+                else:
+                    log.warning("pod watch failed status=%s: %s", exc.status, exc.reason)
+                    time.sleep(1.0)
+            except Exception as exc:
+                log.warning("pod watch interrupted: %s", exc)
+                time.sleep(1.0)
+
+    def report(self, obs: Observed) -> None:
+        with self._cond:
+            self._want = obs
+            self._dirty = True
+            self._cond.notify_all()
+
+    def update(self, **fields: Any) -> None:
+        with self._cond:
+            self._want = replace(self._want, **fields)
+            self._dirty = True
+            self._cond.notify_all()
+
+    def _write_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                self._cond.wait_for(lambda: self._dirty or self._stop.is_set())
+                if self._stop.is_set():
+                    return
+                self._dirty = False
+                obs = self._want
+            try:
+                self._write(obs)
+            except Exception as exc:
+                log.warning("pod status write failed, will retry: %s", exc)
+                with self._cond:
+                    self._dirty = True
+                self._stop.wait(1.0)
+
+    def _timed(self, kind: str, fn: Callable[[], Any]) -> None:
+        t0 = time.perf_counter()
+        fn()
+        took = time.perf_counter() - t0
+        self.stats.counts[kind] += 1
+        self.stats.seconds.append(took)
+        if self.metrics:
+            self.metrics.api_writes.labels(kind).inc()
+            self.metrics.api_write_seconds.labels(kind).observe(took)
+
+    def _write(self, obs: Observed) -> None:
+        patch = annotation_patch(annotations_for(obs), self._written_ann)
+        if patch:
+            body = {"metadata": {"annotations": patch}}
+            self._timed("annotations", lambda: self.api.patch_namespaced_pod(
+                self.name, self.namespace, body, _content_type="application/merge-patch+json"))
+            self._written_ann.update(patch)
+        cond = condition_for(obs, dt.datetime.now(dt.timezone.utc))
+        if cond is not None and (cond["status"], cond["reason"]) != self._written_cond:
+            status_body = {"status": {"conditions": [cond]}}  # strategic merge by type keeps the other conditions
+            self._timed("status", lambda: self.api.patch_namespaced_pod_status(
+                self.name, self.namespace, status_body, _content_type="application/strategic-merge-patch+json"))
+            self._written_cond = (cond["status"], cond["reason"])
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything reported so far was written (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._cond:
+                if not self._dirty:
+                    obs = self._want
+                    if not annotation_patch(annotations_for(obs), self._written_ann):
+                        return True
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
