@@ -1,0 +1,441 @@
+"""Move one weight version between agents: WeightSender (a source rank) and WeightReceiver (a
+destination rank), over any Transport, with a control Mailbox to each peer.
+
+Protocol per version, on every src<->dst link that carries at least one bucket:
+
+    src -> dst  sync.begin {version, plan_hash, buckets, bytes, bucket_meta}
+    dst -> src  sync.ready {version, plan_hash}        (or abort: hash / version mismatch)
+    src -> dst  sync.go    {version}                   (only once EVERY destination is ready)
+    ...buckets through the transport, in plan order, double-buffered...
+    src -> dst  sync.bucket {version, index, meta}     (per bucket, only when a hook adds metadata)
+    src -> dst  sync.done  {version, buckets, bytes, meta}
+    dst -> src  sync.ack   {version}                   (after every bucket was handed on and verified)
+
+So the plan hash is compared by every pair before any byte moves, and a receiver reports success
+only when everything arrived. Any failure on either side sends `abort` with the reason to every peer
+of this endpoint and raises a SyncError; a receiver that raised must not commit the version (the
+caller commits only after `receive_version` returned).
+
+Double buffering: the sender packs bucket k+1 while bucket k moves; the receiver has bucket k+1 in
+flight while bucket k is unpacked and handed to `on_bucket`. Buffers are reused across versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .buckets import dtype_name, entry_view, to_dtype
+from .link import Link, LinkError, Mailbox, RemoteAbort
+from .plan import BucketPlan, TensorShard, TransferPlan
+from .transports.base import (
+    Endpoint,
+    Pending,
+    Transport,
+    TransportContext,
+    TransportError,
+    WorldMap,
+    dst,
+    src,
+)
+
+log = logging.getLogger(__name__)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+#: Receives complete (name, tensor) pairs of one bucket. The tensors are views into reusable buffers:
+#: copy (load) them before returning; they are invalid afterwards.
+OnBucket = Callable[[NamedTensors], None]
+
+
+class SyncError(RuntimeError):
+    """A version could not be moved; nothing of it may be committed. The message says why."""
+
+
+class PlanMismatch(SyncError):
+    """Two agents computed different plans (or are at different versions); no byte was moved."""
+
+
+class PeerFailed(SyncError):
+    """A peer died, aborted, sent a bad frame or timed out in the middle of a version."""
+
+
+class SyncHooks:
+    """Extension points (checksums, delta bookkeeping). The defaults do nothing.
+
+    Metadata returned by the sender hooks travels over the control link and is handed to the
+    receiver hooks; raising in a receiver hook fails the version (nothing committed)."""
+
+    def on_send_bucket(self, version: int, bucket: BucketPlan, data: torch.Tensor) -> dict[str, Any] | None:
+        """Sender, after bucket `bucket` was packed into `data` (uint8, bucket.nbytes bytes)."""
+        return None
+
+    def on_recv_bucket(
+        self, version: int, bucket: BucketPlan, data: torch.Tensor, meta: dict[str, Any] | None
+    ) -> None:
+        """Receiver, after the bucket's bytes arrived, before its tensors are handed on."""
+
+    def on_send_done(self, version: int) -> dict[str, Any] | None:
+        """Sender, after its last bucket."""
+        return None
+
+    def on_recv_done(self, version: int, metas: Mapping[int, dict[str, Any] | None]) -> None:
+        """Receiver, after every bucket; `metas` maps each source rank to its on_send_done result."""
+
+    @property
+    def sends_bucket_meta(self) -> bool:
+        """True when on_send_bucket may return metadata (the receiver then waits for it)."""
+        return type(self).on_send_bucket is not SyncHooks.on_send_bucket
+
+
+@dataclass
+class SyncStats:
+    """What one version cost one endpoint (for logs, /metrics and the bench)."""
+
+    version: int
+    endpoint: str
+    plan_hash: str
+    buckets: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    handshake_seconds: float = 0.0
+    pack_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    load_seconds: float = 0.0
+    tensors: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def _mailboxes(peers: Mapping[int, Mailbox | Link]) -> dict[int, Mailbox]:
+    return {r: (p if isinstance(p, Mailbox) else Mailbox(p)) for r, p in peers.items()}
+
+
+class _Endpoint:
+    def __init__(
+        self,
+        plan: TransferPlan,
+        me: Endpoint,
+        transport: Transport,
+        peers: Mapping[int, Mailbox],
+        device: torch.device | str,
+        timeout: float,
+        hooks: SyncHooks | None,
+        world: WorldMap | None,
+    ) -> None:
+        self.plan = plan
+        self.me = me
+        self.transport = transport
+        self.peers = dict(peers)
+        self.device = torch.device(device)
+        self.timeout = timeout
+        self.hooks = hooks or SyncHooks()
+        self.world = world
+
+    def _ctx(self, peer_role: str) -> TransportContext:
+        peers = {Endpoint(peer_role, r): mb for r, mb in self.peers.items()}  # type: ignore[arg-type]
+        return TransportContext(self.plan, self.me, peers, self.device, self.timeout, self.world)
+
+    def _abort_all(self, ranks: Sequence[int], reason: str) -> None:
+        for r in ranks:
+            mb = self.peers.get(r)
+            if mb is not None:
+                mb.abort(reason)
+        try:
+            self.transport.abort(reason)
+        except Exception:  # the original failure is the one to report
+            log.exception("sync.transport_abort_failed endpoint=%s", self.me)
+
+
+class WeightSender(_Endpoint):
+    """Source rank `rank` of `plan`: sends its pieces of every version it is asked to send.
+
+    `peers` maps each destination rank this source sends to (plan.dsts_of(rank)) to a Mailbox (or a
+    Link, wrapped once). Reuse one sender for many versions; create a new one when the plan changes.
+    """
+
+    def __init__(
+        self,
+        plan: TransferPlan,
+        rank: int,
+        transport: Transport,
+        peers: Mapping[int, Mailbox | Link],
+        *,
+        device: torch.device | str = "cpu",
+        timeout: float = 600.0,
+        hooks: SyncHooks | None = None,
+        world: WorldMap | None = None,
+    ) -> None:
+        super().__init__(plan, src(rank), transport, _mailboxes(peers), device, timeout, hooks, world)
+        self.rank = rank
+        self.buckets = plan.buckets_from(rank)
+        self.dsts = plan.dsts_of(rank)
+        missing = [d for d in self.dsts if d not in self.peers]
+        if missing:
+            raise SyncError(f"source rank {rank} has no control link to destination ranks {missing}")
+        self.shards: dict[str, TensorShard] = {s.name: s for s in plan.sources[rank]} if rank < plan.num_src else {}
+
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Raise SyncError unless `tensors` has every tensor this rank sends, with its local shape/dtype."""
+        problems = []
+        for name in sorted({e.piece.name for b in self.buckets for e in b.entries}):
+            s = self.shards[name]
+            t = tensors.get(name)
+            if t is None:
+                problems.append(f"{name!r} is missing")
+            elif tuple(t.shape) != s.box.shape or dtype_name(t.dtype) != s.dtype:
+                problems.append(f"{name!r} is {dtype_name(t.dtype)}{list(t.shape)}, the plan says "
+                                f"{s.dtype}{list(s.box.shape)}")
+        if problems:
+            more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise SyncError(f"source rank {self.rank}: tensors do not match the plan: "
+                            f"{'; '.join(problems[:5])}{more}")
+
+    def send_version(self, version: int, tensors: Mapping[str, torch.Tensor]) -> SyncStats:
+        """Send `version`: `tensors` maps each name to this rank's local shard (the plan's box). Returns
+        once every destination acknowledged every byte; raises SyncError (after aborting the peers)
+        otherwise. The tensors must not change until this returns."""
+        stats = SyncStats(version, str(self.me), self.plan.hash)
+        t0 = time.perf_counter()
+        where = "validating tensors"
+        try:
+            self.check_tensors(tensors)
+            where = "agreeing on the plan"
+            self._handshake(version)
+            stats.handshake_seconds = time.perf_counter() - t0
+            where = "binding the transport"
+            self.transport.bind(self._ctx("dst"))
+            self._send_buckets(version, tensors, stats)
+            where = "finishing"
+            done_meta = self.hooks.on_send_done(version)
+            for d in self.dsts:
+                self.peers[d].send("sync.done", version=version, buckets=sum(d in b.dsts for b in self.buckets),
+                                   bytes=stats.bytes, meta=done_meta)
+            for d in self.dsts:
+                _h, _ = self.peers[d].get("sync.ack", timeout=self.timeout, match={"version": version})
+        except PlanMismatch as exc:
+            self._abort_all(self.dsts, str(exc))
+            raise
+        except Exception as exc:
+            msg = f"source rank {self.rank} failed to send version {version} while {where}: {exc}"
+            self._abort_all(self.dsts, msg)
+            cls = PeerFailed if isinstance(exc, (LinkError, TransportError)) else SyncError
+            raise cls(msg) from exc
+        stats.seconds = time.perf_counter() - t0
+        log.info("sync.sent version=%s endpoint=%s buckets=%s bytes=%s seconds=%.3f", version, self.me,
+                 stats.buckets, stats.bytes, stats.seconds)
+        return stats
+
+    def _handshake(self, version: int) -> None:
+        for d in self.dsts:
+            mine = [b for b in self.buckets if d in b.dsts]
+            self.peers[d].send("sync.begin", version=version, plan_hash=self.plan.hash, buckets=len(mine),
+                               bytes=sum(b.nbytes for b in mine), bucket_meta=self.hooks.sends_bucket_meta)
+        for d in self.dsts:
+            try:
+                h, _ = self.peers[d].get("sync.ready", timeout=self.timeout, match={"version": version})
+            except RemoteAbort as exc:
+                raise PlanMismatch(f"destination rank {d} refused version {version}: {exc}") from exc
+            if h.get("plan_hash") != self.plan.hash:
+                raise PlanMismatch(
+                    f"destination rank {d} computed plan {h.get('plan_hash')}, source rank {self.rank} computed "
+                    f"{self.plan.hash}: the agents disagree on topology, layouts or bucketSizeMB; nothing was sent"
+                )
+        for d in self.dsts:
+            self.peers[d].send("sync.go", version=version)
+
+    def _send_buckets(self, version: int, tensors: Mapping[str, torch.Tensor], stats: SyncStats) -> None:
+        n = self.transport.num_slots
+        inflight: list[Pending[None] | None] = [None] * n
+        for k, bucket in enumerate(self.buckets):
+            slot = k % n
+            prev = inflight[slot]
+            if prev is not None:
+                tw = time.perf_counter()
+                prev.wait(self.timeout)
+                stats.wait_seconds += time.perf_counter() - tw
+            for d in self.dsts:
+                reason = self.peers[d].aborted
+                if reason is not None:
+                    raise RemoteAbort(f"destination rank {d} aborted: {reason}")
+            tp = time.perf_counter()
+            buf = self.transport.send_buffer(slot)
+            for e in bucket.entries:
+                p = e.piece
+                region = tensors[p.name][p.box.slices_within(p.src_box)]
+                entry_view(buf, e.bucket_entry).copy_(region)
+            meta = self.hooks.on_send_bucket(version, bucket, buf[: bucket.nbytes])
+            stats.pack_seconds += time.perf_counter() - tp
+            if self.hooks.sends_bucket_meta:
+                for d in bucket.dsts:
+                    self.peers[d].send("sync.bucket", version=version, index=bucket.index, meta=meta)
+            inflight[slot] = self.transport.start_send(bucket, slot)
+            stats.buckets += 1
+            stats.bytes += bucket.nbytes
+            stats.tensors += len(bucket.entries)
+        tw = time.perf_counter()
+        for pend in inflight:
+            if pend is not None:
+                pend.wait(self.timeout)
+        stats.wait_seconds += time.perf_counter() - tw
+
+
+class WeightReceiver(_Endpoint):
+    """Destination rank `rank` of `plan`: receives the tensors it needs (plan.needs[rank]) of a version
+    and hands complete (name, tensor) pairs to a callback bucket by bucket.
+
+    `peers` maps each source rank it receives from (plan.srcs_of(rank)) to a Mailbox (or a Link).
+    """
+
+    def __init__(
+        self,
+        plan: TransferPlan,
+        rank: int,
+        transport: Transport,
+        peers: Mapping[int, Mailbox | Link],
+        *,
+        device: torch.device | str = "cpu",
+        timeout: float = 600.0,
+        hooks: SyncHooks | None = None,
+        world: WorldMap | None = None,
+    ) -> None:
+        super().__init__(plan, dst(rank), transport, _mailboxes(peers), device, timeout, hooks, world)
+        self.rank = rank
+        self.buckets = plan.buckets_to(rank)
+        self.srcs = plan.srcs_of(rank)
+        missing = [s for s in self.srcs if s not in self.peers]
+        if missing:
+            raise SyncError(f"destination rank {rank} has no control link to source ranks {missing}")
+        self.needs: dict[str, TensorShard] = {s.name: s for s in plan.needs[rank]}
+        # Tensors that arrive in several pieces are assembled in buffers reused across versions.
+        self._pieces: dict[str, int] = {}
+        for b in self.buckets:
+            for e in b.entries:
+                self._pieces[e.piece.name] = self._pieces.get(e.piece.name, 0) + 1
+        self._assembly: dict[str, torch.Tensor] = {}
+
+    def _assembly_buffer(self, name: str) -> torch.Tensor:
+        buf = self._assembly.get(name)
+        if buf is None:
+            s = self.needs[name]
+            buf = torch.empty(s.box.shape, dtype=to_dtype(s.dtype), device=self.device)
+            self._assembly[name] = buf
+        return buf
+
+    def receive_version(self, on_bucket: OnBucket, *, expected_version: int | None = None) -> SyncStats:
+        """Receive the next version the sources begin. Returns only when every needed tensor arrived,
+        was handed to `on_bucket` and every source confirmed it was done; the caller commits then.
+        Raises PlanMismatch (nothing moved) or PeerFailed/SyncError (do not commit)."""
+        stats = SyncStats(-1, str(self.me), self.plan.hash)
+        t0 = time.perf_counter()
+        where = "agreeing on the plan"
+        version = -1
+        try:
+            version, bucket_meta = self._handshake(expected_version)
+            stats.version = version
+            stats.handshake_seconds = time.perf_counter() - t0
+            where = "binding the transport"
+            self.transport.bind(self._ctx("src"))
+            where = "receiving buckets"
+            self._recv_buckets(version, on_bucket, bucket_meta, stats)
+            where = "finishing"
+            metas: dict[int, dict[str, Any] | None] = {}
+            for s in self.srcs:
+                h, _ = self.peers[s].get("sync.done", timeout=self.timeout, match={"version": version})
+                expect = sum(1 for b in self.buckets if b.src == s)
+                if h.get("buckets") != expect:
+                    raise SyncError(f"source rank {s} says it sent {h.get('buckets')} buckets, expected {expect}")
+                metas[s] = h.get("meta")
+            self.hooks.on_recv_done(version, metas)
+            for s in self.srcs:
+                self.peers[s].send("sync.ack", version=version)
+        except PlanMismatch as exc:
+            self._abort_all(self.srcs, str(exc))
+            raise
+        except Exception as exc:
+            msg = f"destination rank {self.rank} failed to receive version {version} while {where}: {exc}"
+            self._abort_all(self.srcs, msg)
+            cls = PeerFailed if isinstance(exc, (LinkError, TransportError)) else SyncError
+            raise cls(msg) from exc
+        stats.seconds = time.perf_counter() - t0
+        log.info("sync.received version=%s endpoint=%s buckets=%s bytes=%s seconds=%.3f", version, self.me,
+                 stats.buckets, stats.bytes, stats.seconds)
+        return stats
+
+    def _handshake(self, expected_version: int | None) -> tuple[int, bool]:
+        begins: dict[int, dict[str, Any]] = {}
+        for s in self.srcs:
+            match = None if expected_version is None else {"version": expected_version}
+            h, _ = self.peers[s].get("sync.begin", timeout=self.timeout, match=match)
+            begins[s] = h
+        versions = {h.get("version") for h in begins.values()}
+        if len(versions) != 1:
+            raise PlanMismatch(f"source ranks began different versions {sorted(map(str, versions))}")
+        version = int(next(iter(versions)))  # type: ignore[arg-type]
+        for s, h in begins.items():
+            if h.get("plan_hash") != self.plan.hash:
+                raise PlanMismatch(
+                    f"source rank {s} computed plan {h.get('plan_hash')}, destination rank {self.rank} computed "
+                    f"{self.plan.hash}: the agents disagree on topology, layouts or bucketSizeMB; nothing was sent"
+                )
+            expect = sum(1 for b in self.buckets if b.src == s)
+            if h.get("buckets") != expect:
+                raise PlanMismatch(f"source rank {s} announces {h.get('buckets')} buckets, the plan says {expect}")
+        for s in self.srcs:
+            self.peers[s].send("sync.ready", version=version, plan_hash=self.plan.hash)
+        for s in self.srcs:
+            self.peers[s].get("sync.go", timeout=self.timeout, match={"version": version})
+        return version, any(bool(h.get("bucket_meta")) for h in begins.values())
+
+    def _recv_buckets(self, version: int, on_bucket: OnBucket, bucket_meta: bool, stats: SyncStats) -> None:
+        n = self.transport.num_slots
+        remaining = dict(self._pieces)
+        buckets = self.buckets
+        inflight: dict[int, Pending[torch.Tensor]] = {}
+        for k in range(min(n, len(buckets))):
+            inflight[k] = self.transport.start_recv(buckets[k], k % n)
+        for k, bucket in enumerate(buckets):
+            slot = k % n
+            tw = time.perf_counter()
+            data = inflight.pop(k).wait(self.timeout)
+            meta = None
+            if bucket_meta:
+                h, _ = self.peers[bucket.src].get("sync.bucket", timeout=self.timeout,
+                                                  match={"version": version, "index": bucket.index})
+                meta = h.get("meta")
+            stats.wait_seconds += time.perf_counter() - tw
+            tl = time.perf_counter()
+            self.hooks.on_recv_bucket(version, bucket, data, meta)
+            ready: NamedTensors = []
+            for e in bucket.entries:
+                p = e.piece
+                view = entry_view(data, e.bucket_entry)
+                need = self.needs[p.name]
+                if p.box == need.box:
+                    remaining[p.name] -= 1
+                    ready.append((p.name, view))
+                    continue
+                asm = self._assembly_buffer(p.name)
+                asm[p.box.slices_within(need.box)].copy_(view)
+                remaining[p.name] -= 1
+                if remaining[p.name] == 0:
+                    ready.append((p.name, asm))
+            if ready:
+                on_bucket(ready)
+            del ready, data
+            stats.load_seconds += time.perf_counter() - tl
+            self.transport.release_recv(bucket, slot)
+            if k + n < len(buckets):
+                inflight[k + n] = self.transport.start_recv(buckets[k + n], slot)
+            stats.buckets += 1
+            stats.bytes += bucket.nbytes
+            stats.tensors += len(bucket.entries)
+        incomplete = [name for name, left in remaining.items() if left]
+        if incomplete:
+            raise SyncError(f"tensors {incomplete[:5]} did not arrive completely")
