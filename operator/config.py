@@ -1,0 +1,88 @@
+"""Operator configuration: one frozen object built from the environment (the Helm chart sets these) and
+overridden by command-line flags, so builders take plain values and never read the environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+DEFAULT_AGENT_IMAGE = "ghcr.io/weightsync/weightsync-agent:0.1.0"
+
+
+def _bool(value: str | None, default: bool) -> bool:
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer; set it to a whole number or unset it") from None
+
+
+def _selector(raw: str) -> dict[str, str]:
+    """Parse `k=v,k2=v2` (the GPU node selector); an empty string means no node affinity."""
+    out: dict[str, str] = {}
+    for part in raw.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "=" not in part:
+            raise ValueError(
+                f"WEIGHTSYNC_GPU_NODE_SELECTOR entry {part!r} must be key=value (e.g. nvidia.com/gpu.present=true)"
+            )
+        k, v = part.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Everything the builders need beyond the WeightSyncJob itself."""
+
+    agent_image: str = DEFAULT_AGENT_IMAGE
+    agent_image_pull_policy: str = "IfNotPresent"
+    agent_cpu_request: str = "100m"
+    agent_memory_request: str = "256Mi"
+    # GPUs of one GPU node: Colocated pods without DRA must request exactly this many (whole-node pods).
+    node_gpu_count: int = 8
+    gpu_resource: str = "nvidia.com/gpu"
+    # Node labels a GPU pod must match (required node affinity); empty = no node affinity.
+    gpu_node_selector: dict[str, str] = field(default_factory=lambda: {"nvidia.com/gpu.present": "true"})
+    # Auto transfer mode resolves to GDR for Separated jobs only when the cluster has RDMA.
+    rdma_available: bool = False
+    # Periodic level-triggered resync of every known job (seconds); watch events trigger sooner.
+    resync_seconds: float = 30.0
+    # Ports of the operator process itself.
+    metrics_port: int = 8080
+    health_port: int = 8081
+    # Server-side dry-run of the user's templates before pods are created.
+    dry_run_templates: bool = True
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> OperatorConfig:
+        e = os.environ if env is None else env
+        base = cls(
+            agent_image=e.get("WEIGHTSYNC_AGENT_IMAGE") or DEFAULT_AGENT_IMAGE,
+            agent_image_pull_policy=e.get("WEIGHTSYNC_AGENT_IMAGE_PULL_POLICY") or "IfNotPresent",
+            agent_cpu_request=e.get("WEIGHTSYNC_AGENT_CPU_REQUEST") or "100m",
+            agent_memory_request=e.get("WEIGHTSYNC_AGENT_MEMORY_REQUEST") or "256Mi",
+            node_gpu_count=_int(e, "WEIGHTSYNC_NODE_GPU_COUNT", 8),
+            gpu_resource=e.get("WEIGHTSYNC_GPU_RESOURCE") or "nvidia.com/gpu",
+            gpu_node_selector=_selector(e.get("WEIGHTSYNC_GPU_NODE_SELECTOR", "nvidia.com/gpu.present=true")),
+            rdma_available=_bool(e.get("WEIGHTSYNC_RDMA_AVAILABLE"), False),
+            resync_seconds=float(e.get("WEIGHTSYNC_RESYNC_SECONDS") or 30.0),
+            metrics_port=_int(e, "WEIGHTSYNC_METRICS_PORT", 8080),
+            health_port=_int(e, "WEIGHTSYNC_HEALTH_PORT", 8081),
+            dry_run_templates=_bool(e.get("WEIGHTSYNC_DRY_RUN_TEMPLATES"), True),
+        )
+        if base.node_gpu_count < 1:
+            raise ValueError("WEIGHTSYNC_NODE_GPU_COUNT must be >= 1 (the GPUs of one GPU node)")
+        return replace(base, **overrides) if overrides else base

@@ -1,0 +1,363 @@
+"""Pod builder: the user's template plus everything weightsync needs, as one manifest.
+
+Added to every owned pod: the agent as a native sidecar (an initContainer with restartPolicy Always),
+shared volumes (agent socket dir, memory-backed /dev/shm sized for transfer buckets, the topology
+ConfigMap, the token Secret on the agent only), the contract env on every container, GPU requests, the
+readiness gate on inference-serving pods, GPU node affinity and topologyKey packing, the per-job
+ServiceAccount and a controller owner reference. Pure: same inputs, same manifest.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+from weightsync.crds import contract
+from weightsync.crds.models import WeightSyncJobSpec
+from weightsync.operator.common import JobRef, job_selector, metadata, stable_hash
+from weightsync.operator.config import OperatorConfig
+from weightsync.operator.placement import Plan, PodPlan
+
+VOL_SOCKET = "weightsync-socket"
+VOL_SHM = "weightsync-shm"
+VOL_TOPOLOGY = "weightsync-topology"
+VOL_TOKEN = "weightsync-token"
+OUR_VOLUMES = (VOL_SOCKET, VOL_SHM, VOL_TOPOLOGY, VOL_TOKEN)
+DRA_CLAIM = "weightsync-gpus"
+SHM_HEADROOM_MB = 256
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+class TemplateError(ValueError):
+    """The user's template cannot be combined with what weightsync injects (reported as InvalidTemplate)."""
+
+
+def shm_size_mb(bucket_size_mb: int) -> int:
+    """/dev/shm holds two buckets in flight (double buffering) plus headroom for torch/NCCL internals."""
+    return 2 * bucket_size_mb + SHM_HEADROOM_MB
+
+
+def resource_claim_template_name(job: str) -> str:
+    return f"{job}-gpus"
+
+
+# --- env ---------------------------------------------------------------------------------------------------
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def contract_env(
+    job: JobRef, spec: WeightSyncJobSpec, plan: Plan, role: str, rank: int, world_size: int,
+    replica: int | None,
+) -> list[dict[str, Any]]:
+    """The contract env: the same names on every container so the app, the client library and the agent
+    agree on who they are. RANK is the pod's first rank in its role (trainer) or replica (inference);
+    WORLD_SIZE counts ranks, so with one rank per pod they are the pod index and the pod count."""
+    engine = spec.inference.engine
+    env: list[dict[str, Any]] = [
+        {"name": contract.ENV_JOB, "value": job.name},
+        _field_env(contract.ENV_NAMESPACE, "metadata.namespace"),
+        _field_env(contract.ENV_POD_NAME, "metadata.name"),
+        _field_env(contract.ENV_POD_IP, "status.podIP"),
+        {"name": contract.ENV_ROLE, "value": role},
+        {"name": contract.ENV_RANK, "value": str(rank)},
+        {"name": contract.ENV_WORLD_SIZE, "value": str(world_size)},
+    ]
+    if replica is not None:
+        env.append({"name": contract.ENV_REPLICA, "value": str(replica)})
+    env += [
+        {"name": contract.ENV_TOPOLOGY_PATH, "value": f"{contract.TOPOLOGY_DIR}/{contract.TOPOLOGY_FILE}"},
+        {"name": contract.ENV_SOCKET_DIR, "value": contract.SOCKET_DIR},
+        {"name": contract.ENV_APP_SOCKET, "value": f"{contract.SOCKET_DIR}/{contract.AGENT_SOCKET_NAME}"},
+        {"name": contract.ENV_CONTROL_PORT, "value": str(contract.CONTROL_PORT)},
+        {"name": contract.ENV_METRICS_PORT, "value": str(contract.METRICS_PORT)},
+        {"name": contract.ENV_TRANSPORT_PORT, "value": str(contract.TRANSPORT_PORT)},
+        {"name": contract.ENV_TRANSFER_MODE, "value": plan.mode},
+        {"name": contract.ENV_BUCKET_SIZE_MB, "value": str(spec.transfer.bucket_size_mb)},
+        {"name": contract.ENV_VERIFY, "value": spec.transfer.verify},
+        {"name": contract.ENV_ENGINE_TYPE, "value": engine.type},
+        {"name": contract.ENV_ENGINE_URL, "value": engine.url or f"http://127.0.0.1:{engine.port}"},
+        {"name": contract.ENV_PAUSE_GENERATION, "value": "true" if spec.update_policy.pause_generation else "false"},
+        {"name": contract.ENV_MAX_STALENESS, "value": str(spec.update_policy.max_staleness)},
+    ]
+    return env
+
+
+def _merge_env(existing: Iterable[dict[str, Any]] | None, ours: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ours win over a user variable of the same name (the contract must not be spoofed by a template)."""
+    names = {e["name"] for e in ours}
+    return [e for e in (existing or []) if e.get("name") not in names] + ours
+
+
+# --- volumes ---------------------------------------------------------------------------------------------------
+def _volumes(job: JobRef, spec: WeightSyncJobSpec) -> list[dict[str, Any]]:
+    return [
+        {"name": VOL_SOCKET, "emptyDir": {}},
+        {"name": VOL_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_size_mb(spec.transfer.bucket_size_mb)}Mi"}},
+        {"name": VOL_TOPOLOGY, "configMap": {"name": contract.topology_configmap_name(job.name)}},
+        {"name": VOL_TOKEN, "secret": {"secretName": contract.token_secret_name(job.name), "defaultMode": 0o400}},
+    ]
+
+
+def _app_mounts(container: dict[str, Any]) -> list[dict[str, Any]]:
+    taken = {m.get("mountPath") for m in container.get("volumeMounts") or []}
+    mounts = [
+        {"name": VOL_SOCKET, "mountPath": contract.SOCKET_DIR},
+        {"name": VOL_SHM, "mountPath": contract.SHM_DIR},
+        {"name": VOL_TOPOLOGY, "mountPath": contract.TOPOLOGY_DIR, "readOnly": True},
+    ]
+    return [m for m in mounts if m["mountPath"] not in taken]
+
+
+def _agent_mounts() -> list[dict[str, Any]]:
+    return [
+        {"name": VOL_SOCKET, "mountPath": contract.SOCKET_DIR},
+        {"name": VOL_SHM, "mountPath": contract.SHM_DIR},
+        {"name": VOL_TOPOLOGY, "mountPath": contract.TOPOLOGY_DIR, "readOnly": True},
+        {"name": VOL_TOKEN, "mountPath": contract.TOKEN_DIR, "readOnly": True},
+    ]
+
+
+# --- resources -------------------------------------------------------------------------------------------------
+def _set_resource(container: dict[str, Any], name: str, count: int | None) -> None:
+    res = container.setdefault("resources", {})
+    for part in ("requests", "limits"):
+        values = res.setdefault(part, {}) if count is not None else res.get(part)
+        if values is None:
+            continue
+        if count is None:
+            values.pop(name, None)
+        else:
+            values[name] = str(count)
+    if not res.get("requests"):
+        res.pop("requests", None)
+    if not res.get("limits"):
+        res.pop("limits", None)
+    if not res:
+        container.pop("resources", None)
+
+
+def _add_claim(container: dict[str, Any]) -> None:
+    res = container.setdefault("resources", {})
+    claims = res.setdefault("claims", [])
+    if not any(c.get("name") == DRA_CLAIM for c in claims):
+        claims.append({"name": DRA_CLAIM})
+
+
+def _add_env(container: dict[str, Any], name: str, value: str) -> None:
+    container["env"] = _merge_env(container.get("env"), [{"name": name, "value": value}])
+
+
+# --- affinity --------------------------------------------------------------------------------------------------
+def _affinity(
+    job: JobRef, spec: WeightSyncJobSpec, pod: PodPlan, cfg: OperatorConfig, user: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    aff = copy.deepcopy(user) if user else {}
+    if pod.gpus > 0 and cfg.gpu_node_selector:
+        exprs = [{"key": k, "operator": "In", "values": [v]} for k, v in sorted(cfg.gpu_node_selector.items())]
+        node = aff.setdefault("nodeAffinity", {})
+        req = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {"nodeSelectorTerms": []})
+        terms = req.setdefault("nodeSelectorTerms", [])
+        if not terms:
+            terms.append({"matchExpressions": []})
+        # Node selector terms are ORed; our requirement must hold in each of them.
+        for term in terms:
+            term.setdefault("matchExpressions", []).extend(copy.deepcopy(exprs))
+    key = spec.placement.topology_key
+    if key:
+        # Pack every pod of the job into one domain of `key`. The first pod matches its own selector, which
+        # kube-scheduler accepts for required affinity, so the group can start anywhere.
+        pa = aff.setdefault("podAffinity", {})
+        pa.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
+            {"labelSelector": {"matchLabels": job_selector(job)}, "topologyKey": key}
+        )
+    elif pod.role == contract.ROLE_INFERENCE and spec.inference.replicas > 1:
+        # Without packing, spread the inference replicas over nodes so one node loss costs one replica.
+        paa = aff.setdefault("podAntiAffinity", {})
+        paa.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(
+            {
+                "weight": 50,
+                "podAffinityTerm": {
+                    "labelSelector": {"matchLabels": {**job_selector(job), contract.LABEL_ROLE: contract.ROLE_INFERENCE}},
+                    "topologyKey": "kubernetes.io/hostname",
+                },
+            }
+        )
+    return aff or None
+
+
+# --- the agent -------------------------------------------------------------------------------------------------
+def agent_container(
+    job: JobRef, spec: WeightSyncJobSpec, plan: Plan, pod: PodPlan, cfg: OperatorConfig, env: list[dict[str, Any]]
+) -> dict[str, Any]:
+    c: dict[str, Any] = {
+        "name": contract.AGENT_CONTAINER,
+        "image": cfg.agent_image,
+        "imagePullPolicy": cfg.agent_image_pull_policy,
+        "command": ["weightsync-agent"],
+        "restartPolicy": "Always",  # native sidecar: starts before the app, lives as long as the pod
+        "env": [
+            *env,
+            {"name": contract.ENV_TOKEN_PATH, "value": f"{contract.TOKEN_DIR}/{contract.TOKEN_FILE}"},
+            {"name": contract.ENV_KUBE_ENABLED, "value": "true"},
+        ],
+        "ports": [
+            {"name": "ws-control", "containerPort": contract.CONTROL_PORT, "protocol": "TCP"},
+            {"name": "ws-metrics", "containerPort": contract.METRICS_PORT, "protocol": "TCP"},
+            {"name": "ws-transport", "containerPort": contract.TRANSPORT_PORT, "protocol": "TCP"},
+        ],
+        "volumeMounts": _agent_mounts(),
+        "resources": {"requests": {"cpu": cfg.agent_cpu_request, "memory": cfg.agent_memory_request}},
+        "readinessProbe": {
+            "httpGet": {"path": "/healthz", "port": contract.METRICS_PORT},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+    }
+    if plan.mode == "GDR":
+        _set_resource(c, spec.transfer.rdma_resource_name, 1)
+        c["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    return c
+
+
+# --- the pod ---------------------------------------------------------------------------------------------------
+def _template_for(spec: WeightSyncJobSpec, pod: PodPlan) -> tuple[dict[str, Any], list[str], list[str]]:
+    """The base template and which of its containers come from the trainer / the inference template."""
+    if pod.role == contract.ROLE_TRAINER:
+        t = copy.deepcopy(spec.trainer.template)
+        return t, [c["name"] for c in t["spec"]["containers"]], []
+    if pod.role == contract.ROLE_INFERENCE:
+        t = copy.deepcopy(spec.inference.template)
+        return t, [], [c["name"] for c in t["spec"]["containers"]]
+    # Colocated: the trainer template is the base; the inference containers, init containers and volumes join it.
+    t = copy.deepcopy(spec.trainer.template)
+    inf = copy.deepcopy(spec.inference.template)
+    tc = [c["name"] for c in t["spec"]["containers"]]
+    ic = [c["name"] for c in inf["spec"]["containers"]]
+    clash = set(tc) & set(ic)
+    if clash:
+        raise TemplateError(
+            f"Colocated pods hold the trainer and inference containers together, but both templates define "
+            f"container(s) {sorted(clash)}: give them distinct names"
+        )
+    t["spec"]["containers"] += inf["spec"]["containers"]
+    t["spec"]["initContainers"] = (t["spec"].get("initContainers") or []) + (inf["spec"].get("initContainers") or [])
+    vols = {v.get("name") for v in t["spec"].get("volumes") or []}
+    for v in inf["spec"].get("volumes") or []:
+        if v.get("name") in vols:
+            raise TemplateError(f"Colocated: volume {v.get('name')!r} is defined in both templates; rename one")
+        t["spec"].setdefault("volumes", []).append(v)
+    meta = t.setdefault("metadata", {})
+    for key in ("labels", "annotations"):
+        merged = {**(inf.get("metadata") or {}).get(key, {}), **(meta.get(key) or {})}
+        if merged:
+            meta[key] = merged
+    return t, tc, ic
+
+
+def build_pod(
+    job: JobRef,
+    spec: WeightSyncJobSpec,
+    plan: Plan,
+    pod: PodPlan,
+    cfg: OperatorConfig,
+    desired_annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The full manifest of one owned pod. Raises TemplateError when the template conflicts with ours."""
+    template, trainer_names, _ = _template_for(spec, pod)
+    tmeta = template.get("metadata") or {}
+    pspec: dict[str, Any] = template["spec"]
+
+    for v in pspec.get("volumes") or []:
+        if v.get("name") in OUR_VOLUMES:
+            raise TemplateError(f"volume name {v.get('name')!r} is reserved by weightsync; rename it in the template")
+    for c in (pspec.get("initContainers") or []) + pspec["containers"]:
+        if c.get("name") == contract.AGENT_CONTAINER:
+            raise TemplateError(f"container name {contract.AGENT_CONTAINER!r} is reserved for the injected agent")
+
+    slot = pod.slots[0] if pod.slots else None
+    trainer_env = contract_env(
+        job, spec, plan, contract.ROLE_TRAINER, pod.trainer_ranks[0] if pod.trainer_ranks else 0,
+        pod.trainer_world_size, None,
+    )
+    inference_env = contract_env(
+        job, spec, plan, contract.ROLE_INFERENCE, slot.ranks[0] if slot else 0, slot.world_size if slot else 0,
+        pod.replica,
+    )
+    if pod.role == contract.ROLE_TRAINER:
+        agent_env = trainer_env
+    elif pod.role == contract.ROLE_INFERENCE:
+        agent_env = inference_env
+    else:
+        agent_env = contract_env(
+            job, spec, plan, contract.ROLE_COLOCATED, pod.trainer_ranks[0] if pod.trainer_ranks else 0,
+            pod.trainer_world_size, pod.replica,
+        )
+
+    use_claim = plan.use_dra and pod.gpus > 0
+    first_app = pspec["containers"][0]["name"]
+    for c in pspec["containers"]:
+        env = trainer_env if c["name"] in trainer_names else inference_env
+        c["env"] = _merge_env(c.get("env"), env)
+        c["volumeMounts"] = (c.get("volumeMounts") or []) + _app_mounts(c)
+        _set_resource(c, cfg.gpu_resource, None)  # GPUs are ours to assign
+        if pod.gpus > 0:
+            if use_claim:
+                _add_claim(c)
+            elif c["name"] == first_app:
+                _set_resource(c, cfg.gpu_resource, pod.gpus)
+            elif pod.role == contract.ROLE_COLOCATED:
+                # Device-plugin fallback (whole-node pods only): the other containers see the node's GPUs.
+                _add_env(c, "NVIDIA_VISIBLE_DEVICES", "all")
+
+    agent = agent_container(job, spec, plan, pod, cfg, agent_env)
+    if pod.gpus > 0:
+        if use_claim:
+            _add_claim(agent)
+        else:
+            _add_env(agent, "NVIDIA_VISIBLE_DEVICES", "all")
+    pspec["initContainers"] = [agent, *(pspec.get("initContainers") or [])]
+    pspec["volumes"] = (pspec.get("volumes") or []) + _volumes(job, spec)
+    if use_claim:
+        pspec["resourceClaims"] = [
+            {"name": DRA_CLAIM, "resourceClaimTemplateName": resource_claim_template_name(job.name)}
+        ]
+
+    pspec["serviceAccountName"] = contract.service_account_name(job.name)
+    pspec.pop("serviceAccount", None)
+    pspec["automountServiceAccountToken"] = True  # the agent reports through its own pod
+    pspec["hostname"] = pod.name
+    pspec["subdomain"] = contract.service_name(job.name)
+    if pod.is_inference:
+        gates = [g for g in pspec.get("readinessGates") or [] if g.get("conditionType") != contract.POD_CONDITION_SYNCED]
+        pspec["readinessGates"] = [*gates, {"conditionType": contract.POD_CONDITION_SYNCED}]
+    aff = _affinity(job, spec, pod, cfg, pspec.get("affinity"))
+    if aff:
+        pspec["affinity"] = aff
+    if pod.gpus > 0:
+        tols = pspec.get("tolerations") or []
+        if GPU_TOLERATION not in tols:
+            pspec["tolerations"] = [*tols, GPU_TOLERATION]
+
+    labels = {**(tmeta.get("labels") or {})}
+    meta = metadata(job, pod.name, pod.role)
+    labels.update(meta["labels"])
+    labels[contract.LABEL_RANK] = str(pod.index)
+    if pod.replica is not None:
+        labels[contract.LABEL_REPLICA] = str(pod.replica)
+    meta["labels"] = labels
+    annotations = dict(tmeta.get("annotations") or {})
+    manifest: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pspec}
+    annotations[contract.ANN_SPEC_HASH] = stable_hash({"labels": labels, "annotations": annotations, "spec": pspec})
+    annotations.update(desired_annotations or {})
+    meta["annotations"] = annotations
+    return manifest
+
+
+def build_pods(
+    job: JobRef, spec: WeightSyncJobSpec, plan: Plan, cfg: OperatorConfig,
+    desired_annotations: dict[str, dict[str, str]] | None = None,
+) -> list[dict[str, Any]]:
+    desired_annotations = desired_annotations or {}
+    return [build_pod(job, spec, plan, p, cfg, desired_annotations.get(p.name)) for p in plan.pods]

@@ -1,0 +1,107 @@
+"""Reading what the agents and the kubelet report on a pod: readiness, the synced condition, versions.
+
+The agents write `contract.ANN_SERVED_VERSION` / `ANN_PUBLISHED_VERSION` / `ANN_LAST_SYNC` /
+`ANN_SYNC_ERROR` annotations and the `contract.POD_CONDITION_SYNCED` condition on their own pod; these
+small readers are the only place the operator parses them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from weightsync.crds import contract
+
+Pod = Mapping[str, Any]
+
+
+def pod_annotations(pod: Pod) -> Mapping[str, str]:
+    return (pod.get("metadata") or {}).get("annotations") or {}
+
+
+def int_annotation(pod: Pod, key: str) -> int | None:
+    raw = pod_annotations(pod).get(key)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def condition(pod: Pod, type_: str) -> str | None:
+    """The status ("True"/"False"/"Unknown") of a pod condition, None when absent."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return str(c.get("status"))
+    return None
+
+
+def is_terminating(pod: Pod) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def is_live(pod: Pod | None) -> bool:
+    return pod is not None and not is_terminating(pod)
+
+
+def is_scheduled(pod: Pod) -> bool:
+    return bool((pod.get("spec") or {}).get("nodeName"))
+
+
+def is_ready(pod: Pod) -> bool:
+    return condition(pod, "Ready") == "True"
+
+
+def is_synced(pod: Pod) -> bool:
+    return condition(pod, contract.POD_CONDITION_SYNCED) == "True"
+
+
+def phase(pod: Pod) -> str:
+    return str((pod.get("status") or {}).get("phase") or "Pending")
+
+
+def failure(pod: Pod) -> str | None:
+    """A short reason when the pod is failing (phase Failed or a container in CrashLoopBackOff)."""
+    if phase(pod) == "Failed":
+        return "PodFailed"
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    statuses = statuses + ((pod.get("status") or {}).get("initContainerStatuses") or [])
+    for s in statuses:
+        waiting = (s.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError"):
+            return str(waiting["reason"])
+    return None
+
+
+def served_version(pod: Pod) -> int | None:
+    return int_annotation(pod, contract.ANN_SERVED_VERSION)
+
+
+def published_version(pod: Pod) -> int | None:
+    return int_annotation(pod, contract.ANN_PUBLISHED_VERSION)
+
+
+def target_version(pod: Pod) -> int | None:
+    return int_annotation(pod, contract.ANN_TARGET_VERSION)
+
+
+def engine_paused(pod: Pod) -> bool:
+    return pod_annotations(pod).get(contract.ANN_ENGINE_PAUSED) == "true"
+
+
+def sync_error(pod: Pod) -> str | None:
+    return pod_annotations(pod).get(contract.ANN_SYNC_ERROR) or None
+
+
+def last_sync(pod: Pod) -> dict[str, Any] | None:
+    raw = pod_annotations(pod).get(contract.ANN_LAST_SYNC)
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

@@ -1,0 +1,325 @@
+"""The reconciler: level-triggered and idempotent.
+
+Each pass reads the job and everything it owns, computes the desired objects with the pure builders,
+creates what is missing, patches what drifted (only fields that may change), deletes surplus pods, and
+writes the status through the status subresource. Running it twice in a row changes nothing: owned
+objects carry a hash of their desired form (`contract.ANN_SPEC_HASH`) and are patched only when it
+differs, and the status is written only when it differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from weightsync.crds import contract
+from weightsync.crds.models import WeightSyncJob, validation_messages
+from weightsync.operator import dra, networkpolicy, podstate, rbac, secret, service
+from weightsync.operator import metrics as m
+from weightsync.operator import topology as topo
+from weightsync.operator.common import JobRef, job_selector, stable_hash
+from weightsync.operator.config import OperatorConfig
+from weightsync.operator.events import EventRecorder
+from weightsync.operator.kube import Kube, KubeError
+from weightsync.operator.placement import plan as make_plan
+from weightsync.operator.pods import TemplateError, build_pods
+from weightsync.operator.replicas import replica_states, trainer_version
+from weightsync.operator.rollout import desired_annotations
+from weightsync.operator.status import (
+    REASON_INVALID_SPEC,
+    REASON_INVALID_TEMPLATE,
+    Problem,
+    aggregate,
+    ordered,
+    problem_status,
+)
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+REASON_OBJECT_CONFLICT = "ObjectConflict"
+
+# Fields of each owned kind the reconciler may patch in place (everything else is fixed at creation).
+PATCHABLE: dict[str, tuple[str, ...]] = {
+    "ServiceAccount": (),
+    "Role": ("rules",),
+    "RoleBinding": ("subjects",),
+    "Service": ("spec",),
+    "NetworkPolicy": ("spec",),
+    "ConfigMap": ("data",),
+    "ResourceClaimTemplate": (),
+}
+
+
+@dataclass
+class Outcome:
+    """What one pass did (for logs, metrics and tests)."""
+
+    created: list[str] = field(default_factory=list)
+    patched: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    status_written: bool = False
+    problem: Problem | None = None
+    status: Obj = field(default_factory=dict)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.created or self.patched or self.deleted or self.status_written)
+
+
+class Conflict(Exception):
+    """An object with an owned name exists but belongs to someone else."""
+
+
+def _controller_uid(obj: Mapping[str, Any]) -> str | None:
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
+
+
+def _desired_hash(desired: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in desired.items() if k not in ("metadata", "status")}
+    meta = desired.get("metadata") or {}
+    body["labels"] = meta.get("labels")
+    body["annotations"] = {k: v for k, v in (meta.get("annotations") or {}).items() if k != contract.ANN_SPEC_HASH}
+    return stable_hash(body)
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, cfg: OperatorConfig, events: EventRecorder | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.kube = kube
+        self.cfg = cfg
+        self.events = events or EventRecorder(kube)
+        self.clock = clock
+
+    # --- entry points ----------------------------------------------------------------------------------
+    def reconcile(self, namespace: str, name: str) -> Outcome | None:
+        """Reconcile by key; None when the job is gone or being deleted (garbage collection does the rest)."""
+        body = self.kube.get_or_none(contract.KIND, namespace, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        start = self.clock()
+        try:
+            out = self.reconcile_body(body)
+        except Exception:
+            m.RECONCILE_ERRORS.inc()
+            m.RECONCILES.labels(result="error").inc()
+            raise
+        finally:
+            m.RECONCILE_DURATION.observe(self.clock() - start)
+        m.RECONCILES.labels(result="changed" if out.changed else "unchanged").inc()
+        return out
+
+    def reconcile_body(self, body: Obj) -> Outcome:
+        job = JobRef.from_body(body)
+        prev_status: Obj = body.get("status") or {}
+        out = Outcome()
+        try:
+            model = WeightSyncJob.from_k8s(body)
+        except ValidationError as err:
+            problem = Problem(REASON_INVALID_SPEC, "; ".join(validation_messages(err))[:2000])
+            self._finish_problem(job, body, prev_status, problem, out, paused=bool((body.get("spec") or {}).get("paused")))
+            return out
+        spec = model.spec
+        plan = make_plan(job.name, spec, self.cfg.node_gpu_count, self.cfg.rdma_available)
+        if plan.refusal is not None:
+            problem = Problem(plan.refusal.reason, plan.refusal.message)
+            self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
+            return out
+
+        pods = self._owned_pods(job)
+        try:
+            # Supporting objects first: the pods' ServiceAccount must exist before a pod can be admitted.
+            self._ensure(job, rbac.build_service_account(job), out)
+            self._ensure(job, rbac.build_role(job, plan.names), out)
+            self._ensure(job, rbac.build_role_binding(job), out)
+            self._ensure(job, service.build_service(job, spec), out)
+            self._ensure(job, networkpolicy.build_network_policy(job), out)
+            self._ensure_secret(job, out)
+            rct = dra.build_resource_claim_template(job, spec)
+            if rct is not None:
+                self._ensure(job, rct, out)
+            prev_cm = self.kube.get_or_none("ConfigMap", job.namespace, contract.topology_configmap_name(job.name))
+            if prev_cm is not None and _controller_uid(prev_cm) not in (None, job.uid):
+                prev_cm = None  # a namesake job's leftover, about to be garbage-collected
+            cm = topo.build_topology_configmap(job, spec, plan, pods, prev_cm)
+            self._ensure(job, cm, out, existing=prev_cm)
+        except Conflict as err:
+            self._finish_problem(job, body, prev_status, Problem(REASON_OBJECT_CONFLICT, str(err)), out,
+                                 paused=spec.paused, mode=plan.mode)
+            return out
+        generation = topo.generation_of(cm)
+
+        states = replica_states(plan, pods)
+        tv = trainer_version(plan, pods, prev_status.get("trainerVersion"))
+        annotations = desired_annotations(spec, plan, states, tv, generation)
+        try:
+            desired_pods = build_pods(job, spec, plan, self.cfg, annotations)
+        except TemplateError as err:
+            problem = Problem(REASON_INVALID_TEMPLATE, str(err))
+            self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
+            return out
+
+        problem = self._sync_pods(job, desired_pods, pods, out)
+        if problem is not None:
+            self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
+            return out
+        if out.created or out.deleted:
+            pods = self._owned_pods(job)
+            states = replica_states(plan, pods)
+
+        status = aggregate(spec, job.generation, plan, pods, prev_status, generation, states=states)
+        self._write_status(job, prev_status, ordered(status), out)
+        if out.created:
+            self.events.normal(job, "Created", f"created {', '.join(sorted(out.created))}"[:1000])
+        return out
+
+    # --- owned objects -----------------------------------------------------------------------------------
+    def _owned_pods(self, job: JobRef) -> dict[str, Obj]:
+        pods = self.kube.list("Pod", job.namespace, job_selector(job))
+        return {p["metadata"]["name"]: p for p in pods if _controller_uid(p) == job.uid}
+
+    def _ensure(self, job: JobRef, desired: Obj, out: Outcome, existing: Obj | None = None) -> Obj:
+        kind = desired["kind"]
+        name = desired["metadata"]["name"]
+        h = _desired_hash(desired)
+        desired["metadata"].setdefault("annotations", {})[contract.ANN_SPEC_HASH] = h
+        current = existing if existing is not None else self.kube.get_or_none(kind, job.namespace, name)
+        if current is None:
+            try:
+                created = self.kube.create(desired)
+            except KubeError as err:
+                if err.conflict:
+                    return desired  # created concurrently (another pass or a namesake): look again next time
+                raise
+            out.created.append(f"{kind}/{name}")
+            log.info("created kind=%s name=%s/%s", kind, job.namespace, name)
+            return created
+        owner = _controller_uid(current)
+        if owner != job.uid:
+            if owner is None:
+                raise Conflict(
+                    f"{kind} {job.namespace}/{name} exists and is not owned by this WeightSyncJob: "
+                    "delete it or rename the job"
+                )
+            return current  # a deleted namesake job's object, pending garbage collection
+        ann = (current.get("metadata") or {}).get("annotations") or {}
+        if ann.get(contract.ANN_SPEC_HASH) == h:
+            return current
+        patch: Obj = {"metadata": {"annotations": desired["metadata"]["annotations"],
+                                   "labels": desired["metadata"]["labels"]}}
+        for f in PATCHABLE.get(kind, ()):
+            if f in desired:
+                patch[f] = desired[f]
+        patched = self.kube.patch(kind, job.namespace, name, patch)
+        out.patched.append(f"{kind}/{name}")
+        log.info("patched kind=%s name=%s/%s", kind, job.namespace, name)
+        return patched
+
+    def _ensure_secret(self, job: JobRef, out: Outcome) -> None:
+        """Create-only: the token is generated once and never rotated, read back or logged."""
+        name = contract.token_secret_name(job.name)
+        try:
+            self.kube.create(secret.build_secret(job))
+        except KubeError as err:
+            if err.conflict:
+                return
+            raise
+        out.created.append(f"Secret/{name}")
+        log.info("created kind=Secret name=%s/%s", job.namespace, name)
+
+    def _sync_pods(self, job: JobRef, desired: list[Obj], observed: dict[str, Obj], out: Outcome) -> Problem | None:
+        wanted = {p["metadata"]["name"]: p for p in desired}
+        missing = [p for n, p in wanted.items() if n not in observed]
+        if missing and self.cfg.dry_run_templates:
+            problem = self._dry_run(missing)
+            if problem is not None:
+                return problem
+        for pod in missing:
+            name = pod["metadata"]["name"]
+            try:
+                self.kube.create(pod)
+            except KubeError as err:
+                if err.conflict:
+                    continue  # the old pod of that name is still terminating; its deletion event brings us back
+                if err.invalid:
+                    return Problem(REASON_INVALID_TEMPLATE, f"pod {name} was refused: {err.message}")
+                raise
+            out.created.append(f"Pod/{name}")
+            log.info("created kind=Pod name=%s/%s", job.namespace, name)
+        for name, pod in observed.items():
+            if podstate.is_terminating(pod):
+                continue
+            if name not in wanted:
+                if self.kube.delete("Pod", job.namespace, name, uid=pod["metadata"].get("uid")):
+                    out.deleted.append(f"Pod/{name}")
+                    log.info("deleted surplus kind=Pod name=%s/%s", job.namespace, name)
+                continue
+            want = {
+                k: v for k, v in (wanted[name]["metadata"].get("annotations") or {}).items()
+                if k in (contract.ANN_TARGET_VERSION, contract.ANN_PAUSED, contract.ANN_MEMBERSHIP_GENERATION)
+            }
+            have = podstate.pod_annotations(pod)
+            diff = {k: v for k, v in want.items() if have.get(k) != v}
+            if diff:
+                self.kube.patch("Pod", job.namespace, name, {"metadata": {"annotations": diff}})
+                out.patched.append(f"Pod/{name}")
+        return None
+
+    def _dry_run(self, missing: list[Obj]) -> Problem | None:
+        """Server-side dry-run of one pod per role: a bad template is refused before any pod is created."""
+        seen: set[str] = set()
+        for pod in missing:
+            role = pod["metadata"]["labels"].get(contract.LABEL_ROLE, "")
+            if role in seen:
+                continue
+            seen.add(role)
+            try:
+                self.kube.create(pod, dry_run=True)
+            except KubeError as err:
+                if err.conflict:
+                    continue
+                if err.invalid:
+                    return Problem(
+                        REASON_INVALID_TEMPLATE,
+                        f"the {role} template does not make a valid pod (server-side dry-run): {err.message}",
+                    )
+                raise
+        return None
+
+    # --- status ------------------------------------------------------------------------------------------
+    def _write_status(self, job: JobRef, previous: Obj, status: Obj, out: Outcome) -> None:
+        out.status = status
+        if previous == status:
+            return
+        # A merge patch replaces lists and removes absent keys only when told: send explicit nulls for
+        # fields that disappeared so the stored status equals the computed one.
+        patch = dict(status)
+        for key in previous:
+            if key not in patch:
+                patch[key] = None
+        self.kube.patch(contract.KIND, job.namespace, job.name, {"status": patch}, subresource="status")
+        out.status_written = True
+
+    def _finish_problem(
+        self, job: JobRef, body: Obj, previous: Obj, problem: Problem, out: Outcome,
+        paused: bool = False, mode: str | None = None,
+    ) -> None:
+        out.problem = problem
+        st = problem_status(job.generation, problem, previous, paused)
+        if mode is not None:
+            st.mode = mode
+        if previous.get("membershipGeneration") is not None:
+            st.membership_generation = previous["membershipGeneration"]
+        status = ordered(st)
+        old_ready: Obj = next((c for c in previous.get("conditions") or [] if c.get("type") == contract.COND_READY), {})
+        self._write_status(job, previous, status, out)
+        if old_ready.get("reason") != problem.reason or old_ready.get("message") != problem.message:
+            self.events.warning(job, problem.reason, problem.message)
+        log.warning("job cannot run job=%s/%s reason=%s message=%s", job.namespace, job.name, problem.reason,
+                    problem.message)

@@ -1,0 +1,222 @@
+"""Status aggregation: observed pods -> WeightSyncJob status (pure).
+
+Conditions follow metav1.Condition (type, status, reason, message, observedGeneration,
+lastTransitionTime, which only moves when the status flips). Counts are per inference replica; per-pod
+detail stays on the pods. A `Problem` (invalid template, unplaceable spec) overrides the pod view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+from weightsync.crds import contract
+from weightsync.crds.models import (
+    Condition,
+    LastSync,
+    ReplicaCounts,
+    WeightSyncJobSpec,
+    WeightSyncJobStatus,
+    set_condition,
+)
+from weightsync.operator import podstate
+from weightsync.operator.placement import Plan
+from weightsync.operator.replicas import ReplicaState, replica_states, trainer_version
+
+REASON_INVALID_TEMPLATE = "InvalidTemplate"
+REASON_INVALID_SPEC = "InvalidSpec"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the job cannot run as written; becomes Ready=False with this reason."""
+
+    reason: str
+    message: str
+
+
+def parse_conditions(raw: Sequence[Mapping[str, Any]] | None) -> list[Condition]:
+    out = []
+    for c in raw or []:
+        try:
+            out.append(Condition.model_validate(dict(c)))
+        except ValidationError:
+            continue
+    return out
+
+
+def _last_sync(plan: Plan, pods: Mapping[str, Mapping[str, Any]], previous: LastSync | None) -> LastSync | None:
+    best = previous
+    for p in plan.pods:
+        pod = pods.get(p.name)
+        if not p.is_inference or pod is None:
+            continue
+        raw = podstate.last_sync(pod)
+        if not raw:
+            continue
+        try:
+            ls = LastSync.model_validate(raw)
+        except ValidationError:
+            continue
+        if best is None or ls.version > best.version:
+            best = ls
+    return best
+
+
+def aggregate(
+    spec: WeightSyncJobSpec,
+    generation: int,
+    plan: Plan,
+    pods: Mapping[str, Mapping[str, Any]],
+    previous: Mapping[str, Any] | None = None,
+    membership_generation: int | None = None,
+    problem: Problem | None = None,
+    now: datetime | None = None,
+    states: list[ReplicaState] | None = None,
+) -> WeightSyncJobStatus:
+    prev = dict(previous or {})
+    conds = parse_conditions(prev.get("conditions"))
+    prev_last: LastSync | None = None
+    if prev.get("lastSync"):
+        try:
+            prev_last = LastSync.model_validate(prev["lastSync"])
+        except ValidationError:
+            prev_last = None
+
+    def put(type_: str, status: str, reason: str, message: str) -> None:
+        nonlocal conds
+        conds = set_condition(conds, type_, status, reason, message, generation, now)
+
+    paused_msg = "spec.paused is set: generation is paused on every inference replica"
+    states = states if states is not None else replica_states(plan, pods)
+    if spec.paused:
+        confirmed = sum(1 for s in states if s.paused_confirmed)
+        put(contract.COND_PAUSED, "True", "PausedBySpec", f"{paused_msg} ({confirmed}/{len(states)} confirmed by the engines)")
+    else:
+        put(contract.COND_PAUSED, "False", "NotPaused", "inference replicas generate normally")
+
+    if problem is not None:
+        st = problem_status(generation, problem, {**prev, "conditions": [c.to_dict() for c in conds]}, spec.paused, now)
+        st.mode = plan.mode
+        st.membership_generation = membership_generation
+        st.last_sync = prev_last
+        return st
+
+    tv = trainer_version(plan, pods, prev.get("trainerVersion"))
+    live = {n: p for n, p in pods.items() if podstate.is_live(p)}
+    missing = [p.name for p in plan.pods if p.name not in live]
+    unscheduled = [n for n in plan.names if n in live and not podstate.is_scheduled(live[n])]
+    trainers_ready = [n for n in plan.trainer_pods if n in live and podstate.is_ready(live[n])]
+    complete = [s for s in states if s.complete]
+    ready = [s for s in states if s.ready]
+    synced = [s for s in states if tv is not None and s.served == tv]
+    served_ready = [s.served for s in ready if s.served is not None]
+    served = min(served_ready) if served_ready else None
+
+    # Ready: every trainer pod and every inference replica Ready.
+    if missing or unscheduled:
+        put(
+            contract.COND_READY, "False", "PodsPending",
+            f"{len(plan.pods) - len(missing) - len(unscheduled)}/{len(plan.pods)} pods created and scheduled",
+        )
+    elif len(trainers_ready) == len(plan.trainer_pods) and len(ready) == len(states):
+        put(contract.COND_READY, "True", "AllReplicasReady",
+            f"{len(trainers_ready)} trainer pods and {len(ready)} inference replicas are Ready")
+    else:
+        put(
+            contract.COND_READY, "False", "PodsNotReady",
+            f"{len(trainers_ready)}/{len(plan.trainer_pods)} trainer pods and {len(ready)}/{len(states)} "
+            "inference replicas are Ready",
+        )
+
+    # Synced: every replica serves the newest published version.
+    if tv is None:
+        put(contract.COND_SYNCED, "Unknown", "NoVersionPublished", "the trainer has not published a version yet")
+    elif len(synced) == len(states):
+        put(contract.COND_SYNCED, "True", "AllReplicasSynced", f"all {len(states)} replicas serve version {tv}")
+    else:
+        put(contract.COND_SYNCED, "False", "ReplicasBehind",
+            f"{len(synced)}/{len(states)} replicas serve version {tv}")
+
+    # Progressing: pods starting or a version rolling out.
+    loading = [s for s in states if s.loading]
+    if missing or unscheduled:
+        put(contract.COND_PROGRESSING, "True", "PodsStarting",
+            f"waiting for {len(missing)} missing and {len(unscheduled)} unscheduled pods")
+    elif loading:
+        put(contract.COND_PROGRESSING, "True", "RollingOut",
+            f"{len(loading)} replicas loading a new version")
+    else:
+        put(contract.COND_PROGRESSING, "False", "Stable", "all pods exist and no load is in flight")
+
+    # Degraded: failing pods, failed syncs, replicas beyond maxStaleness.
+    failing = [(n, podstate.failure(p)) for n, p in live.items() if podstate.failure(p)]
+    errors = [n for n, p in live.items() if podstate.sync_error(p)]
+    limit = spec.update_policy.max_staleness
+    stale = [
+        s.replica for s in complete
+        if tv is not None and s.served is not None and tv - s.served > limit
+    ]
+    if failing:
+        put(contract.COND_DEGRADED, "True", str(failing[0][1]),
+            f"{len(failing)} pods failing, e.g. {failing[0][0]}: {failing[0][1]}")
+    elif errors:
+        put(contract.COND_DEGRADED, "True", "SyncFailed",
+            f"{len(errors)} pods report a sync error, e.g. {errors[0]}: {podstate.sync_error(live[errors[0]])}")
+    elif stale:
+        put(contract.COND_DEGRADED, "True", "ReplicasStale",
+            f"replicas {stale} are more than maxStaleness={limit} versions behind version {tv}")
+    else:
+        put(contract.COND_DEGRADED, "False", "AsExpected", "no failing pods, sync errors or stale replicas")
+
+    return WeightSyncJobStatus(
+        observed_generation=generation,
+        mode=plan.mode,
+        trainer_version=tv,
+        served_version=served,
+        membership_generation=membership_generation,
+        replicas=ReplicaCounts(inference=len(complete), synced=len(synced), ready=len(ready)),
+        last_sync=_last_sync(plan, pods, prev_last),
+        conditions=conds,
+    )
+
+
+def ordered(status: WeightSyncJobStatus) -> dict[str, Any]:
+    """The status as the API stores it, conditions in the fixed contract order (stable diffs)."""
+    body = status.to_dict()
+    order = {t: i for i, t in enumerate(contract.JOB_CONDITION_TYPES)}
+    body["conditions"] = sorted(body.get("conditions", []), key=lambda c: order.get(c["type"], 99))
+    return body
+
+
+def problem_status(
+    generation: int,
+    problem: Problem,
+    previous: Mapping[str, Any] | None = None,
+    paused: bool = False,
+    now: datetime | None = None,
+) -> WeightSyncJobStatus:
+    """Status for a job whose spec cannot even be parsed or planned: every condition names the problem."""
+    prev = dict(previous or {})
+    conds = parse_conditions(prev.get("conditions"))
+    for type_, st, reason, msg in (
+        (contract.COND_READY, "False", problem.reason, problem.message),
+        (contract.COND_SYNCED, "Unknown", problem.reason, "no pods to sync"),
+        (contract.COND_PROGRESSING, "False", problem.reason, "nothing is rolled out until the problem is fixed"),
+        (
+            contract.COND_PAUSED, "True" if paused else "False", "PausedBySpec" if paused else "NotPaused",
+            "spec.paused is set" if paused else "spec.paused is not set",
+        ),
+        (contract.COND_DEGRADED, "True", problem.reason, problem.message),
+    ):
+        conds = set_condition(conds, type_, st, reason, msg, generation, now)
+    return WeightSyncJobStatus(
+        observed_generation=generation,
+        trainer_version=prev.get("trainerVersion"),
+        served_version=prev.get("servedVersion"),
+        replicas=ReplicaCounts(inference=0, synced=0, ready=0),
+        conditions=conds,
+    )

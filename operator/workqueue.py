@@ -1,0 +1,92 @@
+"""A coalescing per-job work queue: at most one reconcile per job at a time, bursts collapse into one.
+
+Watch events arrive in bursts (creating ten pods yields dozens of pod events); each only says "look at
+job X again". A request while X is being reconciled sets a flag so X runs once more afterwards, never
+concurrently. Failures are retried with exponential backoff. The reconcile itself is synchronous (the
+kubernetes client) and runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+class WorkQueue:
+    def __init__(
+        self,
+        work: Callable[[str, str], Any],
+        backoff_initial: float = 1.0,
+        backoff_max: float = 60.0,
+    ) -> None:
+        self.work = work
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self._running: dict[Key, asyncio.Task[None]] = {}
+        self._again: set[Key] = set()
+        self._failures: dict[Key, int] = {}
+        self._retry: dict[Key, asyncio.TimerHandle] = {}
+        self.known: set[Key] = set()
+
+    def request(self, key: Key) -> None:
+        """Ask for a reconcile of `key` soon; cheap and safe to call from any handler."""
+        self.known.add(key)
+        if key in self._running:
+            self._again.add(key)
+            return
+        handle = self._retry.pop(key, None)
+        if handle is not None:
+            handle.cancel()
+        self._running[key] = asyncio.get_running_loop().create_task(self._run(key), name=f"reconcile:{key[0]}/{key[1]}")
+
+    def forget(self, key: Key) -> None:
+        self.known.discard(key)
+        self._failures.pop(key, None)
+        handle = self._retry.pop(key, None)
+        if handle is not None:
+            handle.cancel()
+
+    async def _run(self, key: Key) -> None:
+        try:
+            while True:
+                self._again.discard(key)
+                try:
+                    result = await asyncio.to_thread(self.work, *key)
+                except Exception as err:
+                    n = self._failures.get(key, 0) + 1
+                    self._failures[key] = n
+                    delay = min(self.backoff_max, self.backoff_initial * 2 ** (n - 1))
+                    log.error("reconcile failed job=%s/%s attempt=%d retry_in=%.1fs error=%r", key[0], key[1], n, delay, err)
+                    loop = asyncio.get_running_loop()
+                    self._retry[key] = loop.call_later(delay, self._retry_fire, key)
+                    return
+                self._failures.pop(key, None)
+                if result is None:
+                    self.known.discard(key)  # the job is gone
+                if key not in self._again:
+                    return
+        finally:
+            self._running.pop(key, None)
+
+    def _retry_fire(self, key: Key) -> None:
+        self._retry.pop(key, None)
+        if key in self.known:
+            self.request(key)
+
+    async def drain(self) -> None:
+        """Wait for in-flight reconciles (used at shutdown and in tests)."""
+        while self._running:
+            await asyncio.gather(*list(self._running.values()), return_exceptions=True)
+
+    def cancel_all(self) -> None:
+        for handle in self._retry.values():
+            handle.cancel()
+        self._retry.clear()
+        for task in self._running.values():
+            task.cancel()
