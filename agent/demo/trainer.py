@@ -1,0 +1,140 @@
+"""Demo trainer: a tiny torch model, a few SGD steps per version, publishes versions 1..N, then idles.
+
+    python -m weightsync.agent.demo.trainer --versions 5 --interval 1
+
+Per-version sha256 checksums of every published tensor are written to a JSON file and served over HTTP
+(GET /checksums?version=N, GET /version, GET /healthz) so end-to-end tests can check that every engine
+is bit-exact with the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import torch
+from weightsync.agent.client import TrainerSession, checksums
+from weightsync.agent.demo.model import DemoModel, batch
+from weightsync.crds import contract
+
+log = logging.getLogger("weightsync.demo.trainer")
+
+ENV_DEMO_PORT = "WEIGHTSYNC_DEMO_PORT"
+ENV_DEMO_CHECKSUMS = "WEIGHTSYNC_DEMO_CHECKSUMS"
+
+
+class TrainerState:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.version = 0
+        self.checksums: dict[int, dict[str, str]] = {}
+        self.loss: float | None = None
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {"version": self.version, "loss": self.loss}
+
+
+def _serve(state: TrainerState, host: str, port: int) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            url = urlparse(self.path)
+            q = parse_qs(url.query)
+            if url.path == "/healthz":
+                self._json(200, {"ok": True})
+            elif url.path == "/version":
+                self._json(200, state.snapshot())
+            elif url.path == "/checksums":
+                with state.lock:
+                    v = int(q["version"][0]) if "version" in q else state.version
+                    sums = state.checksums.get(v)
+                self._json(200 if sums else 404, {"version": v, "checksums": sums or {}})
+            else:
+                self._json(404, {"error": f"unknown path {url.path}"})
+
+        def _json(self, code: int, obj: Any) -> None:
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _write_checksums(path: Path, sums: dict[int, dict[str, str]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({str(k): v for k, v in sums.items()}, indent=1))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--versions", type=int, default=int(os.environ.get("WEIGHTSYNC_DEMO_VERSIONS", "5")))
+    p.add_argument("--steps-per-version", type=int, default=3)
+    p.add_argument("--interval", type=float, default=float(os.environ.get("WEIGHTSYNC_DEMO_INTERVAL", "1.0")))
+    p.add_argument("--hidden", type=int, default=int(os.environ.get("WEIGHTSYNC_DEMO_HIDDEN", "64")))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=int(os.environ.get(ENV_DEMO_PORT, "8000")))
+    p.add_argument("--host", default=os.environ.get(contract.ENV_POD_IP, "127.0.0.1"))
+    p.add_argument("--checksums", default=os.environ.get(ENV_DEMO_CHECKSUMS, ""),
+                   help="JSON file for per-version checksums (default: <socket dir>/demo-trainer-checksums.json)")
+    p.add_argument("--exit", action="store_true", help="exit after the last version instead of idling")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    torch.manual_seed(args.seed)
+    model = DemoModel(args.hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    state = TrainerState()
+    server = _serve(state, args.host, args.port)
+    sums_path = Path(args.checksums) if args.checksums else (
+        Path(os.environ.get(contract.ENV_SOCKET_DIR) or contract.SOCKET_DIR) / "demo-trainer-checksums.json")
+    log.info("demo trainer http=%s:%s versions=%d checksums=%s", args.host, server.server_address[1],
+             args.versions, sums_path)
+
+    with TrainerSession() as session:
+        for version in range(1, args.versions + 1):
+            for _ in range(args.steps_per_version):
+                x, y = batch(gen)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                model.steps += 1
+            res = session.publish(model, version)
+            sums = checksums(model.state_dict().items())
+            with state.lock:
+                state.version = version
+                state.loss = float(loss)
+                state.checksums[version] = sums
+                _write_checksums(sums_path, state.checksums)
+            log.info("published version=%d loss=%.5f bytes=%d seconds=%.4f", version, float(loss), res.bytes,
+                     res.seconds)
+            if version < args.versions:
+                time.sleep(args.interval)
+    log.info("all %d versions published; idling", args.versions)
+    if args.exit:
+        server.shutdown()
+        return
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()
