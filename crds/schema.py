@@ -165,13 +165,17 @@ def root_schema() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": "APIVersion: weightsync.io/v1alpha1."},
             "kind": {"type": "string", "description": "Kind: WeightSyncJob."},
-            "metadata": {"type": "object"},
+            "metadata": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "description": "Job name (at most 40 characters)."}},
+            },
             "spec": spec,
             "status": status,
         },
         _VALIDATIONS: [
             {
-                "rule": f"size(self.metadata.name) <= {MAX_JOB_NAME_LENGTH}",
+                "rule": f"!has(self.metadata.name) || size(self.metadata.name) <= {MAX_JOB_NAME_LENGTH}",
+                "fieldPath": ".metadata.name",
                 "message": f"metadata.name must be at most {MAX_JOB_NAME_LENGTH} characters so owned object "
                 "names (<job>-inference-<replica>-<index>) stay valid DNS labels",
             }

@@ -1,0 +1,33 @@
+"""Fixtures for the API tests: the WeightSyncJob CRD installed (server-side apply, as users do) in the
+session cluster from tests/conftest.py; no operator runs, so everything observed is the API server's own
+work (schema validation, CEL, defaulting, printer columns)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from api_helpers import CRD_FILE
+from weightsync.crds import contract
+
+
+@pytest.fixture(scope="session")
+def crd(cluster: Any) -> str:
+    """Install (or update) the generated CRD and wait until it is Established."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=weightsync-tests",
+                    "-f", str(CRD_FILE))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{contract.CRD_NAME}")
+    return contract.CRD_NAME
+
+
+@pytest.fixture(scope="module")
+def api_ns(cluster: Any, crd: str) -> Iterator[str]:
+    """One namespace for a whole module: the validation table has ~40 cases and none of them leaves an
+    object behind that another case could see (every case uses its own name)."""
+    name = f"wsj-api-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+

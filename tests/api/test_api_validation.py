@@ -1,0 +1,77 @@
+"""Table-driven: invalid WeightSyncJobs are refused by the API server itself (no operator runs), with a
+message that names the field. The table (tests/crds/invalid_cases.py) is shared with the pydantic mirror
+test, so the operator's models refuse the same objects."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from api_helpers import kube_json, load_cases
+
+pytestmark = pytest.mark.cluster
+
+cases = load_cases()
+
+
+def _name(case_id: str) -> str:
+    return f"v-{case_id}"[:40].rstrip("-")
+
+
+def test_table_has_at_least_twenty_kinds() -> None:
+    assert len(cases.CASES) >= 20
+    assert {c.kind for c in cases.CASES} >= {"enum", "bound", "required", "pattern", "CEL", "immutable"}
+
+
+@pytest.mark.parametrize("case", cases.CREATE_CASES, ids=lambda c: c.id)
+def test_invalid_create_is_refused_naming_the_field(case: Any, cluster: Any, api_ns: str) -> None:
+    obj = case.build(_name(case.id))
+    res = cluster.kubectl("create", "-n", api_ns, "-f", "-", input=json.dumps(obj), check=False)
+    assert res.returncode != 0, f"{case.id}: the API server accepted an invalid object"
+    message = res.stderr
+    assert "is invalid" in message or "Invalid value" in message, message
+    assert case.field in message, f"{case.id}: {case.field!r} not named in: {message}"
+    if case.also:
+        assert case.also in message, f"{case.id}: {case.also!r} not in: {message}"
+    gone = cluster.kubectl("get", "wsj", obj["metadata"]["name"], "-n", api_ns, check=False)
+    assert gone.returncode != 0 and "NotFound" in gone.stderr
+
+
+@pytest.mark.parametrize("case", cases.UPDATE_CASES, ids=lambda c: c.id)
+def test_immutable_field_update_is_refused(case: Any, cluster: Any, api_ns: str) -> None:
+    name = _name(case.id)
+    cluster.kubectl("create", "-n", api_ns, "-f", "-", input=json.dumps(case.build(name)))
+    stored = kube_json(cluster, "get", "wsj", name, "-n", api_ns)
+    res = cluster.kubectl("replace", "-n", api_ns, "-f", "-", input=json.dumps(case.updated(stored)), check=False)
+    assert res.returncode != 0, f"{case.id}: the API server accepted a change of an immutable field"
+    assert case.field in res.stderr and "immutable" in res.stderr, res.stderr
+    after = kube_json(cluster, "get", "wsj", name, "-n", api_ns)
+    assert after["spec"] == stored["spec"]
+    assert after["metadata"]["generation"] == stored["metadata"]["generation"]
+
+
+def test_immutable_field_refused_through_server_side_apply(cluster: Any, api_ns: str) -> None:
+    obj = cases.separated("v-ssa-immutable")
+    cluster.kubectl("apply", "--server-side", "-n", api_ns, "-f", "-", input=json.dumps(obj))
+    obj["spec"]["trainer"]["template"]["spec"]["containers"][0]["image"] = "example.com/trainer:2"
+    res = cluster.kubectl("apply", "--server-side", "-n", api_ns, "-f", "-", input=json.dumps(obj), check=False)
+    assert res.returncode != 0
+    assert "spec.trainer.template is immutable" in res.stderr
+
+
+@pytest.mark.parametrize(("label", "mutate"), cases.ALLOWED_UPDATES, ids=[n for n, _ in cases.ALLOWED_UPDATES])
+def test_allowed_update_is_applied(label: str, mutate: Any, cluster: Any, api_ns: str) -> None:
+    name = _name(f"ok-{label}")
+    cluster.kubectl("create", "-n", api_ns, "-f", "-", input=json.dumps(cases.separated(name)))
+    stored = kube_json(cluster, "get", "wsj", name, "-n", api_ns)
+    wanted = json.loads(json.dumps(stored))
+    mutate(wanted)
+    cluster.kubectl("replace", "-n", api_ns, "-f", "-", input=json.dumps(wanted))
+    after = kube_json(cluster, "get", "wsj", name, "-n", api_ns)
+    for key, value in wanted["spec"].items():
+        if isinstance(value, dict):
+            assert value.items() <= after["spec"][key].items(), key
+        else:
+            assert after["spec"][key] == value, key
+    assert after["metadata"]["generation"] == stored["metadata"]["generation"] + 1
