@@ -91,6 +91,7 @@ class KubeClient:
         session: requests.Session | None = getattr(self._local, "session", None)
         if session is None:
             session = requests.Session()
+            session.trust_env = False  # REQUESTS_CA_BUNDLE / proxies from the environment must not apply
             ep = self.endpoint
             if ep.cert_file and ep.key_file:
                 session.cert = (ep.cert_file, ep.key_file)
