@@ -1,0 +1,235 @@
+"""The pod builder: agent sidecar, volumes, env, GPUs, gates, affinity, ownership."""
+
+from __future__ import annotations
+
+import pytest
+from weightsync.crds import contract
+from weightsync.operator.placement import plan
+from weightsync.operator.pods import (
+    DRA_CLAIM,
+    TemplateError,
+    build_pod,
+    build_pods,
+    resource_claim_template_name,
+    shm_size_mb,
+)
+
+
+def _pods(job, spec, cfg, **kw):
+    p = plan(job.name, spec, cfg.node_gpu_count, cfg.rdma_available)
+    return {x["metadata"]["name"]: x for x in build_pods(job, spec, p, cfg, **kw)}
+
+
+def _env(container):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def _agent(pod):
+    return next(c for c in pod["spec"]["initContainers"] if c["name"] == contract.AGENT_CONTAINER)
+
+
+def test_agent_is_a_native_sidecar_with_configured_image(job, separated, cfg):
+    for pod in _pods(job, separated(), cfg).values():
+        agent = _agent(pod)
+        assert pod["spec"]["initContainers"][0] is agent
+        assert agent["restartPolicy"] == "Always"
+        assert agent["image"] == "agent:test" and agent["command"] == ["weightsync-agent"]
+        assert {p["containerPort"] for p in agent["ports"]} == set(contract.AGENT_PORTS)
+        mounts = {m["mountPath"] for m in agent["volumeMounts"]}
+        assert mounts == {contract.SOCKET_DIR, contract.SHM_DIR, contract.TOPOLOGY_DIR, contract.TOKEN_DIR}
+        assert _env(agent)[contract.ENV_TOKEN_PATH] == f"{contract.TOKEN_DIR}/{contract.TOKEN_FILE}"
+
+
+def test_env_on_every_container(job, separated, cfg):
+    pods = _pods(job, separated(), cfg)
+    t1 = pods["demo-trainer-1"]
+    for c in t1["spec"]["containers"] + t1["spec"]["initContainers"]:
+        env = _env(c)
+        assert env[contract.ENV_JOB] == "demo"
+        assert env[contract.ENV_ROLE] == contract.ROLE_TRAINER
+        assert env[contract.ENV_RANK] == "4" and env[contract.ENV_WORLD_SIZE] == "8"
+        assert env[contract.ENV_POD_NAME] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env[contract.ENV_POD_IP] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env[contract.ENV_NAMESPACE] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+        assert env[contract.ENV_TOPOLOGY_PATH] == f"{contract.TOPOLOGY_DIR}/{contract.TOPOLOGY_FILE}"
+        assert env[contract.ENV_TRANSFER_MODE] == "NCCL" and env[contract.ENV_BUCKET_SIZE_MB] == "64"
+        assert env[contract.ENV_SOCKET_DIR] == contract.SOCKET_DIR
+    assert _env(t1["spec"]["containers"][0])["USER_VAR"] == "1"  # the user's env is kept
+    i1 = pods["demo-inference-1-0"]
+    env = _env(i1["spec"]["containers"][0])
+    assert env[contract.ENV_ROLE] == contract.ROLE_INFERENCE and env[contract.ENV_REPLICA] == "1"
+    assert env[contract.ENV_RANK] == "0" and env[contract.ENV_WORLD_SIZE] == "2"
+    assert env[contract.ENV_ENGINE_URL] == "http://127.0.0.1:30000"
+
+
+def test_contract_env_overrides_a_spoofed_user_value(job, separated, cfg):
+    tmpl = {"spec": {"containers": [{"name": "t", "image": "x", "env": [{"name": contract.ENV_RANK, "value": "99"}]}]}}
+    pods = _pods(job, separated(trainer={"template": tmpl}), cfg)
+    env = pods["demo-trainer-0"]["spec"]["containers"][0]["env"]
+    assert [e["value"] for e in env if e["name"] == contract.ENV_RANK] == ["0"]
+
+
+def test_shared_volumes_and_shm_size(job, separated, cfg):
+    pod = _pods(job, separated(transfer={"bucketSizeMB": 300}), cfg)["demo-trainer-0"]
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    shm = vols["weightsync-shm"]["emptyDir"]
+    assert shm["medium"] == "Memory" and shm["sizeLimit"] == f"{shm_size_mb(300)}Mi"
+    assert shm_size_mb(300) >= 600
+    assert vols["weightsync-topology"]["configMap"]["name"] == "demo-topology"
+    assert vols["weightsync-token"]["secret"]["secretName"] == "demo-token"
+    app = pod["spec"]["containers"][0]
+    mounts = {m["mountPath"] for m in app["volumeMounts"]}
+    assert mounts == {contract.SOCKET_DIR, contract.SHM_DIR, contract.TOPOLOGY_DIR}  # no token for the app
+
+
+def test_gpu_requests_and_readiness_gate(job, separated, cfg):
+    pods = _pods(job, separated(), cfg)
+    t = pods["demo-trainer-0"]
+    res = t["spec"]["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == "4" and res["requests"]["nvidia.com/gpu"] == "4"
+    assert "readinessGates" not in t["spec"]
+    i = pods["demo-inference-0-0"]
+    assert i["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert i["spec"]["readinessGates"] == [{"conditionType": contract.POD_CONDITION_SYNCED}]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in i["spec"]["tolerations"]
+
+
+def test_user_gpu_request_is_replaced(job, separated, cfg):
+    tmpl = {"spec": {"containers": [{"name": "t", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "2"}}}]}}
+    pod = _pods(job, separated(trainer={"template": tmpl}), cfg)["demo-trainer-0"]
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "4", "cpu": "2"}
+
+
+def test_cpu_only_pods_request_no_gpu_and_no_affinity(job, separated, cfg):
+    spec = separated(
+        trainer={"replicas": 1, "gpusPerPod": 0, "parallelism": {"tensor": 1, "pipeline": 1, "data": 1}},
+        inference={"replicas": 1, "gpusPerReplica": 0, "parallelism": {"tensor": 1}},
+    )
+    for pod in _pods(job, spec, cfg).values():
+        assert "nvidia.com/gpu" not in str(pod["spec"]["containers"])
+        assert "nodeAffinity" not in (pod["spec"].get("affinity") or {})
+        assert "tolerations" not in pod["spec"]
+
+
+def test_gdr_adds_rdma_and_ipc_lock_to_the_agent(job, separated, cfg):
+    spec = separated(transfer={"mode": "GDR", "rdmaResourceName": "rdma/hca_a"})
+    for pod in _pods(job, spec, cfg).values():
+        agent = _agent(pod)
+        assert agent["resources"]["limits"]["rdma/hca_a"] == "1"
+        assert agent["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    nccl = _pods(job, separated(), cfg)["demo-trainer-0"]
+    assert "securityContext" not in _agent(nccl)
+
+
+def test_node_affinity_and_topology_key_packing(job, separated, cfg):
+    spec = separated(placement={"mode": "Separated", "topologyKey": "example.com/rack"})
+    pod = _pods(job, spec, cfg)["demo-inference-0-0"]
+    aff = pod["spec"]["affinity"]
+    terms = aff["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]}]
+    (pa,) = aff["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert pa["topologyKey"] == "example.com/rack"
+    assert pa["labelSelector"]["matchLabels"] == {contract.LABEL_JOB: "demo", contract.LABEL_MANAGED_BY: contract.MANAGED_BY}
+    assert "podAntiAffinity" not in aff
+
+
+def test_inference_replicas_spread_without_topology_key(job, separated, cfg):
+    pod = _pods(job, separated(), cfg)["demo-inference-0-0"]
+    (term,) = pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_user_node_affinity_terms_are_anded(job, separated, cfg):
+    user_term = {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+    tmpl = {"spec": {"containers": [{"name": "t", "image": "x"}], "affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [user_term]}}}}}
+    pod = _pods(job, separated(trainer={"template": tmpl}), cfg)["demo-trainer-0"]
+    (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert [e["key"] for e in term["matchExpressions"]] == ["zone", "nvidia.com/gpu.present"]
+
+
+def test_identity_labels_annotations_owner_and_service_account(job, separated, cfg):
+    ann = {"demo-inference-1-0": {contract.ANN_TARGET_VERSION: "7"}}
+    pods = _pods(job, separated(), cfg, desired_annotations=ann)
+    pod = pods["demo-inference-1-0"]
+    meta = pod["metadata"]
+    assert meta["namespace"] == "ns1"
+    assert meta["labels"] == {
+        "team": "rl", contract.LABEL_JOB: "demo", contract.LABEL_MANAGED_BY: contract.MANAGED_BY,
+        contract.LABEL_ROLE: contract.ROLE_INFERENCE, contract.LABEL_RANK: "0", contract.LABEL_REPLICA: "1",
+    }
+    assert meta["annotations"][contract.ANN_TARGET_VERSION] == "7"
+    assert contract.ANN_SPEC_HASH in meta["annotations"]
+    (ref,) = meta["ownerReferences"]
+    assert ref == {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "name": "demo", "uid": "uid-123",
+                   "controller": True, "blockOwnerDeletion": True}
+    assert pod["spec"]["serviceAccountName"] == "demo-agent"
+    assert pod["spec"]["hostname"] == "demo-inference-1-0" and pod["spec"]["subdomain"] == "demo"
+    assert pods["demo-trainer-0"]["metadata"]["annotations"]["note"] == "trainer"
+
+
+def test_spec_hash_is_stable_and_ignores_desired_state(job, separated, cfg):
+    a = _pods(job, separated(), cfg)["demo-trainer-0"]
+    b = _pods(job, separated(), cfg, desired_annotations={"demo-trainer-0": {contract.ANN_PAUSED: "true"}})["demo-trainer-0"]
+    assert a["metadata"]["annotations"][contract.ANN_SPEC_HASH] == b["metadata"]["annotations"][contract.ANN_SPEC_HASH]
+    c = _pods(job, separated(transfer={"bucketSizeMB": 65}), cfg)["demo-trainer-0"]
+    assert c["metadata"]["annotations"][contract.ANN_SPEC_HASH] != a["metadata"]["annotations"][contract.ANN_SPEC_HASH]
+
+
+def test_colocated_pod_holds_trainer_inference_and_agent_on_the_same_gpus(job, colocated, cfg):
+    pods = _pods(job, colocated(), cfg)
+    assert list(pods) == ["demo-colocated-0", "demo-colocated-1"]
+    pod = pods["demo-colocated-1"]
+    trainer, engine = pod["spec"]["containers"]
+    assert (trainer["name"], engine["name"]) == ("trainer", "engine")
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert "resources" not in engine or "nvidia.com/gpu" not in str(engine["resources"])
+    assert _env(engine)["NVIDIA_VISIBLE_DEVICES"] == "all" and _env(_agent(pod))["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert _env(trainer)[contract.ENV_ROLE] == contract.ROLE_TRAINER and _env(trainer)[contract.ENV_RANK] == "8"
+    assert _env(engine)[contract.ENV_ROLE] == contract.ROLE_INFERENCE
+    assert _env(_agent(pod))[contract.ENV_ROLE] == contract.ROLE_COLOCATED
+    assert pod["spec"]["readinessGates"] == [{"conditionType": contract.POD_CONDITION_SYNCED}]
+    assert pod["metadata"]["labels"][contract.LABEL_ROLE] == contract.ROLE_COLOCATED
+    assert contract.LABEL_REPLICA not in pod["metadata"]["labels"]  # hosts replicas 4..7
+
+
+def test_colocated_with_dra_shares_one_claim(job, colocated, cfg):
+    spec = colocated(
+        placement={"mode": "Colocated", "dra": {"deviceClassName": "gpu.nvidia.com"}},
+        trainer={"replicas": 2, "gpusPerPod": 4, "parallelism": {"tensor": 1, "pipeline": 1, "data": 8}},
+        inference={"replicas": 4, "gpusPerReplica": 2},
+    )
+    pod = _pods(job, spec, cfg)["demo-colocated-0"]
+    assert pod["spec"]["resourceClaims"] == [{"name": DRA_CLAIM, "resourceClaimTemplateName": resource_claim_template_name("demo")}]
+    for c in pod["spec"]["containers"] + [_agent(pod)]:
+        assert c["resources"]["claims"] == [{"name": DRA_CLAIM}]
+        assert "nvidia.com/gpu" not in str(c["resources"].get("limits", {}))
+
+
+@pytest.mark.parametrize(
+    "template, needle",
+    [
+        ({"spec": {"containers": [{"name": contract.AGENT_CONTAINER, "image": "x"}]}}, "reserved"),
+        ({"spec": {"containers": [{"name": "t", "image": "x"}], "volumes": [{"name": "weightsync-shm", "emptyDir": {}}]}}, "reserved"),
+    ],
+)
+def test_reserved_names_are_refused(job, separated, cfg, template, needle):
+    spec = separated(trainer={"template": template})
+    p = plan("demo", spec)
+    with pytest.raises(TemplateError, match=needle):
+        build_pod(job, spec, p, p.pods[0], cfg)
+
+
+def test_colocated_container_name_clash_is_refused(job, colocated, cfg):
+    same = {"spec": {"containers": [{"name": "main", "image": "x"}]}}
+    spec = colocated(trainer={"template": same}, inference={"template": same})
+    p = plan("demo", spec)
+    with pytest.raises(TemplateError, match="distinct names"):
+        build_pod(job, spec, p, p.pods[0], cfg)
+
+
+def test_builder_does_not_mutate_the_spec(job, separated, cfg):
+    spec = separated()
+    before = spec.model_dump()
+    _pods(job, spec, cfg)
+    assert spec.model_dump() == before

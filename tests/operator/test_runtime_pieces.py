@@ -1,0 +1,112 @@
+"""The operator process pieces: work queue, peering leadership, configuration, CLI scope."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from weightsync.operator.config import OperatorConfig
+from weightsync.operator.handlers import owner_job
+from weightsync.operator.leadership import is_leader
+from weightsync.operator.main import main as operator_main
+from weightsync.operator.workqueue import WorkQueue
+
+
+def test_work_queue_coalesces_and_never_runs_a_key_concurrently():
+    calls: list[tuple[str, str]] = []
+    active = set()
+    overlap = []
+    gate = threading.Event()
+
+    def work(ns: str, name: str) -> object:
+        if (ns, name) in active:
+            overlap.append(name)
+        active.add((ns, name))
+        calls.append((ns, name))
+        gate.wait(2)
+        time.sleep(0.01)
+        active.discard((ns, name))
+        return object()
+
+    async def scenario() -> None:
+        q = WorkQueue(work)
+        q.request(("ns", "a"))
+        await asyncio.sleep(0.05)
+        for _ in range(20):  # a burst while "a" runs collapses into one more pass
+            q.request(("ns", "a"))
+        q.request(("ns", "b"))
+        gate.set()
+        await q.drain()
+
+    asyncio.run(scenario())
+    assert calls.count(("ns", "a")) == 2 and calls.count(("ns", "b")) == 1
+    assert overlap == []
+
+
+def test_work_queue_retries_failures_with_backoff_and_forgets_deleted_jobs():
+    attempts = []
+
+    def work(ns: str, name: str) -> object | None:
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise RuntimeError("api down")
+        return None  # job gone
+
+    async def scenario() -> WorkQueue:
+        q = WorkQueue(work, backoff_initial=0.05, backoff_max=0.1)
+        q.request(("ns", "a"))
+        deadline = time.monotonic() + 5
+        while len(attempts) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await q.drain()
+        return q
+
+    q = asyncio.run(scenario())
+    assert len(attempts) == 3
+    assert attempts[1] - attempts[0] >= 0.04 and attempts[2] - attempts[1] >= 0.08
+    assert ("ns", "a") not in q.known
+
+
+def test_peering_leadership_rule():
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    fresh = (now - timedelta(seconds=5)).isoformat()
+    dead = (now - timedelta(seconds=500)).isoformat()
+    assert is_leader({}, "me", 10, now)
+    assert is_leader({"me": {"priority": 10, "lastseen": fresh, "lifetime": 60}}, "me", 10, now)
+    assert not is_leader({"other": {"priority": 20, "lastseen": fresh, "lifetime": 60}}, "me", 10, now)
+    assert not is_leader({"other": {"priority": 10, "lastseen": fresh, "lifetime": 60}}, "me", 10, now)
+    assert is_leader({"other": {"priority": 5, "lastseen": fresh, "lifetime": 60}}, "me", 10, now)
+    assert is_leader({"other": {"priority": 50, "lastseen": dead, "lifetime": 60}}, "me", 10, now)
+
+
+def test_config_from_env():
+    cfg = OperatorConfig.from_env({
+        "WEIGHTSYNC_AGENT_IMAGE": "reg/agent:2", "WEIGHTSYNC_NODE_GPU_COUNT": "4",
+        "WEIGHTSYNC_GPU_NODE_SELECTOR": "a=b, c=d", "WEIGHTSYNC_RDMA_AVAILABLE": "true",
+        "WEIGHTSYNC_RESYNC_SECONDS": "5",
+    })
+    assert (cfg.agent_image, cfg.node_gpu_count, cfg.rdma_available, cfg.resync_seconds) == ("reg/agent:2", 4, True, 5.0)
+    assert cfg.gpu_node_selector == {"a": "b", "c": "d"}
+    assert OperatorConfig.from_env({"WEIGHTSYNC_GPU_NODE_SELECTOR": ""}).gpu_node_selector == {}
+    with pytest.raises(ValueError, match="WEIGHTSYNC_NODE_GPU_COUNT"):
+        OperatorConfig.from_env({"WEIGHTSYNC_NODE_GPU_COUNT": "eight"})
+    with pytest.raises(ValueError, match="key=value"):
+        OperatorConfig.from_env({"WEIGHTSYNC_GPU_NODE_SELECTOR": "novalue"})
+
+
+def test_cli_requires_a_scope(monkeypatch, capsys):
+    monkeypatch.delenv("WEIGHTSYNC_WATCH_NAMESPACES", raising=False)
+    assert operator_main([]) == 2
+    assert "--all-namespaces" in capsys.readouterr().err
+
+
+def test_owner_job_reads_the_controller_reference():
+    body = {"metadata": {"ownerReferences": [
+        {"apiVersion": "v1", "kind": "Node", "name": "x", "controller": False},
+        {"apiVersion": "weightsync.io/v1alpha1", "kind": "WeightSyncJob", "name": "j1", "controller": True},
+    ]}}
+    assert owner_job(body) == "j1"
+    assert owner_job({"metadata": {}}) is None

@@ -1,0 +1,165 @@
+"""Status aggregation and rollout targets from what agents report on their pods."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from weightsync.crds import contract
+from weightsync.operator.placement import plan
+from weightsync.operator.replicas import replica_states, trainer_version
+from weightsync.operator.rollout import desired_annotations, replica_targets
+from weightsync.operator.status import Problem, aggregate, ordered, problem_status
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T1 = datetime(2026, 1, 2, tzinfo=timezone.utc)
+
+
+def pod(name, node="n1", ready=True, synced=None, served=None, published=None, target=None, **ann):
+    conds = [{"type": "Ready", "status": "True" if ready else "False"}]
+    if synced is not None:
+        conds.append({"type": contract.POD_CONDITION_SYNCED, "status": "True" if synced else "False"})
+    a = dict(ann)
+    if served is not None:
+        a[contract.ANN_SERVED_VERSION] = str(served)
+    if published is not None:
+        a[contract.ANN_PUBLISHED_VERSION] = str(published)
+    if target is not None:
+        a[contract.ANN_TARGET_VERSION] = str(target)
+    return {"metadata": {"name": name, "uid": name, "annotations": a}, "spec": {"nodeName": node},
+            "status": {"phase": "Running", "conditions": conds, "podIP": "10.0.0.1"}}
+
+
+def cond(status, type_):
+    return next(c for c in status.conditions if c.type == type_)
+
+
+def test_first_reconcile_with_no_pods(separated):
+    spec = separated()
+    p = plan("demo", spec)
+    st = aggregate(spec, 3, p, {}, None, 1, now=T0)
+    assert st.observed_generation == 3 and st.mode == "NCCL" and st.membership_generation == 1
+    assert [c.type for c in ordered_conditions(st)] == list(contract.JOB_CONDITION_TYPES)
+    assert all(c.observed_generation == 3 for c in st.conditions)
+    assert cond(st, "Ready").status == "False" and cond(st, "Ready").reason == "PodsPending"
+    assert cond(st, "Progressing").status == "True"
+    assert cond(st, "Synced").status == "Unknown"
+    assert cond(st, "Paused").status == "False" and cond(st, "Degraded").status == "False"
+    assert st.replicas is not None and st.replicas.inference == 0
+
+
+def ordered_conditions(st):
+    order = {t: i for i, t in enumerate(contract.JOB_CONDITION_TYPES)}
+    return sorted(st.conditions, key=lambda c: order[c.type])
+
+
+def test_all_synced_and_ready(separated):
+    spec = separated()
+    p = plan("demo", spec)
+    pods = {
+        "demo-trainer-0": pod("demo-trainer-0", published=5),
+        "demo-trainer-1": pod("demo-trainer-1", published=5),
+        "demo-inference-0-0": pod("demo-inference-0-0", synced=True, served=5),
+        "demo-inference-1-0": pod("demo-inference-1-0", synced=True, served=5,
+                                  **{contract.ANN_LAST_SYNC: json.dumps({"version": 5, "durationSeconds": 1.5, "bytes": 10, "mode": "NCCL"})}),
+    }
+    st = aggregate(spec, 1, p, pods, None, 2, now=T0)
+    assert st.trainer_version == 5 and st.served_version == 5
+    assert st.replicas is not None and (st.replicas.inference, st.replicas.synced, st.replicas.ready) == (2, 2, 2)
+    assert cond(st, "Ready").status == "True" and cond(st, "Synced").status == "True"
+    assert cond(st, "Progressing").status == "False" and cond(st, "Degraded").status == "False"
+    assert st.last_sync is not None and st.last_sync.version == 5 and st.last_sync.mode == "NCCL"
+
+
+def test_trainer_version_needs_every_trainer_pod_and_never_goes_back(separated):
+    p = plan("demo", separated())
+    pods = {"demo-trainer-0": pod("demo-trainer-0", published=7), "demo-trainer-1": pod("demo-trainer-1", published=6)}
+    assert trainer_version(p, pods) == 6
+    del pods["demo-trainer-1"]
+    assert trainer_version(p, pods) is None
+    assert trainer_version(p, pods, previous=6) == 6
+
+
+def test_behind_stale_and_degraded(separated):
+    spec = separated(updatePolicy={"maxStaleness": 1})
+    p = plan("demo", spec)
+    pods = {
+        "demo-trainer-0": pod("demo-trainer-0", published=9),
+        "demo-trainer-1": pod("demo-trainer-1", published=9),
+        "demo-inference-0-0": pod("demo-inference-0-0", synced=True, served=9),
+        "demo-inference-1-0": pod("demo-inference-1-0", ready=False, synced=False, served=7),
+    }
+    st = aggregate(spec, 1, p, pods, None, 1, now=T0)
+    assert st.served_version == 9  # lowest over Ready replicas only
+    assert st.replicas is not None and (st.replicas.synced, st.replicas.ready) == (1, 1)
+    assert cond(st, "Synced").status == "False" and "1/2" in cond(st, "Synced").message
+    assert cond(st, "Ready").reason == "PodsNotReady"
+    assert cond(st, "Degraded").status == "True" and cond(st, "Degraded").reason == "ReplicasStale"
+    pods["demo-inference-1-0"]["metadata"]["annotations"][contract.ANN_SYNC_ERROR] = "checksum mismatch"
+    st = aggregate(spec, 1, p, pods, None, 1, now=T0)
+    assert cond(st, "Degraded").reason == "SyncFailed" and "checksum mismatch" in cond(st, "Degraded").message
+    pods["demo-trainer-0"]["status"]["phase"] = "Failed"
+    assert cond(aggregate(spec, 1, p, pods, None, 1, now=T0), "Degraded").reason == "PodFailed"
+
+
+def test_paused_reports_engine_confirmation(separated):
+    spec = separated(paused=True)
+    p = plan("demo", spec)
+    pods = {n: pod(n, **{contract.ANN_ENGINE_PAUSED: "true"}) for n in p.names}
+    pods["demo-inference-1-0"]["metadata"]["annotations"].pop(contract.ANN_ENGINE_PAUSED)
+    c = cond(aggregate(spec, 1, p, pods, None, 1, now=T0), "Paused")
+    assert c.status == "True" and c.reason == "PausedBySpec" and "1/2 confirmed" in c.message
+
+
+def test_last_transition_time_moves_only_on_flips(separated):
+    spec = separated()
+    p = plan("demo", spec)
+    first = ordered(aggregate(spec, 1, p, {}, None, 1, now=T0))
+    again = ordered(aggregate(spec, 2, p, {}, first, 1, now=T1))
+    assert again["conditions"] == [{**c, "observedGeneration": 2} for c in first["conditions"]]
+    pods = {n: pod(n, synced=True, served=1, published=1) for n in p.names}
+    flipped = aggregate(spec, 2, p, pods, first, 1, now=T1)
+    assert cond(flipped, "Ready").last_transition_time == T1
+    assert cond(flipped, "Paused").last_transition_time == T0
+
+
+def test_problem_status_names_the_reason(separated):
+    st = ordered(problem_status(4, Problem("InvalidTemplate", "bad image"), None, False, now=T0))
+    by = {c["type"]: c for c in st["conditions"]}
+    assert by["Ready"]["status"] == "False" and by["Ready"]["reason"] == "InvalidTemplate"
+    assert by["Ready"]["message"] == "bad image" and by["Ready"]["observedGeneration"] == 4
+    assert by["Degraded"]["status"] == "True" and st["observedGeneration"] == 4
+
+
+def test_rollout_respects_max_unavailable(separated):
+    spec = separated(inference={"replicas": 4, "gpusPerReplica": 1, "parallelism": {"tensor": 1}},
+                     updatePolicy={"maxUnavailable": "50%"})
+    p = plan("demo", spec)
+    pods = {n: pod(n, published=2) for n in p.trainer_pods}
+    for r in range(4):
+        pods[f"demo-inference-{r}-0"] = pod(f"demo-inference-{r}-0", synced=True, served=1, target=1)
+    states = replica_states(p, pods)
+    targets = replica_targets(spec, states, 2)
+    assert targets == {0: 2, 1: 2, 2: 1, 3: 1}  # 50% of 4: two replicas load at once
+    # Replica 0 finished; replica 1 still loading: one more may start.
+    pods["demo-inference-0-0"] = pod("demo-inference-0-0", synced=True, served=2, target=2)
+    pods["demo-inference-1-0"] = pod("demo-inference-1-0", synced=True, served=1, target=2)
+    assert replica_targets(spec, replica_states(p, pods), 2) == {0: 2, 1: 2, 2: 2, 3: 1}
+
+
+def test_new_replicas_catch_up_at_once_and_annotations(separated):
+    spec = separated(inference={"replicas": 3, "gpusPerReplica": 1, "parallelism": {"tensor": 1}},
+                     updatePolicy={"maxUnavailable": 1}, paused=True)
+    p = plan("demo", spec)
+    pods = {n: pod(n, published=4) for n in p.trainer_pods}
+    pods["demo-inference-0-0"] = pod("demo-inference-0-0", synced=True, served=3, target=3)
+    pods["demo-inference-1-0"] = pod("demo-inference-1-0", synced=True, served=3, target=3)
+    # replica 2 is new: no pod yet -> it takes the newest version without using the budget
+    states = replica_states(p, pods)
+    ann = desired_annotations(spec, p, states, 4, 6)
+    assert ann["demo-inference-2-0"][contract.ANN_TARGET_VERSION] == "4"
+    assert [ann[f"demo-inference-{r}-0"][contract.ANN_TARGET_VERSION] for r in (0, 1)] == ["4", "3"]
+    assert ann["demo-inference-0-0"][contract.ANN_PAUSED] == "true"
+    assert ann["demo-trainer-0"] == {contract.ANN_MEMBERSHIP_GENERATION: "6"}
+    # Nothing published yet: no target at all.
+    assert contract.ANN_TARGET_VERSION not in desired_annotations(spec, p, replica_states(p, {}), None, 1)["demo-inference-0-0"]
