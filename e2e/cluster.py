@@ -179,6 +179,7 @@ class LocalCluster(ClusterAccess):
         self.pki: Pki | None = None
         self.start_seconds: float | None = None
         self.phase_seconds: dict[str, float] = {}
+        self.stopped_pids: dict[str, int] = {}  # every component pid this object stopped (for checks)
         self._started = False
 
     # --- public surface ---------------------------------------------------------------------------
@@ -226,6 +227,7 @@ class LocalCluster(ClusterAccess):
 
     # --- internals --------------------------------------------------------------------------------
     def _stop_procs(self) -> None:
+        self.stopped_pids.update(self.pids)
         order = ["kube-scheduler", "kube-controller-manager", "kube-apiserver"]
         stop_all([self.procs[n] for n in order if n in self.procs])
         if "etcd" in self.procs:
