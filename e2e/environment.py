@@ -127,7 +127,9 @@ def start_environment(
     process_nodes: bool | int = True,
     env: Mapping[str, str] = os.environ,
 ) -> Environment:
-    """Start (or attach to) a cluster and create the simulated nodes; see the module doc for the env."""
+    """Start (or attach to) a cluster and create the simulated nodes; see the module doc for the env.
+    KUBECONFIG: where a local cluster writes its admin kubeconfig (default: a new temp dir, removed on
+    stop; `make dev-up` passes .dev/kubeconfig)."""
     existing = existing_kubeconfig(env)
     gpus = gpus if gpus is not None else int(env.get("WEIGHTSYNC_E2E_GPUS", "8"))
     environment: Environment
@@ -135,8 +137,18 @@ def start_environment(
         environment = Environment(access=ExistingCluster(existing))
         default_nodes = 0
     else:
-        local = LocalCluster(kubeconfig=kubeconfig, work_dir=work_dir).start()
-        environment = Environment(access=local, local=local)
+        owned: list[Path] = []
+        if kubeconfig is None:
+            # Never the shared .dev/kubeconfig: parallel test sessions (and `make dev-up`) would clobber it.
+            owned.append(Path(tempfile.mkdtemp(prefix="weightsync-e2e-")))
+            kubeconfig = owned[0] / "kubeconfig"
+        try:
+            local = LocalCluster(kubeconfig=kubeconfig, work_dir=work_dir).start()
+        except BaseException:
+            for d in owned:
+                shutil.rmtree(d, ignore_errors=True)
+            raise
+        environment = Environment(access=local, local=local, _owned_dirs=owned)
         default_nodes = 4
     try:
         count = node_count if node_count is not None else int(env.get("WEIGHTSYNC_E2E_NODES", str(default_nodes)))
