@@ -31,5 +31,11 @@ def load_cases() -> ModuleType:
 
 def kube_json(cluster: Any, *args: str) -> dict[str, Any]:
     """`kubectl ... -o json` parsed."""
-    out = cluster.kubectl(*args, "-o", "json")
-    return json.loads(out.stdout)
+    return json.loads(kubectl_ok(cluster, *args, "-o", "json"))
+
+
+def kubectl_ok(cluster: Any, *args: str, input: str | None = None) -> str:
+    """Run kubectl and fail the test with its stderr (CalledProcessError hides it) when it fails."""
+    res = cluster.kubectl(*args, input=input, check=False)
+    assert res.returncode == 0, f"kubectl {' '.join(args)} failed (rc={res.returncode}): {res.stderr.strip()}"
+    return str(res.stdout)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from api_helpers import REPO, kube_json
+from api_helpers import REPO, kube_json, kubectl_ok
 from weightsync.crds import contract
 from weightsync.crds.models import (
     LastSync,
@@ -34,30 +34,30 @@ def test_crd_is_established_with_short_name(cluster: Any, crd: str) -> None:
     obj = kube_json(cluster, "get", "crd", crd)
     conds = {c["type"]: c["status"] for c in obj["status"]["conditions"]}
     assert conds["Established"] == "True" and conds["NamesAccepted"] == "True"
-    resources = cluster.kubectl("api-resources", f"--api-group={contract.GROUP}", "-o", "wide").stdout
+    resources = kubectl_ok(cluster, "api-resources", f"--api-group={contract.GROUP}", "-o", "wide")
     assert "wsj" in resources and "WeightSyncJob" in resources and "true" in resources  # namespaced
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_applies_cleanly_and_server_defaults_match_models(path: Path, cluster: Any, api_ns: str) -> None:
-    result = cluster.kubectl("apply", "--server-side", "-n", api_ns, "-f", str(path))
-    assert "serverside-applied" in result.stdout, result.stdout + result.stderr
+    result = kubectl_ok(cluster, "apply", "--server-side", "-n", api_ns, "-f", str(path))
+    assert "serverside-applied" in result, result
     for doc in yaml.safe_load_all(path.read_text()):
         name = doc["metadata"]["name"]
         stored = kube_json(cluster, "get", "wsj", name, "-n", api_ns)
         # The API server's structural defaulting and the models' defaults agree field by field.
         assert stored["spec"] == WeightSyncJob.from_k8s(doc).to_dict()["spec"]
         WeightSyncJob.from_k8s(stored)  # what the operator will read parses
-    again = cluster.kubectl("apply", "--server-side", "-n", api_ns, "-f", str(path))
-    assert "serverside-applied" in again.stdout  # idempotent, no conflict
+    again = kubectl_ok(cluster, "apply", "--server-side", "-n", api_ns, "-f", str(path))
+    assert "serverside-applied" in again  # idempotent, no conflict
 
 
 def test_examples_create_with_plain_kubectl_create(cluster: Any, api_ns: str) -> None:
     for path in EXAMPLES:
         for doc in yaml.safe_load_all(path.read_text()):
             doc["metadata"]["name"] = doc["metadata"]["name"][:30] + "-c"
-            cluster.kubectl("create", "-n", api_ns, "-f", "-", input=json.dumps(doc))
-            cluster.kubectl("delete", "wsj", doc["metadata"]["name"], "-n", api_ns)
+            kubectl_ok(cluster, "create", "-n", api_ns, "-f", "-", input=json.dumps(doc))
+            kubectl_ok(cluster, "delete", "wsj", doc["metadata"]["name"], "-n", api_ns)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +73,7 @@ def test_examples_create_with_plain_kubectl_create(cluster: Any, api_ns: str) ->
     ],
 )
 def test_kubectl_explain_shows_field_docs(cluster: Any, crd: str, resource: str, expected: list[str]) -> None:
-    out = cluster.kubectl("explain", resource).stdout
+    out = kubectl_ok(cluster, "explain", resource)
     flat = " ".join(out.split())
     for text in expected:
         assert text in flat, f"{text!r} missing from `kubectl explain {resource}`:\n{out}"
@@ -94,20 +94,20 @@ def _status_patch() -> dict[str, Any]:
 def test_status_subresource_and_printer_columns(cluster: Any, api_ns: str) -> None:
     path = REPO / "examples" / "separated-nccl.yaml"
     name = yaml.safe_load(path.read_text())["metadata"]["name"]
-    cluster.kubectl("apply", "--server-side", "-n", api_ns, "-f", str(path))
-    header = cluster.kubectl("get", "wsj", name, "-n", api_ns).stdout.splitlines()[0].split()
+    kubectl_ok(cluster, "apply", "--server-side", "-n", api_ns, "-f", str(path))
+    header = kubectl_ok(cluster, "get", "wsj", name, "-n", api_ns).splitlines()[0].split()
     assert header == ["NAME", "PLACEMENT", "MODE", "TRAINER", "SERVED", "SYNCED", "READY", "AGE"]
 
     patch = _status_patch()
-    cluster.kubectl("patch", "wsj", name, "-n", api_ns, "--subresource=status", "--type=merge",
+    kubectl_ok(cluster, "patch", "wsj", name, "-n", api_ns, "--subresource=status", "--type=merge",
                     "-p", json.dumps(patch))
     stored = kube_json(cluster, "get", "wsj", name, "-n", api_ns)
     assert stored["status"] == patch["status"]  # the status schema keeps every field the model writes
     assert WeightSyncJob.from_k8s(stored).status == WeightSyncJobStatus.model_validate(patch["status"])
 
-    row = cluster.kubectl("get", "wsj", name, "-n", api_ns, "--no-headers").stdout.split()
+    row = kubectl_ok(cluster, "get", "wsj", name, "-n", api_ns, "--no-headers").split()
     assert row[:7] == [name, "Separated", "NCCL", "7", "6", "False", "True"]
-    wide = cluster.kubectl("get", "wsj", name, "-n", api_ns, "-o", "wide").stdout.splitlines()
+    wide = kubectl_ok(cluster, "get", "wsj", name, "-n", api_ns, "-o", "wide").splitlines()
     assert wide[0].split()[-3:] == ["REQUESTED", "REPLICAS", "READY-REPLICAS"]
     assert wide[1].split()[-3:] == ["NCCL", "2", "4"]
 
@@ -115,8 +115,8 @@ def test_status_subresource_and_printer_columns(cluster: Any, api_ns: str) -> No
 def test_status_cannot_be_written_through_the_main_resource(cluster: Any, api_ns: str) -> None:
     path = REPO / "examples" / "separated-gdr.yaml"
     name = yaml.safe_load(path.read_text())["metadata"]["name"]
-    cluster.kubectl("apply", "--server-side", "-n", api_ns, "-f", str(path))
-    cluster.kubectl("patch", "wsj", name, "-n", api_ns, "--type=merge", "-p",
+    kubectl_ok(cluster, "apply", "--server-side", "-n", api_ns, "-f", str(path))
+    kubectl_ok(cluster, "patch", "wsj", name, "-n", api_ns, "--type=merge", "-p",
                     json.dumps({"status": {"trainerVersion": 99}, "spec": {"paused": True}}))
     stored = kube_json(cluster, "get", "wsj", name, "-n", api_ns)
     assert stored["spec"]["paused"] is True
@@ -126,7 +126,7 @@ def test_status_cannot_be_written_through_the_main_resource(cluster: Any, api_ns
 def test_bad_status_is_refused(cluster: Any, api_ns: str) -> None:
     path = REPO / "examples" / "colocated-ipc.yaml"
     name = yaml.safe_load(path.read_text())["metadata"]["name"]
-    cluster.kubectl("apply", "--server-side", "-n", api_ns, "-f", str(path))
+    kubectl_ok(cluster, "apply", "--server-side", "-n", api_ns, "-f", str(path))
     bad = {"status": {"conditions": [{"type": "Ready", "status": "Maybe", "reason": "X",
                                       "lastTransitionTime": "2026-01-01T00:00:00Z"}]}}
     res = cluster.kubectl("patch", "wsj", name, "-n", api_ns, "--subresource=status", "--type=merge",

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from api_helpers import kube_json, load_cases
+from api_helpers import kube_json, kubectl_ok, load_cases
 
 pytestmark = pytest.mark.cluster
 
@@ -41,7 +41,7 @@ def test_invalid_create_is_refused_naming_the_field(case: Any, cluster: Any, api
 @pytest.mark.parametrize("case", cases.UPDATE_CASES, ids=lambda c: c.id)
 def test_immutable_field_update_is_refused(case: Any, cluster: Any, api_ns: str) -> None:
     name = _name(case.id)
-    cluster.kubectl("create", "-n", api_ns, "-f", "-", input=json.dumps(case.build(name)))
+    kubectl_ok(cluster, "create", "-n", api_ns, "-f", "-", input=json.dumps(case.build(name)))
     stored = kube_json(cluster, "get", "wsj", name, "-n", api_ns)
     res = cluster.kubectl("replace", "-n", api_ns, "-f", "-", input=json.dumps(case.updated(stored)), check=False)
     assert res.returncode != 0, f"{case.id}: the API server accepted a change of an immutable field"
@@ -53,7 +53,7 @@ def test_immutable_field_update_is_refused(case: Any, cluster: Any, api_ns: str)
 
 def test_immutable_field_refused_through_server_side_apply(cluster: Any, api_ns: str) -> None:
     obj = cases.separated("v-ssa-immutable")
-    cluster.kubectl("apply", "--server-side", "-n", api_ns, "-f", "-", input=json.dumps(obj))
+    kubectl_ok(cluster, "apply", "--server-side", "-n", api_ns, "-f", "-", input=json.dumps(obj))
     obj["spec"]["trainer"]["template"]["spec"]["containers"][0]["image"] = "example.com/trainer:2"
     res = cluster.kubectl("apply", "--server-side", "-n", api_ns, "-f", "-", input=json.dumps(obj), check=False)
     assert res.returncode != 0
@@ -63,11 +63,11 @@ def test_immutable_field_refused_through_server_side_apply(cluster: Any, api_ns:
 @pytest.mark.parametrize(("label", "mutate"), cases.ALLOWED_UPDATES, ids=[n for n, _ in cases.ALLOWED_UPDATES])
 def test_allowed_update_is_applied(label: str, mutate: Any, cluster: Any, api_ns: str) -> None:
     name = _name(f"ok-{label}")
-    cluster.kubectl("create", "-n", api_ns, "-f", "-", input=json.dumps(cases.separated(name)))
+    kubectl_ok(cluster, "create", "-n", api_ns, "-f", "-", input=json.dumps(cases.separated(name)))
     stored = kube_json(cluster, "get", "wsj", name, "-n", api_ns)
     wanted = json.loads(json.dumps(stored))
     mutate(wanted)
-    cluster.kubectl("replace", "-n", api_ns, "-f", "-", input=json.dumps(wanted))
+    kubectl_ok(cluster, "replace", "-n", api_ns, "-f", "-", input=json.dumps(wanted))
     after = kube_json(cluster, "get", "wsj", name, "-n", api_ns)
     for key, value in wanted["spec"].items():
         if isinstance(value, dict):
