@@ -97,7 +97,8 @@ def run_probe(probe: JSON, pod_ip: str, pid: int | None, env: Mapping[str, str],
                 f"{scheme}://{host}:{port}{path}", headers=headers, timeout=timeout, verify=False,
                 allow_redirects=False,
             )
-            return ProbeResult(200 <= resp.status_code < 400, f"HTTP probe failed with statuscode: {resp.status_code}")
+            ok = 200 <= resp.status_code < 400
+            return ProbeResult(ok, f"HTTP {resp.status_code}" if ok else f"HTTP probe failed with statuscode: {resp.status_code}")
         if "tcpSocket" in probe:
             tcp = probe["tcpSocket"]
             host = tcp.get("host") or pod_ip

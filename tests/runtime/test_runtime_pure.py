@@ -5,9 +5,9 @@ from __future__ import annotations
 import base64
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
-
 from weightsync.e2e.runtime.atomic_writer import read_current, write_atomic
 from weightsync.e2e.runtime.containers import Backoff
 from weightsync.e2e.runtime.envvars import EnvError, container_env, expand, field_ref_value
@@ -245,13 +245,13 @@ def test_pod_phase() -> None:
 
 
 def test_status_patch_readiness_gates_and_foreign_conditions() -> None:
-    pod = {
+    pod: dict[str, Any] = {
         "metadata": POD["metadata"],
         "spec": {"readinessGates": [{"conditionType": "weightsync.io/synced"}], "containers": [{"name": "main"}]},
         "status": {"conditions": [{"type": "weightsync.io/synced", "status": "False"}, {"type": "PodScheduled", "status": "True"}]},
     }
     views = [_view("agent", KIND_SIDECAR, RUNNING, ready=True), _view("main", KIND_APP, RUNNING, ready=True)]
-    kwargs = dict(pod_ip="127.100.0.3", host_ip="127.0.0.1", start_time="t0", sandbox_ready=True,
+    kwargs: dict[str, Any] = dict(pod_ip="127.100.0.3", host_ip="127.0.0.1", start_time="t0", sandbox_ready=True,
                   initialized=True, init_failed=False, transitions={}, now="t1")
     patch = status_patch(pod, views, **kwargs)
     conds = {c["type"]: c for c in patch["status"]["conditions"]}

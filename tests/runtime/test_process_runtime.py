@@ -1,0 +1,401 @@
+"""The process runtime against the real local control plane (issue 2, item 4 "Must show").
+
+Each test creates real objects through the real apiserver; the scheduler binds the pods to a process
+node, the runtime runs them as host processes, and the assertions read back the API and the files the
+processes wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from weightsync.crds.contract import LABEL_PROCESS_NODE, POD_CONDITION_SYNCED
+from weightsync.e2e.pytest_plugin import wait_until
+from weightsync.e2e.runtime.kube import ApiError, KubeClient, endpoint_from_kubeconfig, pod_path
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+JSON = dict[str, Any]
+ON_PROCESS_NODE = {LABEL_PROCESS_NODE: "true"}
+
+
+@pytest.fixture(scope="module")
+def api(cluster: Any, process_runtime: Any) -> KubeClient:
+    if process_runtime is None:
+        pytest.skip("no process runtime on this cluster (WEIGHTSYNC_E2E_RUNTIME=0 or an existing cluster)")
+    return KubeClient(endpoint_from_kubeconfig(str(cluster.kubeconfig)))
+
+
+def py(code: str) -> list[str]:
+    return ["python3", "-c", textwrap.dedent(code)]
+
+
+def pod_manifest(name: str, containers: list[JSON], **spec: Any) -> JSON:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {"nodeSelector": ON_PROCESS_NODE, "terminationGracePeriodSeconds": 5, "containers": containers, **spec},
+    }
+
+
+def create_pod(api: KubeClient, namespace: str, manifest: JSON) -> JSON:
+    return api.post(f"/api/v1/namespaces/{namespace}/pods", manifest)
+
+
+def get_pod(api: KubeClient, namespace: str, name: str) -> JSON | None:
+    try:
+        return api.get(pod_path(namespace, name))
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def condition(pod: JSON, ctype: str) -> str | None:
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond["type"] == ctype:
+            return str(cond["status"])
+    return None
+
+
+def wait_pod(api: KubeClient, namespace: str, name: str, check: Any, what: str, timeout: float = 60) -> JSON:
+    def probe() -> JSON | None:
+        pod = get_pod(api, namespace, name)
+        return pod if pod is not None and check(pod) else None
+
+    return wait_until(probe, timeout=timeout, what=f"pod {namespace}/{name}: {what}")
+
+
+def running(pod: JSON) -> bool:
+    return (pod.get("status") or {}).get("phase") == "Running"
+
+
+def finished(pod: JSON) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def pid_of(pod: JSON, container: str) -> int:
+    for cs in pod["status"]["containerStatuses"] + pod["status"].get("initContainerStatuses", []):
+        if cs["name"] == container:
+            return int(cs["containerID"].removeprefix("process://"))
+    raise AssertionError(f"no status for container {container}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# --- (a) Deployment -> ReplicaSet -> Running pod with a 127/8 IP and its output in the log; GC on delete --
+def test_deployment_runs_as_process_and_is_garbage_collected(api: KubeClient, namespace: str, process_runtime: Any) -> None:
+    labels = {"app": "hello"}
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "hello"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "nodeSelector": ON_PROCESS_NODE,
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [{
+                        "name": "main",
+                        "image": "python:3.11",
+                        "command": py("""
+                            import os, sys, time
+                            print("hello from", os.environ["POD_NAME"], "ip", os.environ["POD_IP"], "python", sys.executable, flush=True)
+                            time.sleep(3600)
+                        """),
+                        "env": [
+                            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                        ],
+                    }],
+                },
+            },
+        },
+    }
+    api.post(f"/apis/apps/v1/namespaces/{namespace}/deployments", deployment)
+    rs = wait_until(
+        lambda: api.get(f"/apis/apps/v1/namespaces/{namespace}/replicasets")["items"], what="a ReplicaSet"
+    )[0]
+    assert rs["metadata"]["ownerReferences"][0]["name"] == "hello"
+    pods = wait_until(
+        lambda: [p for p in api.get(f"/api/v1/namespaces/{namespace}/pods", labelSelector="app=hello")["items"] if running(p)],
+        what="a Running pod of the Deployment",
+    )
+    pod = pods[0]
+    name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
+    assert ip.startswith("127.") and ip != "127.0.0.1" and pod["status"]["podIPs"] == [{"ip": ip}]
+    node = api.get(f"/api/v1/nodes/{pod['spec']['nodeName']}")
+    assert node["metadata"]["labels"][LABEL_PROCESS_NODE] == "true"
+    log_path = process_runtime.log_path(namespace, name, "main")
+    line = wait_until(lambda: log_path.exists() and log_path.read_text().endswith("\n") and log_path.read_text(),
+                      what=f"output in {log_path}")
+    assert f"hello from {name} ip {ip} python {Path(sys.executable).parent}" in line
+    pid = pid_of(pod, "main")
+    assert alive(pid)
+
+    api.delete(f"/apis/apps/v1/namespaces/{namespace}/deployments/hello", {"propagationPolicy": "Background"})
+    wait_until(
+        lambda: not api.get(f"/api/v1/namespaces/{namespace}/pods", labelSelector="app=hello")["items"],
+        timeout=60, what="the Deployment's pods to be garbage-collected",
+    )
+    wait_until(lambda: not alive(pid), timeout=10, what=f"process {pid} to be gone")
+    assert not api.get(f"/apis/apps/v1/namespaces/{namespace}/replicasets")["items"]
+
+
+# --- (b) the projected token carries the pod's real RBAC ------------------------------------------------
+LIST_PODS = py("""
+    from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
+    config.load_incluster_config()
+    ns = open("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read()
+    try:
+        pods = client.CoreV1Api().list_namespaced_pod(ns)
+        print("LIST_OK", len(pods.items), flush=True)
+    except ApiException as exc:
+        print("LIST_STATUS", exc.status, flush=True)
+""")
+
+
+def test_projected_token_has_the_pods_rbac(api: KubeClient, namespace: str, process_runtime: Any) -> None:
+    for sa in ("reader", "nobody"):
+        api.post(f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": sa}})
+    api.post(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles", {
+        "metadata": {"name": "pod-reader"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+    })
+    api.post(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings", {
+        "metadata": {"name": "reader-reads"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
+    })
+    for sa in ("reader", "nobody"):
+        create_pod(api, namespace, pod_manifest(
+            f"as-{sa}", [{"name": "main", "image": "x", "command": LIST_PODS}],
+            serviceAccountName=sa, restartPolicy="Never",
+        ))
+    for sa in ("reader", "nobody"):
+        pod = wait_pod(api, namespace, f"as-{sa}", finished, "finished", timeout=90)
+        assert pod["status"]["phase"] == "Succeeded", pod["status"]
+    allowed = process_runtime.log_path(namespace, "as-reader", "main").read_text()
+    denied = process_runtime.log_path(namespace, "as-nobody", "main").read_text()
+    assert "LIST_OK 2" in allowed, allowed
+    assert "LIST_STATUS 403" in denied, denied
+
+
+# --- (c) native sidecar first, readiness probes, readiness gates -------------------------------------------
+def test_native_sidecar_starts_before_main_container(api: KubeClient, namespace: str, process_runtime: Any) -> None:
+    shared = {"name": "shared", "mountPath": "/var/run/weightsync"}
+    sidecar = {
+        "name": "agent", "image": "x", "restartPolicy": "Always", "volumeMounts": [shared],
+        "command": py("""
+            import time
+            open("/var/run/weightsync/agent.started", "w").write(repr(time.time()))
+            time.sleep(3600)
+        """),
+        "startupProbe": {"exec": {"command": ["test", "-f", "/var/run/weightsync/agent.started"]}, "periodSeconds": 1},
+    }
+    main = {
+        "name": "main", "image": "x", "volumeMounts": [shared],
+        "command": py("""
+            import os, time
+            now = time.time()
+            agent = float(open("/var/run/weightsync/agent.started").read())
+            print("AGENT", agent, "MAIN", now, flush=True)
+            time.sleep(3600)
+        """),
+    }
+    create_pod(api, namespace, pod_manifest(
+        "sidecar", [main], initContainers=[sidecar], volumes=[{"name": "shared", "emptyDir": {}}],
+    ))
+    pod = wait_pod(api, namespace, "sidecar", lambda p: condition(p, "Ready") == "True", "Ready")
+    log_path = process_runtime.log_path(namespace, "sidecar", "main")
+    line = wait_until(lambda: log_path.exists() and log_path.read_text().endswith("\n") and log_path.read_text(),
+                      what="main's output")
+    fields = line.split()
+    agent_ts, main_ts = float(fields[1]), float(fields[3])
+    assert agent_ts < main_ts
+    (agent_status,) = pod["status"]["initContainerStatuses"]
+    assert agent_status["started"] is True and "running" in agent_status["state"]
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0  # main never crashed on a missing file
+
+
+def test_failing_readiness_probe_keeps_pod_not_ready(api: KubeClient, namespace: str) -> None:
+    serve = py("""
+        import http.server, os
+        http.server.HTTPServer((os.environ["POD_IP"], 8080), http.server.SimpleHTTPRequestHandler).serve_forever()
+    """)
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    create_pod(api, namespace, pod_manifest("probes", [
+        {"name": "web", "image": "x", "command": serve, "env": env, "ports": [{"name": "http", "containerPort": 8080}],
+         "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1}},
+        {"name": "never-ready", "image": "x", "command": py("import time; time.sleep(3600)"),
+         "readinessProbe": {"tcpSocket": {"port": 9}, "periodSeconds": 1, "failureThreshold": 1}},
+    ]))
+    pod = wait_pod(
+        api, namespace, "probes",
+        lambda p: running(p) and any(c["ready"] for c in p["status"].get("containerStatuses", [])),
+        "web ready",
+    )
+    time.sleep(3)  # several probe periods
+    now = get_pod(api, namespace, "probes")
+    assert now is not None
+    pod = now
+    ready = {c["name"]: c["ready"] for c in pod["status"]["containerStatuses"]}
+    assert ready == {"web": True, "never-ready": False}
+    assert condition(pod, "Ready") == "False" and condition(pod, "ContainersReady") == "False"
+    assert all("running" in c["state"] for c in pod["status"]["containerStatuses"])
+
+
+def test_readiness_gate_false_keeps_pod_not_ready_until_true(api: KubeClient, namespace: str) -> None:
+    create_pod(api, namespace, pod_manifest(
+        "gated", [{"name": "main", "image": "x", "command": py("import time; time.sleep(3600)")}],
+        readinessGates=[{"conditionType": POD_CONDITION_SYNCED}],
+    ))
+    pod = wait_pod(api, namespace, "gated", lambda p: condition(p, "ContainersReady") == "True", "containers ready")
+    assert condition(pod, "Ready") == "False"
+
+    def set_gate(status: str) -> None:
+        api.patch(pod_path(namespace, "gated", "status"), {"status": {"conditions": [
+            {"type": POD_CONDITION_SYNCED, "status": status, "reason": "Test"}]}})
+
+    set_gate("False")
+    time.sleep(2)
+    gated = get_pod(api, namespace, "gated")
+    assert gated is not None and condition(gated, "Ready") == "False"
+    assert condition(gated, POD_CONDITION_SYNCED) == "False"
+    set_gate("True")
+    pod = wait_pod(api, namespace, "gated", lambda p: condition(p, "Ready") == "True", "Ready after the gate")
+    time.sleep(2)  # later runtime status updates keep the foreign condition
+    gated = get_pod(api, namespace, "gated")
+    assert gated is not None and condition(gated, POD_CONDITION_SYNCED) == "True" and condition(gated, "Ready") == "True"
+
+
+# --- (d) unknown executable: Waiting with a clear reason, the runtime keeps working ------------------------
+def test_unknown_executable_waits_with_a_clear_reason(api: KubeClient, namespace: str) -> None:
+    create_pod(api, namespace, pod_manifest("bad-exec", [
+        {"name": "main", "image": "x", "command": ["definitely-not-installed-xyz", "--flag"]}]))
+    pod = wait_pod(
+        api, namespace, "bad-exec",
+        lambda p: (p.get("status") or {}).get("containerStatuses"), "a container status",
+    )
+    waiting = pod["status"]["containerStatuses"][0]["state"]["waiting"]
+    assert waiting["reason"] == "ExecutableNotFound"
+    assert "definitely-not-installed-xyz" in waiting["message"] and "PATH" in waiting["message"]
+    assert pod["status"]["phase"] == "Pending"
+    create_pod(api, namespace, pod_manifest("good", [
+        {"name": "main", "image": "x", "command": py("import time; time.sleep(3600)")}]))
+    wait_pod(api, namespace, "good", running, "Running (the runtime still works)")
+
+
+# --- (e) deletion: SIGTERM reaches the process, grace period, then SIGKILL ----------------------------------
+def test_delete_sends_sigterm_then_sigkill_after_grace(api: KubeClient, namespace: str, tmp_path: Path) -> None:
+    out = {"name": "out", "hostPath": {"path": str(tmp_path), "type": "Directory"}}
+    handles = py("""
+        import os, signal, sys, time
+        def on_term(signum, frame):
+            open(f"/out/{os.environ['HOSTNAME']}.sigterm", "w").write(repr(time.time()))
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, on_term)
+        open(f"/out/{os.environ['HOSTNAME']}.started", "w").write("")
+        time.sleep(3600)
+    """)
+    ignores = py("""
+        import os, signal, time
+        signal.signal(signal.SIGTERM, lambda *a: open(f"/out/{os.environ['HOSTNAME']}.sigterm", "w").write("ignored"))
+        open(f"/out/{os.environ['HOSTNAME']}.started", "w").write("")
+        time.sleep(3600)
+    """)
+    mounts = [{"name": "out", "mountPath": "/out"}]
+    for name, command, grace in (("graceful", handles, 30), ("stubborn", ignores, 2)):
+        create_pod(api, namespace, pod_manifest(
+            name, [{"name": "main", "image": "x", "command": command, "volumeMounts": mounts}],
+            volumes=[out], terminationGracePeriodSeconds=grace,
+        ))
+    pids = {}
+    for name in ("graceful", "stubborn"):
+        pod = wait_pod(api, namespace, name, running, "Running")
+        wait_until(lambda n=name: (tmp_path / f"{n}.started").exists(), what=f"{name} started")
+        pids[name] = pid_of(pod, "main")
+    took = {}
+    for name in ("graceful", "stubborn"):
+        start = time.monotonic()
+        api.delete(pod_path(namespace, name))
+        wait_until(lambda n=name: get_pod(api, namespace, n) is None, timeout=40, what=f"{name} deleted")
+        took[name] = time.monotonic() - start
+        assert not alive(pids[name])
+        assert (tmp_path / f"{name}.sigterm").exists()
+    assert took["graceful"] < 10, took  # exited on SIGTERM, well within its 30 s grace
+    assert took["stubborn"] >= 2, took  # ignored SIGTERM: killed when its 2 s grace ran out
+
+
+# --- volumes refresh, downward API, env, mounts are per pod ----------------------------------------------
+def test_volumes_env_and_refresh(api: KubeClient, namespace: str, process_runtime: Any) -> None:
+    api.post(f"/api/v1/namespaces/{namespace}/configmaps", {"metadata": {"name": "cfg"}, "data": {"v": "one"}})
+    api.post(f"/api/v1/namespaces/{namespace}/secrets", {"metadata": {"name": "sec"}, "stringData": {"k": "s3cret"}})
+    reader = py("""
+        import json, os, time
+        last = None
+        while True:
+            state = {
+                "cfg": open("/etc/cfg/v").read(),
+                "sec": open("/etc/sec/k").read(),
+                "ann": open("/etc/info/annotations").read(),
+                "env": {k: os.environ[k] for k in ("FROM_SECRET", "CM_v", "NODE", "SA", "KUBERNETES_SERVICE_HOST")},
+                "shm": os.path.ismount("/dev/shm") or os.path.exists("/dev/shm"),
+            }
+            if state != last:
+                print(json.dumps(state), flush=True)
+                last = state
+            time.sleep(0.2)
+    """)
+    create_pod(api, namespace, pod_manifest("vols", [{
+        "name": "main", "image": "x", "command": reader,
+        "env": [
+            {"name": "FROM_SECRET", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "k"}}},
+            {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            {"name": "SA", "valueFrom": {"fieldRef": {"fieldPath": "spec.serviceAccountName"}}},
+        ],
+        "envFrom": [{"configMapRef": {"name": "cfg"}, "prefix": "CM_"}],
+        "volumeMounts": [
+            {"name": "cfg", "mountPath": "/etc/cfg"}, {"name": "sec", "mountPath": "/etc/sec", "readOnly": True},
+            {"name": "info", "mountPath": "/etc/info"},
+        ],
+    }], volumes=[
+        {"name": "cfg", "configMap": {"name": "cfg"}},
+        {"name": "sec", "secret": {"secretName": "sec"}},
+        {"name": "info", "downwardAPI": {"items": [{"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}}]}},
+    ]))
+    pod = wait_pod(api, namespace, "vols", running, "Running")
+    log_path = process_runtime.log_path(namespace, "vols", "main")
+
+    def last_state() -> JSON | None:
+        lines = log_path.read_text().splitlines(keepends=True) if log_path.exists() else []
+        complete = [line for line in lines if line.endswith("\n")]
+        return json.loads(complete[-1]) if complete else None
+
+    first = wait_until(last_state, what="first state line")
+    assert first["cfg"] == "one" and first["sec"] == "s3cret" and first["ann"] == ""
+    assert first["env"]["FROM_SECRET"] == "s3cret" and first["env"]["CM_v"] == "one"
+    assert first["env"]["NODE"] == pod["spec"]["nodeName"] and first["env"]["SA"] == "default"
+    assert first["env"]["KUBERNETES_SERVICE_HOST"] == "127.0.0.1"
+    api.patch(f"/api/v1/namespaces/{namespace}/configmaps/cfg", {"data": {"v": "two"}})
+    api.patch(pod_path(namespace, "vols"), {"metadata": {"annotations": {"weightsync.io/target-version": "3"}}})
+    wait_until(
+        lambda: (s := last_state()) and s["cfg"] == "two" and s["ann"] == 'weightsync.io/target-version="3"',
+        timeout=15, what="the configMap and downwardAPI files to be refreshed",
+    )
