@@ -1,0 +1,48 @@
+"""Fixtures for the operator integration tests: the generated CRD applied to the session's real control
+plane and the real operator process, namespace-scoped, started per test."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from op_helpers import CRD_FILE, OperatorProcess, force_delete_pods, start_operator
+from weightsync.crds import contract
+
+
+@pytest.fixture(scope="session")
+def wsj_crd(cluster: Any) -> str:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=weightsync-tests",
+                    "-f", str(CRD_FILE))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{contract.CRD_NAME}")
+    return contract.CRD_NAME
+
+
+@pytest.fixture
+def operator(cluster: Any, kube: Any, namespace: str, wsj_crd: str, tmp_path: Path,
+             request: pytest.FixtureRequest) -> Iterator[Callable[..., OperatorProcess]]:
+    """Start the operator for the test's namespace (call it again after stopping to restart). The pods
+    are force-deleted at the end so the simulated GPUs are free for the next test."""
+    started: list[OperatorProcess] = []
+
+    def start(*extra: str) -> OperatorProcess:
+        op = start_operator(Path(cluster.kubeconfig), namespace, tmp_path, *extra)
+        started.append(op)
+        return op
+
+    yield start
+    for op in started:
+        op.stop()
+    if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
+        for op in started:
+            print(f"--- operator log {op.log_path} ---\n{op.log()[-6000:]}")
+    force_delete_pods(kube, namespace)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    setattr(item, f"rep_{rep.when}", rep)

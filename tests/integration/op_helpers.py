@@ -1,0 +1,173 @@
+"""Helpers for the operator integration tests (a uniquely named module: several test folders have a
+conftest.py, which cannot be imported by name reliably)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+from weightsync.crds import contract
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_FILE = REPO / "crds" / f"{contract.GROUP}_{contract.PLURAL}.yaml"
+OPERATOR_BIN = Path(sys.executable).parent / "weightsync-operator"
+AGENT_IMAGE = "weightsync-agent:integration"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class OperatorProcess:
+    """The real operator (`weightsync-operator --namespace NS`) as a child process."""
+
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    health_port: int
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        return self.proc.returncode
+
+
+def start_operator(kubeconfig: Path, namespace: str, log_dir: Path, *extra: str, resync: float = 2.0) -> OperatorProcess:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"operator-{namespace}-{int(time.time() * 1000)}.log"
+    health = free_port()
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "WEIGHTSYNC_AGENT_IMAGE": AGENT_IMAGE,
+        "WEIGHTSYNC_RESYNC_SECONDS": str(resync),
+    }
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(OPERATOR_BIN), "--namespace", namespace, "--metrics-port", "0", "--health-port", str(health),
+             "--verbose", *extra],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+        )
+    return OperatorProcess(proc, log_path, health)
+
+
+def container(name: str, image: str = "busybox:1.36", **extra: Any) -> dict[str, Any]:
+    return {"name": name, "image": image, "command": ["sleep", "3600"], **extra}
+
+
+def job_body(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name}, "spec": spec}
+
+
+def separated_spec(trainer_pods: int = 2, trainer_gpus: int = 4, replicas: int = 2, gpus_per_replica: int = 2,
+                   **placement: Any) -> dict[str, Any]:
+    return {
+        "placement": {"mode": "Separated", **placement},
+        "transfer": {"mode": "NCCL", "bucketSizeMB": 64},
+        "trainer": {
+            "replicas": trainer_pods, "gpusPerPod": trainer_gpus,
+            "parallelism": {"tensor": 1, "pipeline": 1, "data": trainer_pods * trainer_gpus},
+            "template": {"spec": {"containers": [container("trainer")]}},
+        },
+        "inference": {
+            "replicas": replicas, "gpusPerReplica": gpus_per_replica, "parallelism": {"tensor": gpus_per_replica},
+            "engine": {"type": "SGLang", "port": 30000},
+            "template": {"spec": {"containers": [container("engine")]}},
+        },
+    }
+
+
+def colocated_spec(pods: int = 1, gpus_per_pod: int = 8, replicas: int = 4, gpus_per_replica: int = 2) -> dict[str, Any]:
+    return {
+        "placement": {"mode": "Colocated"},
+        "transfer": {"mode": "IPC", "bucketSizeMB": 64},
+        "trainer": {
+            "replicas": pods, "gpusPerPod": gpus_per_pod,
+            "parallelism": {"tensor": 1, "pipeline": 1, "data": pods * gpus_per_pod},
+            "template": {"spec": {"containers": [container("trainer")]}},
+        },
+        "inference": {
+            "replicas": replicas, "gpusPerReplica": gpus_per_replica, "parallelism": {"tensor": gpus_per_replica},
+            "engine": {"type": "VLLM", "port": 8000},
+            "template": {"spec": {"containers": [container("engine")]}},
+        },
+    }
+
+
+def create_job(kube: Any, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return kube.custom.create_namespaced_custom_object(
+        contract.GROUP, contract.VERSION, namespace, contract.PLURAL, job_body(name, spec)
+    )
+
+
+def get_job(kube: Any, namespace: str, name: str) -> dict[str, Any]:
+    return kube.custom.get_namespaced_custom_object(contract.GROUP, contract.VERSION, namespace, contract.PLURAL, name)
+
+
+def raw(kube: Any, path: str) -> dict[str, Any]:
+    """GET a path as plain JSON (no typed-model round trip)."""
+    resp = kube.api.call_api(*kube.api.param_serialize("GET", path, auth_settings=["BearerToken"]))
+    resp.read()
+    if not 200 <= resp.status <= 299:
+        raise ApiException(status=resp.status, reason=resp.reason, body=resp.data)
+    return json.loads(resp.data)
+
+
+def pods_of(kube: Any, namespace: str, job: str) -> dict[str, dict[str, Any]]:
+    sel = f"{contract.LABEL_JOB}={job}"
+    items = raw(kube, f"/api/v1/namespaces/{namespace}/pods?labelSelector={sel}")["items"]
+    return {p["metadata"]["name"]: p for p in items}
+
+
+def live_pods(kube: Any, namespace: str, job: str) -> dict[str, dict[str, Any]]:
+    return {n: p for n, p in pods_of(kube, namespace, job).items() if not p["metadata"].get("deletionTimestamp")}
+
+
+def condition(job: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in (job.get("status") or {}).get("conditions") or [] if c["type"] == type_), None)
+
+
+def token_of(secret: dict[str, Any]) -> str:
+    return base64.b64decode(secret["data"][contract.TOKEN_FILE]).decode()
+
+
+def force_delete_pods(kube: Any, namespace: str) -> None:
+    """Without a kubelet a deleted pod stays Terminating and holds its GPUs: remove them for good."""
+    try:
+        pods = kube.core.list_namespaced_pod(namespace).items
+    except ApiException:
+        return
+    for p in pods:
+        try:
+            kube.core.delete_namespaced_pod(p.metadata.name, namespace, grace_period_seconds=0)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+def events_for(kube: Any, namespace: str, name: str) -> list[Any]:
+    return [e for e in kube.core.list_namespaced_event(namespace).items
+            if e.involved_object.kind == contract.KIND and e.involved_object.name == name]
