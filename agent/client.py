@@ -133,7 +133,7 @@ def tensor_checksum(t: torch.Tensor) -> str:
     c = t.detach().contiguous().cpu()
     if c.numel() == 0:
         return hashlib.sha256(b"").hexdigest()
-    return hashlib.sha256(c.view(torch.uint8).reshape(-1).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(c.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -72,6 +73,19 @@ def recv_frame(sock: socket.socket) -> tuple[Header, bytes]:
         raise LocalProtocolError("frame header must be a JSON object with a string 'op'")
     payload = _recv_exact(sock, plen) if plen else b""
     return header, payload
+
+
+def peer_closed(sock: socket.socket, timeout: float) -> bool:
+    """True once the peer closed `sock` (EOF pending), without consuming data another reader expects."""
+    try:
+        ready, _, _ = select.select([sock], [], [], timeout)
+        if not ready:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except (OSError, ValueError):
+        return True
 
 
 class LocalConn:

@@ -43,6 +43,9 @@ class AgentMetrics:
         self.rejected_frames = Counter(
             "weightsync_agent_rejected_frames_total", "Control-channel frames rejected, by reason",
             ["reason"], registry=r)
+        self.rejected_connections = Gauge(
+            "weightsync_agent_rejected_connections", "Control-channel connections that failed the token handshake",
+            registry=r)
         self.api_writes = Counter(
             "weightsync_agent_api_writes_total", "Writes to the Kubernetes API, by kind", ["kind"], registry=r)
         self.api_write_seconds = Histogram(

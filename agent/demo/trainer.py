@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> None:
             sums = checksums(model.state_dict().items())
             with state.lock:
                 state.version = version
-                state.loss = float(loss)
+                state.loss = float(loss.detach())
                 state.checksums[version] = sums
                 _write_checksums(sums_path, state.checksums)
-            log.info("published version=%d loss=%.5f bytes=%d seconds=%.4f", version, float(loss), res.bytes,
+            log.info("published version=%d loss=%.5f bytes=%d seconds=%.4f", version, float(loss.detach()), res.bytes,
                      res.seconds)
             if version < args.versions:
                 time.sleep(args.interval)

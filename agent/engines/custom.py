@@ -42,6 +42,10 @@ class AppRegistry:
                 if c is conn:
                     del self._conns[rank]
 
+    def holds(self, rank: int, conn: local.LocalConn) -> bool:
+        with self._cond:
+            return self._conns.get(rank) is conn
+
     def wait(self, rank: int, timeout: float) -> local.LocalConn:
         with self._cond:
             if not self._cond.wait_for(lambda: rank in self._conns, timeout):

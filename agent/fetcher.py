@@ -1,0 +1,368 @@
+"""Inference side of the agent: follow the trainer agents, fetch a version's slices, hand them to the engine.
+
+`TrainerPeers` keeps one control link per trainer pod (hello, announcements, metadata requests) and
+reconnects when a trainer agent restarts. `fetch_version` computes the plan for this agent's replica,
+opens one transfer link per (source rank, destination rank), receives with WeightReceiver and feeds the
+buckets to the engine adapter through `load_version`, so pause/resume/commit/abort follow the adapter
+contract: the engine commits only after every bucket arrived and every source confirmed the version.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from weightsync.agent import protocol as P
+from weightsync.agent.engines.base import EngineAdapter, NamedTensors, load_version
+from weightsync.agent.link import Link, LinkError, LinkTimeout, Mailbox, connect
+from weightsync.agent.plan import TensorShard, TransferPlan, build_plan
+from weightsync.agent.sync import SyncStats, WeightReceiver
+from weightsync.agent.transports.base import Transport, WorldMap
+from weightsync.crds.topology import PodMember, Topology
+
+log = logging.getLogger(__name__)
+
+
+class FetchError(RuntimeError):
+    """A version could not be fetched; nothing was committed. The message says why."""
+
+
+@dataclass
+class _Peer:
+    member: PodMember
+    link: Link | None = None
+    latest: int | None = None
+    ranks: list[int] = field(default_factory=list)
+    session: str = ""
+    pending: dict[int, Future[tuple[dict[str, Any], bytes]]] = field(default_factory=dict)
+    thread: threading.Thread | None = None
+
+
+class TrainerPeers:
+    """Control links to every trainer pod of the topology."""
+
+    def __init__(self, topo: Topology, *, port: int, token: bytes, pod: str, replica: int,
+                 on_announce: Callable[[], None]) -> None:
+        self.port = port
+        self.token = token
+        self.pod = pod
+        self.replica = replica
+        self.on_announce = on_announce
+        self.session = uuid.uuid4().hex[:12]
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._peers: dict[str, _Peer] = {}
+        self.update(topo)
+
+    def update(self, topo: Topology) -> None:
+        """Follow a new topology: new trainer pods get a link, changed IPs reconnect, removed pods close."""
+        with self._lock:
+            want = {m.name: m for m in topo.trainer.pods}
+            for name in list(self._peers):
+                p = self._peers[name]
+                if name not in want or want[name].ip != p.member.ip:
+                    if p.link is not None:
+                        p.link.close()
+                    del self._peers[name]
+            for name, m in want.items():
+                if name not in self._peers:
+                    peer = _Peer(m)
+                    self._peers[name] = peer
+                    peer.thread = threading.Thread(target=self._run, args=(peer,), name=f"trainer-link-{name}",
+                                                   daemon=True)
+                    peer.thread.start()
+
+    def _alive(self, peer: _Peer) -> bool:
+        with self._lock:
+            return not self._stop.is_set() and self._peers.get(peer.member.name) is peer
+
+    def _run(self, peer: _Peer) -> None:
+        delay = 0.1
+        while self._alive(peer):
+            ip = peer.member.ip
+            if not ip:
+                time.sleep(0.5)
+                continue
+            try:
+                link = connect(ip, self.port, self.token, timeout=5.0)
+                link.send({"kind": P.HELLO, "pod": self.pod, "replica": self.replica, "session": self.session})
+                h, _ = link.recv(timeout=30)
+                if h.get("kind") != P.WELCOME:
+                    raise P.ProtocolError(f"trainer {peer.member.name} answered hello with {h.get('kind')!r}")
+                peer.ranks = [int(r) for r in h.get("ranks", [])]
+                peer.latest = h.get("latest")
+                peer.session = str(h.get("session", ""))
+                peer.link = link
+                delay = 0.1
+                log.info("trainer.connected pod=%s ranks=%s latest=%s", peer.member.name, peer.ranks, peer.latest)
+                self.on_announce()
+                self._read(peer, link)
+            except (LinkError, OSError, P.ProtocolError) as exc:
+                if self._alive(peer):
+                    log.info("trainer.link_down pod=%s: %s", peer.member.name, exc)
+            finally:
+                if peer.link is not None:
+                    peer.link.close()
+                peer.link = None
+                for fut in peer.pending.values():
+                    if not fut.done():
+                        fut.set_exception(FetchError(f"control link to {peer.member.name} lost"))
+                peer.pending.clear()
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _read(self, peer: _Peer, link: Link) -> None:
+        while self._alive(peer):
+            try:
+                h, payload = link.recv(timeout=1.0)
+            except LinkTimeout:
+                continue
+            kind = h.get("kind")
+            if kind == P.ANNOUNCE and isinstance(h.get("version"), int):
+                peer.latest = max(peer.latest or 0, h["version"])
+                self.on_announce()
+            elif kind in (P.META, P.ERROR) and isinstance(h.get("id"), int):
+                fut = peer.pending.pop(h["id"], None)
+                if fut is not None and not fut.done():
+                    fut.set_result((h, bytes(payload)))
+            else:
+                log.warning("trainer.unexpected_frame pod=%s kind=%r", peer.member.name, kind)
+
+    def latest_available(self) -> int | None:
+        """The newest version every trainer pod has staged (None until all of them announced one)."""
+        with self._lock:
+            peers = list(self._peers.values())
+        if not peers or any(p.latest is None or p.link is None for p in peers):
+            return None
+        return min(int(p.latest) for p in peers if p.latest is not None)
+
+    def newest_announced(self) -> int | None:
+        with self._lock:
+            vs = [p.latest for p in self._peers.values() if p.latest is not None]
+        return max(vs) if vs else None
+
+    def trainer_sessions(self) -> list[str]:
+        with self._lock:
+            return sorted(p.session for p in self._peers.values())
+
+    def connected(self) -> bool:
+        with self._lock:
+            return bool(self._peers) and all(p.link is not None for p in self._peers.values())
+
+    def meta(self, version: int, timeout: float = 30.0) -> tuple[dict[int, list[TensorShard]], dict[str, str]]:
+        """Every trainer rank's shards of `version` (pins it on the trainers for the transfer to follow)."""
+        with self._lock:
+            peers = list(self._peers.values())
+        futs = []
+        for p in peers:
+            link = p.link
+            if link is None:
+                raise FetchError(f"no control link to trainer pod {p.member.name} yet")
+            rid = next(self._ids)
+            fut: Future[tuple[dict[str, Any], bytes]] = Future()
+            p.pending[rid] = fut
+            try:
+                link.send({"kind": P.META_REQ, "id": rid, "version": version})
+            except LinkError as exc:
+                raise FetchError(f"asking trainer pod {p.member.name} for version {version}: {exc}") from None
+            futs.append((p, fut))
+        ranks: dict[int, list[TensorShard]] = {}
+        aliases: dict[str, str] = {}
+        for p, fut in futs:
+            try:
+                h, payload = fut.result(timeout)
+            except TimeoutError:
+                raise FetchError(f"trainer pod {p.member.name} did not answer a metadata request in {timeout}s") from None
+            if h.get("kind") == P.ERROR or not h.get("ok"):
+                raise FetchError(f"trainer pod {p.member.name}: {h.get('error') or h.get('message')}")
+            r, a = P.decode_meta(payload)
+            ranks.update(r)
+            aliases.update(a)
+        return ranks, aliases
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            for p in self._peers.values():
+                if p.link is not None:
+                    p.link.close()
+
+
+class _BucketPipe:
+    """Hands buckets from the receiver thread to `load_version`'s loop, one at a time.
+
+    The receiver's views are only valid until its callback returns, so `push` blocks until the engine
+    loaded the bucket (the generator resumed) or the consumer gave up (`cancel`; then push raises)."""
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[Any] = queue.Queue()
+        self._consumed = threading.Semaphore(0)
+        self._cancelled = threading.Event()
+        self.error: BaseException | None = None
+
+    def push(self, tensors: NamedTensors) -> None:
+        if self._cancelled.is_set():
+            raise FetchError("the engine stopped loading this version")
+        self._q.put(tensors)
+        while not self._consumed.acquire(timeout=0.5):
+            if self._cancelled.is_set():
+                break
+        if self._cancelled.is_set():
+            raise FetchError("the engine failed to load a bucket of this version")
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._q.put(self._END)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._consumed.release()
+
+    def __iter__(self) -> Iterator[NamedTensors]:
+        while True:
+            item = self._q.get()
+            if item is self._END:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield item
+            # The engine loaded it; drop every reference to the receiver's views before it reuses (or,
+            # for IPC, unmaps) the buffer: the caller's loop variable is this same list object.
+            item.clear()
+            del item
+            self._consumed.release()
+
+
+def compute_needs(names: dict[str, TensorShard], world: int, tensor_parallel: int,
+                  layout_fn: Callable[[dict[str, TensorShard], int, int], list[list[TensorShard]]] | None
+                  ) -> list[list[TensorShard]]:
+    """Every destination rank's needed boxes for a replica of `world` ranks."""
+    if layout_fn is not None:
+        return layout_fn(names, world, tensor_parallel)
+    if tensor_parallel == 1 and world == 1:
+        return [[TensorShard.full(n, s.dtype, s.global_shape) for n, s in sorted(names.items())]]
+    raise FetchError("no inference layout available for tensor parallelism > 1")
+
+
+@dataclass
+class FetchResult:
+    version: int
+    bytes: int
+    seconds: float
+    stats: list[SyncStats]
+
+
+TransportFor = Callable[[dict[str, Any], TransferPlan], tuple[Transport, WorldMap]]
+
+
+def fetch_version(
+    version: int,
+    *,
+    peers: TrainerPeers,
+    topo: Topology,
+    replica: int,
+    my_ranks: list[int],
+    adapter: EngineAdapter,
+    transport_for: TransportFor,
+    group: dict[str, Any],
+    bucket_bytes: int,
+    pause_generation: bool,
+    port: int,
+    token: bytes,
+    layout_fn: Callable[[dict[str, TensorShard], int, int], list[list[TensorShard]]] | None = None,
+    expand_aliases: bool = True,
+    timeout: float = 600.0,
+) -> FetchResult:
+    """Fetch `version` for this agent's ranks of `replica` and load it into the engine; raises FetchError."""
+    t0 = time.perf_counter()
+    if len(my_ranks) != 1:
+        raise FetchError(f"this agent serves inference ranks {my_ranks}; one rank per inference agent is supported")
+    my_rank = my_ranks[0]
+    rep = next((r for r in topo.inference if r.replica == replica), None)
+    if rep is None:
+        raise FetchError(f"replica {replica} is not in the topology")
+    src_meta, aliases = peers.meta(version)
+    world_src = topo.trainer.world_size
+    missing = [r for r in range(world_src) if r not in src_meta]
+    if missing:
+        raise FetchError(f"trainer ranks {missing} have not published version {version}")
+    sources = [src_meta[r] for r in range(world_src)]
+    names: dict[str, TensorShard] = {}
+    for shards in sources:
+        for s in shards:
+            names.setdefault(s.name, s)
+    needs = compute_needs(names, rep.world_size, rep.tensor, layout_fn)
+    inputs = P.encode_plan_inputs(sources, needs, bucket_bytes)
+    plan = build_plan(sources, needs, bucket_bytes)
+    host_of: dict[int, str] = {}
+    for m in topo.trainer.pods:
+        for r in m.ranks:
+            host_of[r] = m.ip or ""
+    links: dict[int, Mailbox] = {}
+    try:
+        for s in plan.srcs_of(my_rank):
+            if not host_of.get(s):
+                raise FetchError(f"trainer rank {s} has no pod IP yet")
+            link = connect(host_of[s], port, token, timeout=10.0)
+            link.send({"kind": P.TRANSFER, "version": version, "src": s, "dst": my_rank, "replica": replica,
+                       "group": group, "plan_hash": plan.hash}, inputs)
+            links[s] = Mailbox(link, name=f"src{s}")
+        transport, world = transport_for(group, plan)
+        receiver = WeightReceiver(plan, my_rank, transport, links, timeout=timeout, world=world,
+                                  device=getattr(transport, "device", None) or "cpu")
+    except (LinkError, OSError) as exc:
+        for mb in links.values():
+            mb.close()
+        raise FetchError(f"connecting to the trainer agents for version {version}: {exc}") from None
+    except BaseException:
+        for mb in links.values():
+            mb.close()
+        raise
+
+    pipe = _BucketPipe()
+    results: list[SyncStats] = []
+    alias_of: dict[str, list[str]] = {}
+    for alias, target in aliases.items():
+        alias_of.setdefault(target, []).append(alias)
+
+    def on_bucket(tensors: NamedTensors) -> None:
+        if expand_aliases and alias_of:
+            tensors = list(tensors) + [(a, t) for n, t in tensors for a in alias_of.get(n, [])]
+        pipe.push(tensors)
+
+    def run() -> None:
+        try:
+            results.append(receiver.receive_version(on_bucket, expected_version=version))
+            pipe.finish()
+        except BaseException as exc:
+            pipe.finish(exc)
+
+    th = threading.Thread(target=run, name=f"receive-v{version}", daemon=True)
+    th.start()
+    try:
+        load_version(adapter, version, pipe, pause_generation=pause_generation)
+    except Exception as exc:
+        pipe.cancel()
+        raise FetchError(f"version {version} was not committed: {exc}") from exc
+    finally:
+        th.join(timeout)
+        for mb in links.values():
+            mb.close()
+    stats = results[0] if results else SyncStats(version, f"dst{my_rank}", plan.hash)
+    return FetchResult(version, stats.bytes, time.perf_counter() - t0, results)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,424 @@
+"""The agent process (console script `weightsync-agent`).
+
+Roles (contract.ENV_ROLE):
+* trainer: weight server. The local trainer publishes versions over the Unix socket into staging
+  segments; the agent announces them and serves them to inference agents (agent/server.py).
+* inference: weight client. For the target version (pod annotation when Kubernetes is on, else the
+  newest version every trainer agent announced) it fetches its slices, hands buckets to the engine and
+  commits only after everything arrived (agent/fetcher.py).
+* colocated: both in one process; its inference side connects to its own trainer side, and the IPC
+  transport moves the bytes through shared memory.
+
+Everything is configured from env (agent/config.py); `/healthz` and `/metrics` are on the metrics port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.agent import local
+from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
+from weightsync.agent.engines.base import EngineAdapter, EngineError
+from weightsync.agent.engines.custom import AppRegistry, CustomEngineAdapter
+from weightsync.agent.fetcher import FetchError, TrainerPeers, fetch_version
+from weightsync.agent.groups import TransportCache, epoch_of, group_for
+from weightsync.agent.health import HealthServer
+from weightsync.agent.metrics import AgentMetrics
+from weightsync.agent.plan import TransferPlan
+from weightsync.agent.podstatus import Desired, PodLink, synced_state
+from weightsync.agent.server import StagedVersion, StagingError, StagingStore, WeightServer
+from weightsync.agent.staging import cleanup_stale
+from weightsync.crds.topology import InferenceReplicaTopology, PodMember, Topology
+
+log = logging.getLogger("weightsync.agent")
+
+
+@dataclass
+class InferenceSlot:
+    replica: InferenceReplicaTopology
+    member: PodMember
+
+
+def trainer_member(topo: Topology, pod: str) -> PodMember | None:
+    return next((m for m in topo.trainer.pods if m.name == pod), None)
+
+
+def inference_slot(topo: Topology, pod: str) -> InferenceSlot | None:
+    slots = [InferenceSlot(r, m) for r in topo.inference for m in r.pods if m.name == pod]
+    if len(slots) > 1:
+        raise ConfigError(f"pod {pod} hosts {len(slots)} inference replicas; one replica per agent is supported")
+    return slots[0] if slots else None
+
+
+def make_adapter(cfg: AgentConfig, registry: AppRegistry, ranks: list[int]) -> EngineAdapter:
+    """The engine adapter for cfg.engine_type. SGLang/vLLM modules expose `from_agent_config(cfg, ranks)`."""
+    if cfg.engine_type == "Custom":
+        return CustomEngineAdapter(registry, ranks, prefix=f"weightsync-{cfg.job}-{cfg.pod_name}")
+    module = importlib.import_module(f"weightsync.agent.engines.{cfg.engine_type.lower()}")
+    factory = getattr(module, "from_agent_config", None)
+    if factory is None:
+        raise ConfigError(f"engine module {module.__name__} has no from_agent_config(cfg, ranks)")
+    adapter: EngineAdapter = factory(cfg, ranks)
+    return adapter
+
+
+class _UserPauseGuard:
+    """Wraps the adapter so a load during spec.paused neither pauses twice nor resumes the engine."""
+
+    def __init__(self, inner: EngineAdapter, agent: Agent) -> None:
+        self.inner = inner
+        self.agent = agent
+
+    def pause(self) -> None:
+        if not self.agent.user_paused:
+            self.inner.pause()
+
+    def resume(self) -> None:
+        if not self.agent.user_paused:
+            self.inner.resume()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class Agent:
+    """One agent process: wires config, local socket, server and/or client, health, and the pod link."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.token = cfg.read_token()
+        self.watcher = TopologyWatcher(cfg.topology_path)
+        self.metrics = AgentMetrics()
+        self.session = uuid.uuid4().hex[:12]
+        self.prefix = f"weightsync-{cfg.job}-{cfg.pod_name}"
+        self.registry = AppRegistry()
+        self.user_paused = False
+        self.served: int | None = None
+        self.published: int | None = None
+        self.desired = Desired()
+        self.last_error: str | None = None
+        self.last_sync: dict[str, Any] | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._attempt = 0
+        self.pod: PodLink | None = None
+
+        topo = self.watcher.current
+        self.mode = topo.mode if cfg.transfer_mode == "Auto" else cfg.transfer_mode
+        self.cache = TransportCache(mode=self.mode, job=cfg.job, pod_ip=cfg.pod_ip, transport_port=cfg.transport_port)
+        self.tmember = trainer_member(topo, cfg.pod_name) if cfg.is_trainer else None
+        self.islot = inference_slot(topo, cfg.pod_name) if cfg.is_inference else None
+        if cfg.is_trainer and self.tmember is None:
+            raise ConfigError(f"pod {cfg.pod_name} is not a trainer pod in {cfg.topology_path}")
+        if cfg.is_inference and self.islot is None:
+            raise ConfigError(f"pod {cfg.pod_name} is not an inference pod in {cfg.topology_path}")
+
+        cleanup_stale(self.prefix)
+        self.store: StagingStore | None = None
+        self.server: WeightServer | None = None
+        if self.tmember is not None:
+            self.store = StagingStore(self.tmember.ranks, self.prefix, on_complete=self._on_complete)
+            self.server = WeightServer(
+                host=cfg.pod_ip, port=cfg.control_port, token=self.token, pod=cfg.pod_name, store=self.store,
+                transport_for=lambda g, p: self.cache.get(g, p, role="src"), metrics=self.metrics, mode=self.mode,
+                generation=lambda: self.watcher.current.generation,
+            )
+            if self.mode == "NCCL" and self.tmember.index == 0:
+                self.cache.host_store()
+        self.adapter: EngineAdapter | None = None
+        self.peers: TrainerPeers | None = None
+        if self.islot is not None:
+            self.adapter = make_adapter(cfg, self.registry, self.islot.member.ranks)
+            self.peers = TrainerPeers(topo, port=cfg.control_port, token=self.token, pod=cfg.pod_name,
+                                      replica=self.islot.replica.replica, on_announce=self._wake.set)
+        self.local = local.LocalServer(cfg.socket_path, self._local)
+        self.health = HealthServer(cfg.pod_ip, cfg.metrics_port, self.metrics.registry, self._health)
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> Agent:
+        self.local.start()
+        self.health.start()
+        if self.server is not None:
+            self.server.start()
+        if self.cfg.kube_enabled:
+            self.pod = PodLink(self.cfg.namespace, self.cfg.pod_name, self._on_desired, self.metrics).start()
+            self.desired = self.pod.desired
+            self._report()
+        threading.Thread(target=self._loop, name="agent-loop", daemon=True).start()
+        log.info("agent started role=%s pod=%s mode=%s trainer_ranks=%s inference=%s", self.cfg.role,
+                 self.cfg.pod_name, self.mode, self.tmember.ranks if self.tmember else None,
+                 (self.islot.replica.replica, self.islot.member.ranks) if self.islot else None)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        for closer in (self.local.close, self.health.close):
+            closer()
+        if self.server is not None:
+            self.server.close()
+        if self.peers is not None:
+            self.peers.close()
+        if self.pod is not None:
+            self.pod.close()
+        if isinstance(self.adapter, CustomEngineAdapter):
+            self.adapter.close()
+        self.cache.close()
+        if self.store is not None:
+            self.store.close()
+
+    # --- local app connections ------------------------------------------------------------------------
+    def _local(self, conn: local.LocalConn) -> None:
+        hello, _ = conn.recv()
+        if hello.get("op") != "hello":
+            conn.reply_error("the first message must be hello")
+            return
+        kind = hello.get("kind")
+        rank = int(hello.get("rank", 0))
+        if kind == "trainer":
+            if self.store is None:
+                conn.reply_error(f"this agent's role is {self.cfg.role}: it does not accept trainer publishes")
+                return
+            conn.reply_ok(pod=self.cfg.pod_name, role=self.cfg.role, job=self.cfg.job)
+            self._trainer_conn(conn)
+        elif kind == "inference":
+            if self.islot is None:
+                conn.reply_error(f"this agent's role is {self.cfg.role}: it has no engine side")
+                return
+            served = hello.get("served_version")
+            conn.reply_ok(pod=self.cfg.pod_name, role=self.cfg.role, job=self.cfg.job)
+            if isinstance(served, int) and self.served is None:
+                self.served = served  # a restarted agent adopts what the engine already serves
+            self.registry.add(rank, conn, served if isinstance(served, int) else None)
+            log.info("engine connected rank=%s served=%s", rank, served)
+            self._wake.set()
+            while not self._stop.is_set() and self.registry.holds(rank, conn):
+                if local.peer_closed(conn.sock, 1.0):
+                    log.warning("engine disconnected rank=%s", rank)
+                    self.registry.remove(conn)
+                    break
+            # the LocalServer closes the connection when this returns
+        else:
+            conn.reply_error(f"unknown client kind {kind!r}: expected trainer or inference")
+
+    def _trainer_conn(self, conn: local.LocalConn) -> None:
+        assert self.store is not None
+        while not self._stop.is_set():
+            h, _ = conn.recv()
+            op = h.get("op")
+            try:
+                if op == "stage":
+                    t0 = time.perf_counter()
+                    seg = self.store.stage(int(h["rank"]), int(h["version"]), int(h["nbytes"]),
+                                           str(h.get("device", "cpu")))
+                    self._stage_t0 = t0
+                    conn.reply_ok(segment=seg.handle())
+                elif op == "publish":
+                    sv = self.store.publish(int(h["rank"]), int(h["version"]), str(h["segment"]), h.get("tensors"),
+                                            dict(h.get("aliases") or {}))
+                    self.metrics.publish_seconds.observe(time.perf_counter() - getattr(self, "_stage_t0", 0.0))
+                    conn.reply_ok(version=sv.version, complete=sv.complete)
+                else:
+                    conn.reply_error(f"unknown trainer op {op!r}")
+            except (StagingError, KeyError, ValueError, TypeError) as exc:
+                log.warning("publish rejected op=%s error=%s", op, exc)
+                conn.reply_error(str(exc))
+
+    def _on_complete(self, sv: StagedVersion) -> None:
+        self.published = sv.version
+        self.metrics.published_version.set(sv.version)
+        self.metrics.staged_bytes.inc(sv.nbytes)
+        log.info("version staged version=%s bytes=%s ranks=%s", sv.version, sv.nbytes, sorted(sv.ranks))
+        if self.server is not None:
+            self.server.announce(sv.version)
+        self._report()
+
+    # --- desired state ---------------------------------------------------------------------------------
+    def _on_desired(self, d: Desired) -> None:
+        self.desired = d
+        log.info("desired state target=%s paused=%s", d.target_version, d.paused)
+        self._wake.set()
+
+    def _report(self) -> None:
+        latest = self._latest_known()
+        if self.pod is None:
+            return
+        fields: dict[str, Any] = {"published_version": self.published}
+        if self.islot is not None:
+            ok, reason, msg = synced_state(latest, self.served, self.cfg.max_staleness)
+            fields.update(served_version=self.served, engine_paused=self.user_paused, last_sync=self.last_sync,
+                          sync_error=self.last_error, synced=ok, synced_reason=reason, synced_message=msg)
+        self.pod.update(**fields)
+
+    def _latest_known(self) -> int | None:
+        vs = [v for v in (self.desired.target_version, self.peers.newest_announced() if self.peers else None,
+                          self.published) if v is not None]
+        return max(vs) if vs else None
+
+    # --- inference loop --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(1.0)
+            self._wake.clear()
+            try:
+                self._poll_topology()
+                if self.islot is not None:
+                    self._step()
+            except Exception:
+                log.exception("agent loop step failed")
+                time.sleep(0.5)
+
+    def _poll_topology(self) -> None:
+        topo = self.watcher.poll()
+        if topo is None:
+            return
+        if self.peers is not None:
+            self.peers.update(topo)
+        if self.cfg.is_inference:
+            slot = inference_slot(topo, self.cfg.pod_name)
+            if slot is not None:
+                self.islot = slot
+
+    def _apply_pause(self) -> None:
+        assert self.adapter is not None
+        want = self.desired.paused
+        if want == self.user_paused:
+            return
+        try:
+            if want:
+                self.adapter.pause()
+            else:
+                self.adapter.resume()
+        except EngineError as exc:
+            log.warning("engine %s failed: %s", "pause" if want else "resume", exc)
+            return
+        self.user_paused = want
+        self.metrics.engine_paused.set(1 if want else 0)
+        log.info("engine %s by spec.paused", "paused" if want else "resumed")
+        self._report()
+
+    def _target(self) -> int | None:
+        assert self.peers is not None
+        available = self.peers.latest_available()
+        if self.cfg.kube_enabled and self.desired.target_version is not None:
+            target = self.desired.target_version
+            if self.served is not None and self.served >= target:
+                return None
+            # allowed to load: take the newest staged version at least as new (an older one may be evicted)
+            if available is not None and available >= target:
+                return available
+            return None
+        if available is None or (self.served is not None and self.served >= available):
+            return None
+        return available
+
+    def _step(self) -> None:
+        assert self.adapter is not None and self.peers is not None and self.islot is not None
+        if self.cfg.engine_type == "Custom" and not self.registry.connected():
+            self._report()
+            return
+        self._apply_pause()
+        target = self._target()
+        self.metrics.target_version.set(target or self.served or 0)
+        if target is None:
+            self._report()
+            return
+        self._fetch(target)
+
+    def _fetch(self, version: int) -> None:
+        assert self.adapter is not None and self.peers is not None and self.islot is not None
+        topo = self.watcher.current
+        rep = self.islot.replica
+        g = group_for(topo, rep.replica, self.cfg.pod_name)
+        store_host = next((p.ip for p in topo.trainer.pods if p.name == g.members[0]), None)
+        group = {"name": g.name, "generation": topo.generation,
+                 "epoch": epoch_of(self.session, self._attempt, self.peers_sessions()),
+                 "store": [store_host or self.cfg.pod_ip, self.cfg.transport_port]}
+
+        def transport_for(gr: dict[str, Any], plan: TransferPlan) -> Any:
+            return self.cache.get(gr, plan, role="dst")
+
+        t0 = time.perf_counter()
+        try:
+            res = fetch_version(
+                version, peers=self.peers, topo=topo, replica=rep.replica, my_ranks=self.islot.member.ranks,
+                adapter=_UserPauseGuard(self.adapter, self),
+                transport_for=transport_for, group=group, bucket_bytes=self.cfg.bucket_size_mb << 20,
+                pause_generation=self.cfg.pause_generation, port=self.cfg.control_port, token=self.token,
+                expand_aliases=self.cfg.engine_type == "Custom",
+            )
+        except (FetchError, EngineError, StagingError) as exc:
+            self._attempt += 1
+            self.cache.drop(g.name)
+            self.last_error = str(exc)
+            self.metrics.versions.labels("failed").inc()
+            log.warning("sync failed version=%s attempt=%s error=%s", version, self._attempt, exc)
+            self._report()
+            time.sleep(min(0.2 * 2 ** min(self._attempt, 5), 5.0))
+            self._wake.set()
+            return
+        took = time.perf_counter() - t0
+        self.served = version
+        self.last_error = None
+        self.last_sync = {"version": version, "durationSeconds": round(took, 4), "bytes": res.bytes, "mode": self.mode}
+        self.metrics.served_version.set(version)
+        self.metrics.versions.labels("committed").inc()
+        self.metrics.transfer_bytes.labels("received", self.mode).inc(res.bytes)
+        self.metrics.sync_seconds.labels(self.mode).observe(took)
+        log.info("version committed version=%s bytes=%s seconds=%.3f", version, res.bytes, took)
+        self._report()
+        self._wake.set()
+
+    def peers_sessions(self) -> list[str]:
+        assert self.peers is not None
+        return self.peers.trainer_sessions()
+
+    # --- health --------------------------------------------------------------------------------------
+    def _health(self) -> tuple[bool, dict[str, Any]]:
+        detail: dict[str, Any] = {"role": self.cfg.role, "pod": self.cfg.pod_name, "mode": self.mode,
+                                  "generation": self.watcher.current.generation}
+        if self.store is not None:
+            detail["published"] = self.published
+        if self.islot is not None:
+            detail.update(served=self.served, paused=self.user_paused, engines=self.registry.connected(),
+                          trainers_connected=self.peers.connected() if self.peers else False,
+                          last_error=self.last_error)
+        return True, detail
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="weightsync-agent", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default=os.environ.get("WEIGHTSYNC_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        cfg = AgentConfig.from_env()
+        agent = Agent(cfg).start()
+    except ConfigError as exc:
+        log.error("configuration error: %s", exc)
+        sys.exit(2)
+    done = threading.Event()
+
+    def stop(signum: int, _frame: Any) -> None:
+        log.info("signal %s: shutting down", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    done.wait()
+    agent.close()
+
+
+if __name__ == "__main__":
+    main()

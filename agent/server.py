@@ -1,0 +1,438 @@
+"""Trainer side of the agent: stage what the local trainer publishes, announce it, serve it to inference agents.
+
+Staging: each local trainer rank writes its shards once into a segment from a reusable pool
+(agent/staging.py) and tells the agent their metadata; a version is complete when every local rank
+published it. The newest `keep` complete versions stay staged (plus any version a transfer is reading or
+that an inference agent pinned by asking for its metadata), so training continues while versions are
+served and a late inference agent can still pull the current one.
+
+Serving: inference agents open control links (announcements, metadata) and per-version transfer links;
+for each source rank the server waits until every destination of the plan joined, then runs a
+WeightSender (agent/sync.py) over the replica's transport. A bad peer never takes the server down:
+every link is handled in its own thread and every failure is logged and counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from weightsync.agent import protocol as P
+from weightsync.agent import staging
+from weightsync.agent.link import AuthError, FrameError, Link, LinkError, LinkListener, LinkTimeout, Mailbox
+from weightsync.agent.metrics import AgentMetrics
+from weightsync.agent.plan import TensorShard, TransferPlan
+from weightsync.agent.sync import SyncError, WeightSender
+from weightsync.agent.transports.base import Transport, WorldMap
+
+log = logging.getLogger(__name__)
+
+PIN_SECONDS = 60.0           # how long a metadata request keeps a version staged for the transfer to follow
+RENDEZVOUS_TIMEOUT = 60.0    # how long a source waits for every destination of a plan to join
+
+
+class StagingError(ValueError):
+    """A publish from the local trainer is inconsistent; the message says what to fix in the trainer."""
+
+
+@dataclass
+class RankStage:
+    rank: int
+    slot: staging.Slot
+    metas: list[dict[str, Any]]
+
+    def shards(self) -> list[TensorShard]:
+        return [TensorShard.of(m["name"], m["dtype"], m["global_shape"], m["global_offset"], m["shape"])
+                for m in self.metas]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        seg = self.slot.segment
+        return {m["name"]: seg.view(int(m["offset"]), staging.dtype_from_name(m["dtype"]), m["shape"])
+                for m in self.metas}
+
+
+@dataclass
+class StagedVersion:
+    version: int
+    ranks: dict[int, RankStage] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    readers: int = 0
+    pinned_until: float = 0.0
+    complete: bool = False
+    staged_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(m["nbytes"]) for r in self.ranks.values() for m in r.metas)
+
+
+def validate_metas(metas: Any, segment_size: int) -> list[dict[str, Any]]:
+    """Check a publish's tensor index before anything trusts it (the trainer is local but may be buggy)."""
+    if not isinstance(metas, list):
+        raise StagingError("publish needs a 'tensors' list")
+    names: set[str] = set()
+    end = 0
+    for m in sorted(metas, key=lambda m: int(m.get("offset", -1)) if isinstance(m, dict) else -1):
+        try:
+            shard = TensorShard.of(m["name"], m["dtype"], m["global_shape"], m["global_offset"], m["shape"])
+            off, n = int(m["offset"]), int(m["nbytes"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StagingError(f"bad tensor entry {m!r}: {exc}") from None
+        if shard.name in names:
+            raise StagingError(f"tensor {shard.name!r} published twice in one version")
+        names.add(shard.name)
+        if n != shard.nbytes:
+            raise StagingError(f"tensor {shard.name!r}: nbytes={n} but its dtype/shape need {shard.nbytes}")
+        if off < end or off + n > segment_size or off % staging.ALIGN:
+            raise StagingError(f"tensor {shard.name!r}: bytes [{off}, {off + n}) overlap, are unaligned or "
+                               f"leave the {segment_size}-byte segment")
+        end = off + n
+    return list(metas)
+
+
+class StagingStore:
+    """Versions the local trainer ranks published, keyed by version; thread-safe."""
+
+    def __init__(self, ranks: list[int], prefix: str, *, keep: int = 1,
+                 on_complete: Callable[[StagedVersion], None] | None = None) -> None:
+        self.ranks = sorted(ranks)
+        self.prefix = prefix
+        self.keep = max(1, keep)
+        self.on_complete = on_complete
+        self._pools: dict[str, staging.SegmentPool] = {}
+        self._versions: dict[int, StagedVersion] = {}
+        self._pending: dict[tuple[int, int], staging.Slot] = {}  # (rank, version) -> slot being written
+        self._lock = threading.Condition()
+
+    def _pool(self, device: str) -> staging.SegmentPool:
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools[device] = staging.SegmentPool(f"{self.prefix}-stage", device)
+        return pool
+
+    def latest(self) -> int | None:
+        with self._lock:
+            done = [v for v, s in self._versions.items() if s.complete]
+            return max(done) if done else None
+
+    def stage(self, rank: int, version: int, nbytes: int, device: str) -> staging.Segment:
+        if rank not in self.ranks:
+            raise StagingError(f"rank {rank} is not served by this agent (its ranks are {self.ranks}); "
+                               "pass TrainerSession(rank=...) matching the topology")
+        latest = self.latest()
+        if latest is not None and version <= latest:
+            raise StagingError(f"version {version} is not newer than the staged version {latest}; versions must increase")
+        if nbytes < 0:
+            raise StagingError(f"nbytes must be >= 0, got {nbytes}")
+        slot = self._pool(device).acquire(nbytes)
+        with self._lock:
+            old = self._pending.pop((rank, version), None)
+            self._pending[(rank, version)] = slot
+        if old is not None:
+            self._release_slot(old)
+        return slot.segment
+
+    def publish(self, rank: int, version: int, segment: str, metas: Any, aliases: dict[str, str]) -> StagedVersion:
+        with self._lock:
+            slot = self._pending.get((rank, version))
+            if slot is None or slot.segment.name != segment:
+                raise StagingError(f"publish of version {version} rank {rank} without a matching stage request")
+        metas = validate_metas(metas, slot.segment.size)
+        with self._lock:
+            del self._pending[(rank, version)]
+            sv = self._versions.setdefault(version, StagedVersion(version))
+            old = sv.ranks.get(rank)
+            sv.ranks[rank] = RankStage(rank, slot, metas)
+            sv.aliases.update(aliases)
+            for pool in self._pools.values():
+                if slot in pool._slots:
+                    pool.fill(slot, version)
+            newly = not sv.complete and all(r in sv.ranks for r in self.ranks)
+            if newly:
+                sv.complete = True
+                self._evict()
+            self._lock.notify_all()
+        if old is not None:
+            self._release_slot(old.slot)
+        if newly and self.on_complete:
+            self.on_complete(sv)
+        return sv
+
+    def _release_slot(self, slot: staging.Slot) -> None:
+        for pool in self._pools.values():
+            if slot in pool._slots:
+                pool.release(slot)
+
+    def _evict(self) -> None:
+        """Drop complete versions beyond the newest `keep` unless read or pinned (lock held)."""
+        now = time.monotonic()
+        complete = sorted((v for v, s in self._versions.items() if s.complete), reverse=True)
+        keep = set(complete[: self.keep])
+        for v in complete[self.keep :]:
+            sv = self._versions[v]
+            if v in keep or sv.readers or sv.pinned_until > now:
+                continue
+            del self._versions[v]
+            for rs in sv.ranks.values():
+                self._release_slot(rs.slot)
+            log.info("staging.evict version=%s", v)
+        # incomplete versions older than the newest complete one will never complete usefully
+        for v in [v for v, s in self._versions.items() if not s.complete and complete and v < complete[0]]:
+            sv = self._versions.pop(v)
+            for rs in sv.ranks.values():
+                self._release_slot(rs.slot)
+
+    def get(self, version: int, *, pin: float = 0.0) -> StagedVersion | None:
+        with self._lock:
+            sv = self._versions.get(version)
+            if sv is None or not sv.complete:
+                return None
+            if pin:
+                sv.pinned_until = max(sv.pinned_until, time.monotonic() + pin)
+            return sv
+
+    @contextlib.contextmanager
+    def reading(self, version: int) -> Iterator[StagedVersion]:
+        with self._lock:
+            sv = self._versions.get(version)
+            if sv is None or not sv.complete:
+                raise StagingError(f"version {version} is not staged here (latest {self.latest()})")
+            sv.readers += 1
+        try:
+            yield sv
+        finally:
+            with self._lock:
+                sv.readers -= 1
+                sv.pinned_until = 0.0
+                self._evict()
+
+    def close(self) -> None:
+        with self._lock:
+            for pool in self._pools.values():
+                pool.close()
+            self._pools.clear()
+            self._versions.clear()
+
+
+TransportFor = Callable[[int, str, WorldMap], Transport]
+
+
+@dataclass
+class _Rendezvous:
+    plan: TransferPlan
+    version: int
+    src: int
+    expected: set[int]
+    peers: dict[int, Mailbox] = field(default_factory=dict)
+    started: bool = False
+    created: float = field(default_factory=time.monotonic)
+
+
+class WeightServer:
+    """Accepts control and transfer links from inference agents and serves staged versions."""
+
+    def __init__(self, *, host: str, port: int, token: bytes, pod: str, store: StagingStore,
+                 transport_for: Callable[[dict[str, Any], TransferPlan], tuple[Transport, WorldMap]],
+                 metrics: AgentMetrics, mode: str, generation: Callable[[], int], timeout: float = 600.0) -> None:
+        self.pod = pod
+        self.store = store
+        self.transport_for = transport_for
+        self.metrics = metrics
+        self.mode = mode
+        self.generation = generation
+        self.timeout = timeout
+        self.session = uuid.uuid4().hex[:12]
+        self.listener = LinkListener(host, port, token)
+        self.port = self.listener.port
+        self._subs: dict[int, Link] = {}
+        self._subs_lock = threading.Lock()
+        self._rdv: dict[tuple[Any, ...], _Rendezvous] = {}
+        self._rdv_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="ws-accept", daemon=True)
+        metrics.rejected_connections.set_function(lambda: self.listener.rejected)
+
+    def start(self) -> WeightServer:
+        self._thread.start()
+        log.info("weight server listening port=%s ranks=%s", self.port, self.store.ranks)
+        return self
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                link = self.listener.accept(timeout=0.5)
+            except LinkTimeout:
+                continue
+            threading.Thread(target=self._handle, args=(link,), name=f"ws-peer-{link.peer}", daemon=True).start()
+
+    def _reject(self, link: Link, reason: str, exc: BaseException) -> None:
+        self.metrics.rejected_frames.labels(reason).inc()
+        log.warning("peer.reject peer=%s reason=%s error=%s", link.peer, reason, exc)
+        link.close()
+
+    def _handle(self, link: Link) -> None:
+        try:
+            header, payload = link.recv(timeout=30)
+            kind = header.get("kind")
+            if kind == P.HELLO:
+                self._control(link, header)
+            elif kind == P.TRANSFER:
+                self._transfer(link, header, payload)
+            else:
+                raise P.ProtocolError(f"first frame must be {P.HELLO} or {P.TRANSFER}, got {kind!r}")
+        except AuthError as exc:
+            self._reject(link, "auth", exc)
+        except FrameError as exc:
+            self._reject(link, "malformed", exc)
+        except P.ProtocolError as exc:
+            self._reject(link, "protocol", exc)
+            with contextlib.suppress(LinkError):
+                link.send({"kind": P.ERROR, "message": str(exc)})
+        except LinkError as exc:
+            log.info("peer.closed peer=%s: %s", link.peer, exc)
+            link.close()
+        except Exception:
+            log.exception("peer handler failed peer=%s", link.peer)
+            link.close()
+
+    # --- control links ------------------------------------------------------------------------------
+    def _control(self, link: Link, hello: dict[str, Any]) -> None:
+        key = id(link)
+        with self._subs_lock:
+            self._subs[key] = link
+        log.info("peer.hello peer=%s pod=%s replica=%s", link.peer, hello.get("pod"), hello.get("replica"))
+        try:
+            link.send({"kind": P.WELCOME, "pod": self.pod, "ranks": self.store.ranks, "latest": self.store.latest(),
+                       "generation": self.generation(), "session": self.session})
+            while not self._stop.is_set():
+                try:
+                    header, _ = link.recv(timeout=1.0)
+                except LinkTimeout:
+                    continue
+                try:
+                    self._control_request(link, header)
+                except P.ProtocolError as exc:
+                    self.metrics.rejected_frames.labels("protocol").inc()
+                    log.warning("peer.bad_request peer=%s error=%s", link.peer, exc)
+                    link.send({"kind": P.ERROR, "id": header.get("id"), "message": str(exc)})
+        finally:
+            with self._subs_lock:
+                self._subs.pop(key, None)
+
+    def _control_request(self, link: Link, h: dict[str, Any]) -> None:
+        kind = h.get("kind")
+        if kind == P.META_REQ:
+            rid = P.require(h, "id", int)
+            version = P.require(h, "version", int)
+            sv = self.store.get(version, pin=PIN_SECONDS)
+            if sv is None:
+                link.send({"kind": P.META, "id": rid, "version": version, "ok": False, "latest": self.store.latest(),
+                           "error": f"version {version} is not staged on {self.pod}"})
+                return
+            payload = P.encode_meta({r: rs.shards() for r, rs in sv.ranks.items()}, sv.aliases)
+            link.send({"kind": P.META, "id": rid, "version": version, "ok": True}, payload)
+        else:
+            raise P.ProtocolError(f"unknown request kind {kind!r} on a control link")
+
+    def announce(self, version: int) -> None:
+        with self._subs_lock:
+            subs = list(self._subs.values())
+        for link in subs:
+            try:
+                link.send({"kind": P.ANNOUNCE, "version": version})
+            except LinkError as exc:
+                log.info("announce failed peer=%s: %s", link.peer, exc)
+
+    # --- transfer links -----------------------------------------------------------------------------
+    def _transfer(self, link: Link, h: dict[str, Any], payload: memoryview) -> None:
+        version = P.require(h, "version", int)
+        src = P.require(h, "src", int)
+        dst = P.require(h, "dst", int)
+        group = P.require(h, "group", dict)
+        plan_hash = P.require(h, "plan_hash", str)
+        if src not in self.store.ranks:
+            raise P.ProtocolError(f"source rank {src} is not served by {self.pod} (ranks {self.store.ranks})")
+        key = (version, src, plan_hash, repr(sorted(group.items())))
+        mb = Mailbox(link, name=f"dst{dst}@{link.peer}")
+        run: _Rendezvous | None = None
+        with self._rdv_lock:
+            self._expire()
+            rdv = self._rdv.get(key)
+            if rdv is None:
+                plan = P.plan_from_inputs(payload)
+                if plan.hash != plan_hash:
+                    mb.abort(f"plan mismatch: {self.pod} computed {plan.hash}, the destination sent {plan_hash}")
+                    raise P.ProtocolError(f"plan hash mismatch for version {version} (ours {plan.hash}, theirs {plan_hash})")
+                rdv = self._rdv[key] = _Rendezvous(plan, version, src, set(plan.dsts_of(src)))
+            if dst not in rdv.expected:
+                mb.abort(f"destination rank {dst} receives nothing from source rank {src} in this plan")
+                raise P.ProtocolError(f"dst {dst} not in plan for src {src}")
+            rdv.peers[dst] = mb
+            if set(rdv.peers) == rdv.expected and not rdv.started:
+                rdv.started = True
+                del self._rdv[key]
+                run = rdv
+        if run is not None:
+            self._send(run, group)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key, rdv in list(self._rdv.items()):
+            if now - rdv.created > RENDEZVOUS_TIMEOUT:
+                del self._rdv[key]
+                for mb in rdv.peers.values():
+                    mb.abort(f"not every destination of version {rdv.version} joined within {RENDEZVOUS_TIMEOUT:.0f}s")
+                    mb.close()
+
+    def _send(self, rdv: _Rendezvous, group: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            with self.store.reading(rdv.version) as sv:
+                rs = sv.ranks.get(rdv.src)
+                if rs is None:
+                    raise StagingError(f"rank {rdv.src} has no shards in version {rdv.version}")
+                mine = {s.to_dict()["name"]: s for s in rs.shards()}
+                theirs = {s.name: s for s in rdv.plan.sources[rdv.src]}
+                if mine != theirs:
+                    raise StagingError(f"the destination's plan describes source rank {rdv.src} differently from "
+                                       f"what was staged for version {rdv.version}")
+                # transfers of different replicas run concurrently (each replica has its own group):
+                # serialising them per agent could deadlock two trainer pods serving two replicas.
+                transport, world = self.transport_for(group, rdv.plan)
+                sender = WeightSender(rdv.plan, rdv.src, transport, rdv.peers, timeout=self.timeout,
+                                      world=world, device=transport_device(transport))
+                stats = sender.send_version(rdv.version, rs.tensors())
+        except (SyncError, StagingError) as exc:
+            self.metrics.versions.labels("serve_failed").inc()
+            log.warning("serve.failed version=%s src=%s error=%s", rdv.version, rdv.src, exc)
+            for mb in rdv.peers.values():
+                mb.abort(str(exc))
+            return
+        finally:
+            for mb in rdv.peers.values():
+                mb.close()
+        took = time.perf_counter() - t0
+        self.metrics.transfer_bytes.labels("sent", self.mode).inc(stats.bytes)
+        self.metrics.serve_seconds.labels(self.mode).observe(took)
+        self.metrics.versions.labels("served").inc()
+        log.info("serve.done version=%s src=%s dsts=%s bytes=%s seconds=%.3f", rdv.version, rdv.src,
+                 sorted(rdv.peers), stats.bytes, took)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.listener.close()
+        with self._subs_lock:
+            for link in self._subs.values():
+                link.close()
+
+
+def transport_device(transport: Transport) -> torch.device:
+    dev = getattr(transport, "device", None)
+    return torch.device(dev) if dev is not None else torch.device("cpu")

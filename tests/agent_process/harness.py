@@ -1,0 +1,230 @@
+"""Pods as processes: real agent, demo trainer and demo engine processes on loopback IPs, no Kubernetes.
+
+Each "pod" gets its own 127.a.b.c address (so every pod uses the contract ports, like real pods), its
+own socket directory (the shared emptyDir), and the job's token file. The test writes the topology file
+the operator would render.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from weightsync.crds import contract
+from weightsync.crds.topology import (
+    InferenceReplicaTopology,
+    PodMember,
+    Topology,
+    TrainerTopology,
+    TransportGroup,
+)
+
+PY = sys.executable
+DEMO_PORT = 8000
+
+
+def random_subnet() -> str:
+    """127.a.b: a private /24 of loopback addresses for one test (avoids clashes with parallel tests)."""
+    return f"127.{random.randint(20, 250)}.{random.randint(1, 250)}"
+
+
+@dataclass
+class Pod:
+    name: str
+    ip: str
+    role: str
+    rank: int = 0
+    world_size: int = 1
+    replica: int = 0
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.ip}:{contract.METRICS_PORT}"
+
+    @property
+    def demo_url(self) -> str:
+        return f"http://{self.ip}:{DEMO_PORT}"
+
+
+class Cluster:
+    """A job's pods as processes under one temporary directory."""
+
+    def __init__(self, root: Path, *, job: str = "demo", mode: str = "NCCL", placement: str = "Separated",
+                 bucket_mb: int = 1, token: str = "s3cret-token") -> None:
+        self.root = root
+        self.job = job
+        self.mode = mode
+        self.placement = placement
+        self.bucket_mb = bucket_mb
+        self.subnet = random_subnet()
+        self._next_ip = 10
+        self.token_path = root / "token"
+        self.token_path.write_text(token)
+        self.topology_path = root / "topology.json"
+        self.pods: dict[str, Pod] = {}
+        self.generation = 1
+        self.extra_env: dict[str, str] = {}
+
+    def ip(self) -> str:
+        self._next_ip += 1
+        return f"{self.subnet}.{self._next_ip}"
+
+    def add_pod(self, name: str, role: str, **kw: Any) -> Pod:
+        pod = Pod(name, self.ip(), role, **kw)
+        self.pods[name] = pod
+        (self.root / name / "sock").mkdir(parents=True, exist_ok=True)
+        return pod
+
+    def topology(self) -> Topology:
+        trainers = [p for p in self.pods.values() if p.role in (contract.ROLE_TRAINER, contract.ROLE_COLOCATED)]
+        infs = [p for p in self.pods.values() if p.role in (contract.ROLE_INFERENCE, contract.ROLE_COLOCATED)]
+        replicas: dict[int, list[Pod]] = {}
+        for p in infs:
+            replicas.setdefault(p.replica, []).append(p)
+        groups = []
+        if self.mode == "IPC":
+            groups = [TransportGroup(name=f"pod-{p.name}", members=[p.name]) for p in infs]
+        else:
+            for r, pods in sorted(replicas.items()):
+                members = [t.name for t in trainers] + [p.name for p in pods if p.name not in {t.name for t in trainers}]
+                groups.append(TransportGroup(name=f"replica-{r}", members=members))
+        return Topology(
+            job=self.job, namespace="default", generation=self.generation, placement=self.placement,  # type: ignore[arg-type]
+            mode=self.mode, bucket_size_mb=self.bucket_mb, verify="None",  # type: ignore[arg-type]
+            trainer=TrainerTopology(world_size=len(trainers), tensor=1, pipeline=1, data=len(trainers), pods=[
+                PodMember(name=t.name, index=i, ranks=[i], ip=t.ip) for i, t in enumerate(trainers)]),
+            inference=[InferenceReplicaTopology(replica=r, tensor=len(pods), world_size=len(pods), pods=[
+                PodMember(name=p.name, index=j, ranks=[j], ip=p.ip) for j, p in enumerate(pods)])
+                for r, pods in sorted(replicas.items())],
+            groups=groups,
+        )
+
+    def write_topology(self) -> None:
+        tmp = self.topology_path.with_suffix(".tmp")
+        tmp.write_text(self.topology().to_json())
+        os.replace(tmp, self.topology_path)
+
+    def env(self, pod: Pod, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            contract.ENV_JOB: self.job, contract.ENV_NAMESPACE: "default", contract.ENV_POD_NAME: pod.name,
+            contract.ENV_POD_IP: pod.ip, contract.ENV_ROLE: pod.role, contract.ENV_RANK: str(pod.rank),
+            contract.ENV_WORLD_SIZE: str(pod.world_size), contract.ENV_REPLICA: str(pod.replica),
+            contract.ENV_TOPOLOGY_PATH: str(self.topology_path), contract.ENV_TOKEN_PATH: str(self.token_path),
+            contract.ENV_SOCKET_DIR: str(self.root / pod.name / "sock"),
+            contract.ENV_APP_SOCKET: str(self.root / pod.name / "sock" / contract.AGENT_SOCKET_NAME),
+            contract.ENV_TRANSFER_MODE: self.mode, contract.ENV_BUCKET_SIZE_MB: str(self.bucket_mb),
+            contract.ENV_ENGINE_TYPE: "Custom", contract.ENV_KUBE_ENABLED: "false",
+            "WEIGHTSYNC_DEMO_PORT": str(DEMO_PORT), "PYTHONUNBUFFERED": "1",
+        })
+        env.update(self.extra_env)
+        env.update(extra)
+        return env
+
+    def spawn(self, pod: Pod, what: str, args: list[str], **extra_env: str) -> subprocess.Popen[bytes]:
+        log = self.root / pod.name / f"{what}.log"
+        fh = log.open("ab")
+        proc = subprocess.Popen(args, env=self.env(pod, **extra_env), stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        pod.procs[what] = proc
+        pod.logs[what] = log
+        return proc
+
+    def start_agent(self, pod: Pod, **env: str) -> subprocess.Popen[bytes]:
+        return self.spawn(pod, "agent", [PY, "-m", "weightsync.agent.main"], **env)
+
+    def start_trainer(self, pod: Pod, *args: str) -> subprocess.Popen[bytes]:
+        return self.spawn(pod, "trainer", [PY, "-m", "weightsync.agent.demo.trainer", *args])
+
+    def start_engine(self, pod: Pod, *args: str) -> subprocess.Popen[bytes]:
+        return self.spawn(pod, "engine", [PY, "-m", "weightsync.agent.demo.engine", *args])
+
+    def kill(self, pod: Pod, what: str, sig: int = signal.SIGKILL) -> None:
+        proc = pod.procs.get(what)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            proc.wait(10)
+
+    def stop_all(self) -> None:
+        for pod in self.pods.values():
+            for what, proc in pod.procs.items():
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, signal.SIGTERM)
+                        proc.wait(5)
+                    except (ProcessLookupError, subprocess.TimeoutExpired):
+                        self.kill(pod, what)
+
+    def log_text(self, pod: Pod, what: str) -> str:
+        path = pod.logs.get(what)
+        return path.read_text(errors="replace") if path and path.exists() else ""
+
+    def dump_logs(self) -> str:
+        out = []
+        for pod in self.pods.values():
+            for what in pod.logs:
+                out.append(f"===== {pod.name} {what} =====\n{self.log_text(pod, what)[-6000:]}")
+        return "\n".join(out)
+
+
+def get_json(url: str, timeout: float = 5.0) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        try:
+            return e.code, json.loads(body)
+        except ValueError:
+            return e.code, body.decode(errors="replace")
+
+
+def get_text(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def wait_for(pred: Any, timeout: float, what: str, cluster: Cluster | None = None, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = pred()
+            if last:
+                return last
+        except (OSError, urllib.error.URLError, ValueError) as exc:
+            last = exc
+        time.sleep(interval)
+    logs = cluster.dump_logs() if cluster else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})\n{logs}")
+
+
+def engine_version(pod: Pod) -> int | None:
+    code, body = get_json(f"{pod.demo_url}/version", timeout=2)
+    return body.get("version") if code == 200 else None
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float | None:
+    """The value of one sample in Prometheus text format (labels as written, e.g. 'direction="sent"')."""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        if key == name or (labels and key.startswith(name + "{") and all(lb in key for lb in labels.split(","))):
+            return float(value)
+    return None
