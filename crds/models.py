@@ -691,8 +691,9 @@ class WeightSyncJob(_Model):
 
     @classmethod
     def from_k8s(cls, obj: Mapping[str, Any]) -> WeightSyncJob:
-        """Parse an object from the API server (or kopf's body); raises `pydantic.ValidationError`."""
-        return cls.model_validate(dict(obj))
+        """Parse an object from the API server (or kopf's body, whose nested values are read-only mapping
+        views); raises `pydantic.ValidationError`. The input is deep-copied into plain dicts and lists."""
+        return cls.model_validate(_plain(obj))
 
     @property
     def name(self) -> str:
@@ -705,6 +706,15 @@ class WeightSyncJob(_Model):
     @property
     def generation(self) -> int:
         return int(self.metadata.get("generation", 0))
+
+
+def _plain(value: Any) -> Any:
+    """Deep copy of mappings and sequences as dicts and lists (kopf hands out mapping views)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 # --- Helpers the operator uses ----------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, Mapping
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -228,6 +230,32 @@ def test_condition_reason_must_be_camel_case() -> None:
         Condition.model_validate(
             {"type": "Ready", "status": "True", "reason": "not ok", "lastTransitionTime": "2026-01-01T00:00:00Z"}
         )
+
+
+class _View(Mapping[str, Any]):
+    """A read-only mapping like kopf's Body / Spec views."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._data[key]
+        return _View(value) if isinstance(value, dict) else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def test_from_k8s_accepts_mapping_views_and_copies_templates() -> None:
+    obj = separated()
+    job = WeightSyncJob.from_k8s(_View(obj))
+    assert job.to_dict()["spec"]["trainer"]["template"] == obj["spec"]["trainer"]["template"]
+    assert type(job.spec.trainer.template["spec"]) is dict
+    job.spec.trainer.template["spec"]["containers"].append({"name": "x"})
+    assert len(obj["spec"]["trainer"]["template"]["spec"]["containers"]) == 1
 
 
 def test_from_k8s_does_not_modify_its_input() -> None:
