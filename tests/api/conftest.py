@@ -4,6 +4,7 @@ work (schema validation, CEL, defaulting, printer columns)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,12 @@ def crd(cluster: Any) -> str:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=weightsync-tests",
                     "-f", str(CRD_FILE))
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{contract.CRD_NAME}")
+    # The OpenAPI document (kubectl explain, client-side field checks) is published a moment after
+    # Established: wait for it so each test can run alone.
+    deadline = time.monotonic() + 60
+    while cluster.kubectl("explain", f"{contract.SHORT_NAME}.spec.transfer", check=False).returncode != 0:
+        assert time.monotonic() < deadline, "the WeightSyncJob OpenAPI schema was not published within 60s"
+        time.sleep(0.5)
     return contract.CRD_NAME
 
 
