@@ -399,3 +399,110 @@ def test_volumes_env_and_refresh(api: KubeClient, namespace: str, process_runtim
         lambda: (s := last_state()) and s["cfg"] == "two" and s["ann"] == 'weightsync.io/target-version="3"',
         timeout=15, what="the configMap and downwardAPI files to be refreshed",
     )
+
+
+# --- init containers in order, restart policy with backoff, liveness restarts -----------------------------
+def test_init_containers_run_in_order_before_app(api: KubeClient, namespace: str, process_runtime: Any) -> None:
+    step = {"name": "work", "mountPath": "/work"}
+
+    def init(name: str) -> JSON:
+        code = f"import time; open('/work/order', 'a').write('{name} '); time.sleep(0.3)"
+        return {"name": name, "image": "x", "command": py(code), "volumeMounts": [step]}
+
+    create_pod(api, namespace, pod_manifest(
+        "inits",
+        [{"name": "main", "image": "x", "volumeMounts": [step],
+          "command": py("print(open('/work/order').read() + 'main', flush=True); import time; time.sleep(3600)")}],
+        initContainers=[init("first"), init("second")], volumes=[{"name": "work", "emptyDir": {}}],
+    ))
+    pod = wait_pod(api, namespace, "inits", running, "Running")
+    assert condition(pod, "Initialized") == "True"
+    states = [c["state"]["terminated"] for c in pod["status"]["initContainerStatuses"]]
+    assert [s["exitCode"] for s in states] == [0, 0] and all(s["reason"] == "Completed" for s in states)
+    log_path = process_runtime.log_path(namespace, "inits", "main")
+    line = wait_until(lambda: log_path.exists() and log_path.read_text().endswith("\n") and log_path.read_text(),
+                      what="main's output")
+    assert line.strip() == "first second main"
+
+
+def test_restart_policy_backoff_and_liveness(api: KubeClient, namespace: str) -> None:
+    create_pod(api, namespace, pod_manifest("crashy", [
+        {"name": "main", "image": "x", "command": py("import sys; sys.exit(3)")}]))
+    create_pod(api, namespace, pod_manifest("once", [
+        {"name": "main", "image": "x", "command": py("import sys; sys.exit(3)")}], restartPolicy="Never"))
+    create_pod(api, namespace, pod_manifest("unhealthy", [
+        {"name": "main", "image": "x", "command": py("import time; time.sleep(3600)"),
+         "livenessProbe": {"exec": {"command": ["false"]}, "periodSeconds": 1, "failureThreshold": 2}}],
+        terminationGracePeriodSeconds=1))
+
+    def restarted(times: int) -> Any:
+        return lambda p: any(c["restartCount"] >= times for c in (p.get("status") or {}).get("containerStatuses", []))
+
+    pod = wait_pod(api, namespace, "crashy", restarted(2), "restarted twice", timeout=60)
+    status = pod["status"]["containerStatuses"][0]
+    assert status["lastState"]["terminated"]["exitCode"] == 3
+    assert pod["status"]["phase"] == "Running"  # restartPolicy Always: a crashing pod stays Running
+    wait_pod(api, namespace, "crashy",
+             lambda p: p["status"]["containerStatuses"][0]["state"].get("waiting", {}).get("reason") == "CrashLoopBackOff",
+             "CrashLoopBackOff", timeout=30)
+    once = wait_pod(api, namespace, "once", finished, "finished")
+    assert once["status"]["phase"] == "Failed"
+    assert once["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
+    assert once["status"]["containerStatuses"][0]["restartCount"] == 0
+    wait_pod(api, namespace, "unhealthy", restarted(1), "restarted by its liveness probe", timeout=60)
+
+
+# --- the runtime as a process (what `make dev-up` runs): stop leaves no process and no bound port ------------
+def test_cli_runtime_stop_leaves_no_processes(cluster: Any, namespace: str, tmp_path: Path) -> None:
+    import secrets
+    import signal
+    import socket
+    import subprocess
+
+    api = KubeClient(endpoint_from_kubeconfig(str(cluster.kubeconfig)))
+    node = f"h2-cli-node-{secrets.token_hex(3)}"
+    api.post("/api/v1/nodes", {"metadata": {"name": node, "labels": {LABEL_PROCESS_NODE: "true"}}})
+    cli = None
+    try:
+        with open(tmp_path / "runtime.log", "w") as runtime_log:
+            cli = subprocess.Popen(
+                [sys.executable, "-m", "weightsync.e2e.runtime", "--kubeconfig", str(cluster.kubeconfig),
+                 "--nodes", node, "--state-dir", str(tmp_path)],
+                stdout=subprocess.PIPE, stderr=runtime_log, text=True,
+            )
+        assert cli.stdout is not None
+        ready = cli.stdout.readline()
+        assert "process runtime ready" in ready, ready
+        serve = py("""
+            import http.server, os, subprocess
+            child = subprocess.Popen(["sleep", "3600"])
+            print("CHILD", child.pid, flush=True)
+            http.server.HTTPServer((os.environ["POD_IP"], 8080), http.server.SimpleHTTPRequestHandler).serve_forever()
+        """)
+        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        create_pod(api, namespace, {
+            "metadata": {"name": "served"},
+            "spec": {"nodeName": node, "containers": [{"name": "main", "image": "x", "command": serve, "env": env,
+                                                       "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1}}]},
+        })
+        pod = wait_pod(api, namespace, "served", lambda p: condition(p, "Ready") == "True", "Ready")
+        ip, pid = pod["status"]["podIP"], pid_of(pod, "main")
+        logs = list(tmp_path.glob(f"pods/{namespace}_served_*/main.log"))
+        assert len(logs) == 1
+        child = int(wait_until(lambda: "\n" in logs[0].read_text() and logs[0].read_text(), what="CHILD line").split()[1])
+        assert alive(pid) and alive(child)
+
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=30) == 0
+        assert not alive(pid) and not alive(child)
+        with pytest.raises(OSError), socket.create_connection((ip, 8080), timeout=1):
+            pass
+    finally:
+        if cli is not None and cli.poll() is None:
+            cli.kill()
+        for path, body in ((pod_path(namespace, "served"), {"gracePeriodSeconds": 0}), (f"/api/v1/nodes/{node}", None)):
+            try:
+                api.delete(path, body)
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
