@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import socket
 import sys
 import uuid
@@ -80,13 +81,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}/{uuid.uuid4().hex[:8]}"
     standalone = args.peering is None
+    priority = args.priority
+    if not standalone and priority == 0:
+        # kopf pauses every replica when two share a priority: pick a random one unless told.
+        priority = random.randint(1, 1_000_000)
     handlers.OPTIONS = handlers.RuntimeOptions(
         config=cfg,
         identity=identity,
         standalone=standalone,
         peering_name=args.peering or "default",
         peering_namespace=None if args.all_namespaces else namespaces[0],
-        priority=args.priority,
+        priority=priority,
         # Watching CRDs/namespaces needs cluster-scoped read access; a namespaced install has only a Role.
         scanning=bool(args.all_namespaces),
     )
@@ -98,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         namespaces=namespaces,
         standalone=standalone,
         peering_name=args.peering,
-        priority=args.priority,
+        priority=priority,
         liveness_endpoint=liveness,
         identity=identity,  # type: ignore[arg-type]
     )
