@@ -56,15 +56,33 @@ def to_dtype(name: str) -> torch.dtype:
         raise BucketError(f"unknown dtype {name!r}; supported: {sorted(_DTYPES)}") from None
 
 
+_ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in _DTYPES.items()}
+
+
 def itemsize(dtype: str | torch.dtype) -> int:
     """Bytes per element of a dtype given by wire name or torch dtype."""
-    dt = to_dtype(dtype) if isinstance(dtype, str) else dtype
-    return torch.empty((), dtype=dt).element_size()
+    if isinstance(dtype, str):
+        try:
+            return _ITEMSIZE[dtype]
+        except KeyError:
+            to_dtype(dtype)  # raises a clear BucketError
+            raise
+    return dtype.itemsize
 
 
 def align_up(n: int, alignment: int) -> int:
     """The smallest multiple of `alignment` that is >= n."""
     return (n + alignment - 1) // alignment * alignment
+
+
+SMALL_ALIGNMENT = 16
+
+
+def entry_offset(cursor: int, nbytes: int, alignment: int) -> int:
+    """Where an entry of `nbytes` starts at or after `cursor`: `alignment`-aligned, except that entries
+    smaller than `alignment` only get 16-byte alignment (enough for every dtype), so thousands of
+    tiny tensors do not waste 256 bytes each."""
+    return align_up(cursor, alignment if nbytes >= alignment else min(alignment, SMALL_ALIGNMENT))
 
 
 @dataclass(frozen=True)
@@ -109,7 +127,9 @@ class BucketLayout:
         cursor = 0
         for name, dtype, shape in items:
             dname = dtype if isinstance(dtype, str) else dtype_name(dtype)
-            entry = BucketEntry(name, dname, tuple(int(s) for s in shape), align_up(cursor, alignment))
+            dims = tuple(int(s) for s in shape)
+            nbytes = math.prod(dims) * itemsize(dname)
+            entry = BucketEntry(name, dname, dims, entry_offset(cursor, nbytes, alignment))
             entries.append(entry)
             cursor = entry.offset + entry.nbytes
         return cls(tuple(entries), cursor, alignment)

@@ -29,7 +29,15 @@ from typing import Any
 
 import torch
 
-from .buckets import DEFAULT_ALIGNMENT, BucketEntry, BucketLayout, align_up, dtype_name, itemsize, to_dtype
+from .buckets import (
+    DEFAULT_ALIGNMENT,
+    BucketEntry,
+    BucketLayout,
+    dtype_name,
+    entry_offset,
+    itemsize,
+    to_dtype,
+)
 
 PLAN_FORMAT = 1
 
@@ -286,17 +294,18 @@ def plan_hash(
     bucket_bytes: int,
     alignment: int,
 ) -> str:
-    """SHA-256 of a canonical JSON rendering of everything that decides which byte goes where."""
-    doc = {
-        "format": PLAN_FORMAT,
-        "bucket_bytes": bucket_bytes,
-        "alignment": alignment,
-        "sources": [[s.to_dict() for s in rank] for rank in sources],
-        "needs": [[s.to_dict() for s in rank] for rank in needs],
-        "buckets": [[b.index, b.src, list(b.dsts), b.nbytes, [[e.offset, *e.piece.canonical()] for e in b.entries]]
-                    for b in buckets],
-    }
-    return hashlib.sha256(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
+    """SHA-256 over a canonical text rendering of everything that decides which byte goes where."""
+    h = hashlib.sha256()
+    h.update(f"weightsync-plan/{PLAN_FORMAT}|{bucket_bytes}|{alignment}\n".encode())
+    for kind, ranks in (("S", sources), ("D", needs)):
+        for r, shards in enumerate(ranks):
+            rows = [f"{kind}{r}|{s.name}|{s.dtype}|{s.global_shape}|{s.box.offset}|{s.box.shape}" for s in shards]
+            h.update(("\n".join(rows) + "\n").encode())
+    for b in buckets:
+        rows = [f"B{b.index}|{b.src}|{b.dsts}|{b.nbytes}"]
+        rows += [f"{e.offset}|{json.dumps(e.piece.canonical(), separators=(',', ':'))}" for e in b.entries]
+        h.update(("\n".join(rows) + "\n").encode())
+    return h.hexdigest()
 
 
 def _check_ranks(kind: str, ranks: Sequence[Sequence[TensorShard]]) -> list[dict[str, TensorShard]]:
@@ -415,7 +424,7 @@ def build_plan(
     for p in pieces:
         key = (p.src, p.dsts)
         cur = cursors.get(key)
-        off = align_up(cur, alignment) if cur is not None else 0
+        off = entry_offset(cur, p.nbytes, alignment) if cur is not None else 0
         if cur is None or off + p.nbytes > bucket_bytes:
             streams[key].append([])
             off = 0

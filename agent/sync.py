@@ -359,7 +359,8 @@ class WeightReceiver(_Endpoint):
             self._abort_all(self.srcs, str(exc))
             raise
         except Exception as exc:
-            msg = f"destination rank {self.rank} failed to receive version {version} while {where}: {exc}"
+            which = f"version {version}" if version >= 0 else "a version"
+            msg = f"destination rank {self.rank} failed to receive {which} while {where}: {exc}"
             self._abort_all(self.srcs, msg)
             cls = PeerFailed if isinstance(exc, (LinkError, TransportError)) else SyncError
             raise cls(msg) from exc
@@ -411,24 +412,8 @@ class WeightReceiver(_Endpoint):
                 meta = h.get("meta")
             stats.wait_seconds += time.perf_counter() - tw
             tl = time.perf_counter()
-            self.hooks.on_recv_bucket(version, bucket, data, meta)
-            ready: NamedTensors = []
-            for e in bucket.entries:
-                p = e.piece
-                view = entry_view(data, e.bucket_entry)
-                need = self.needs[p.name]
-                if p.box == need.box:
-                    remaining[p.name] -= 1
-                    ready.append((p.name, view))
-                    continue
-                asm = self._assembly_buffer(p.name)
-                asm[p.box.slices_within(need.box)].copy_(view)
-                remaining[p.name] -= 1
-                if remaining[p.name] == 0:
-                    ready.append((p.name, asm))
-            if ready:
-                on_bucket(ready)
-            del ready, data
+            self._consume(version, bucket, data, meta, remaining, on_bucket)
+            del data  # every view of the bucket must be gone before the transport releases it
             stats.load_seconds += time.perf_counter() - tl
             self.transport.release_recv(bucket, slot)
             if k + n < len(buckets):
@@ -439,3 +424,30 @@ class WeightReceiver(_Endpoint):
         incomplete = [name for name, left in remaining.items() if left]
         if incomplete:
             raise SyncError(f"tensors {incomplete[:5]} did not arrive completely")
+
+    def _consume(
+        self,
+        version: int,
+        bucket: BucketPlan,
+        data: torch.Tensor,
+        meta: dict[str, Any] | None,
+        remaining: dict[str, int],
+        on_bucket: OnBucket,
+    ) -> None:
+        """Verify, unpack (views), assemble split tensors and hand complete ones to `on_bucket`."""
+        self.hooks.on_recv_bucket(version, bucket, data, meta)
+        ready: NamedTensors = []
+        for e in bucket.entries:
+            p = e.piece
+            view = entry_view(data, e.bucket_entry)
+            need = self.needs[p.name]
+            remaining[p.name] -= 1
+            if p.box == need.box:
+                ready.append((p.name, view))  # the whole tensor in one piece: hand the view itself
+                continue
+            asm = self._assembly_buffer(p.name)
+            asm[p.box.slices_within(need.box)].copy_(view)
+            if remaining[p.name] == 0:
+                ready.append((p.name, asm))
+        if ready:
+            on_bucket(ready)

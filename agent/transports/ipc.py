@@ -1,0 +1,257 @@
+"""IPC transport: same node, zero-copy. POSIX shared memory on CPU, CUDA IPC handles on GPU; one code
+path, so CI exercises the protocol the GPU path uses.
+
+The sender owns `num_slots` segments (reused across buckets and versions). For bucket k it packs slot
+k % num_slots and sends ONE handle for the whole flattened bucket over the control link; each
+destination opens the handle, reads the bucket in place (views, no copy), closes the handle and only
+then sends `ipc.release`. The sender reuses a slot only after every destination released it, so an
+owner never rewrites memory a reader still maps (Awex: close before the trainer reallocates, or get
+an illegal memory access).
+
+Messages (over the Mailbox of each src<->dst pair):
+    src -> dst  ipc.bucket  {index, handle}
+    dst -> src  ipc.release {index}
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import mmap
+import os
+import secrets
+from typing import Any
+
+import torch
+
+from ..plan import BucketPlan
+from .base import Endpoint, Pending, Transport, TransportContext, TransportError, dst, register, src
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+
+
+class _ShmSegment:
+    """A named POSIX shared-memory file mapped into this process, viewed as a uint8 tensor."""
+
+    def __init__(self, path: str, nbytes: int, *, create: bool) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot {'create' if create else 'open'} shared memory {path}: {exc}") from exc
+        try:
+            if create:
+                os.ftruncate(fd, max(nbytes, 1))
+            elif os.fstat(fd).st_size < nbytes:
+                raise TransportError(f"shared memory {path} holds {os.fstat(fd).st_size} bytes, need {nbytes}")
+            # Readers prefault the mapping in one call (MAP_POPULATE): cheaper than a fault per page.
+            mflags = mmap.MAP_SHARED | (0 if create else getattr(mmap, "MAP_POPULATE", 0))
+            self._mm: mmap.mmap | None = mmap.mmap(fd, max(nbytes, 1), flags=mflags)
+        finally:
+            os.close(fd)
+        self.tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8, count=max(nbytes, 1))
+
+    def close(self) -> None:
+        """Unmap. Refuses (TransportError) while any view of the mapping is alive: torch.frombuffer does
+        not pin the mapping, so unmapping under a live view would leave it dangling."""
+        if self._mm is None:
+            return
+        if self.tensor is not None:
+            storage = self.tensor.untyped_storage()
+            users = torch._C._storage_Use_Count(storage._cdata)  # our tensor + `storage` itself
+            del storage
+            if users > 2:
+                raise TransportError(
+                    f"cannot close shared memory {self.path}: {users - 2} tensor view(s) of it are still alive "
+                    "after on_bucket returned; copy (load) tensors inside the callback instead of keeping them"
+                )
+        self.tensor = None
+        self._mm.close()
+        self._mm = None
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _cuda_handle(t: torch.Tensor) -> dict[str, Any]:
+    """A JSON-able CUDA IPC handle for the whole storage of `t` (no pickle on the wire)."""
+    storage = t.untyped_storage()
+    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
+    b64 = base64.b64encode
+    return {"type": "cuda", "device": int(device), "handle": b64(handle).decode(), "size": int(size),
+            "offset": int(offset), "ref_handle": b64(ref_handle).decode(), "ref_offset": int(ref_offset),
+            "event_handle": b64(event_handle).decode() if event_handle else "", "event_sync": bool(event_sync)}
+
+
+def _open_cuda(h: dict[str, Any], nbytes: int, device: torch.device) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    b64 = base64.b64decode
+    dev = device.index if device.index is not None else int(h["device"])
+    return rebuild_cuda_tensor(
+        torch.Tensor, (nbytes,), (1,), 0, torch.storage.UntypedStorage, torch.uint8, dev,
+        b64(h["handle"]), int(h["size"]), int(h["offset"]), False, b64(h["ref_handle"]), int(h["ref_offset"]),
+        b64(h["event_handle"]) if h["event_handle"] else b"", bool(h["event_sync"]),
+    )
+
+
+class _ReleasePending(Pending[None]):
+    def __init__(self, transport: IpcTransport, bucket: BucketPlan) -> None:
+        self._t = transport
+        self._bucket = bucket
+        self._left = list(bucket.dsts)
+
+    def wait(self, timeout: float | None = None) -> None:
+        while self._left:
+            d = self._left[0]
+            try:
+                self._t._peer(dst(d)).get("ipc.release", timeout=timeout, match={"index": self._bucket.index})
+            except Exception as exc:
+                raise TransportError(f"destination rank {d} did not release bucket {self._bucket.index}: {exc}") from exc
+            self._left.pop(0)
+
+
+class _OpenPending(Pending[torch.Tensor]):
+    def __init__(self, transport: IpcTransport, bucket: BucketPlan, slot: int) -> None:
+        self._t = transport
+        self._bucket = bucket
+        self._slot = slot
+        self._result: torch.Tensor | None = None
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        if self._result is None:
+            b = self._bucket
+            try:
+                h, _ = self._t._peer(src(b.src)).get("ipc.bucket", timeout=timeout, match={"index": b.index})
+            except Exception as exc:
+                raise TransportError(f"no handle for bucket {b.index} from source rank {b.src}: {exc}") from exc
+            self._result = self._t._open(h["handle"], b, self._slot)
+        return self._result
+
+
+@register("ipc")
+class IpcTransport(Transport):
+    """Flattened buckets through shared memory (CPU) or CUDA IPC (GPU) on one node."""
+
+    name = "ipc"
+
+    def __init__(self, *, shm_dir: str = SHM_DIR, prefix: str = "weightsync") -> None:
+        self.shm_dir = shm_dir
+        self.prefix = prefix
+        self._ctx: TransportContext | None = None
+        self._send: list[_ShmSegment | torch.Tensor | None] = [None] * self.num_slots
+        self._open_segs: dict[int, _ShmSegment | torch.Tensor] = {}
+        self.handles_opened = 0
+
+    def _peer(self, ep: Endpoint) -> Any:
+        assert self._ctx is not None
+        try:
+            return self._ctx.peers[ep]
+        except KeyError:
+            raise TransportError(f"no control link to {ep}") from None
+
+    def bind(self, ctx: TransportContext) -> None:
+        self._ctx = ctx
+        if ctx.me.role != "src":
+            return
+        need = max(ctx.plan.max_bucket_nbytes(src=ctx.me.rank), 1)
+        for i, seg in enumerate(self._send):
+            if isinstance(seg, _ShmSegment) and seg.nbytes >= need and ctx.device.type == "cpu":
+                continue
+            if isinstance(seg, torch.Tensor) and seg.numel() >= need and seg.device == ctx.device:
+                continue
+            self._free_send(i)
+            if ctx.device.type == "cuda":
+                self._send[i] = torch.empty(need, dtype=torch.uint8, device=ctx.device)
+            else:
+                path = os.path.join(self.shm_dir, f"{self.prefix}-{os.getpid()}-{secrets.token_hex(6)}-s{i}")
+                self._send[i] = _ShmSegment(path, need, create=True)
+
+    def _free_send(self, i: int) -> None:
+        seg = self._send[i]
+        if isinstance(seg, _ShmSegment):
+            seg.close()
+            seg.unlink()
+        self._send[i] = None
+
+    def send_buffer(self, slot: int) -> torch.Tensor:
+        seg = self._send[slot]
+        if seg is None:
+            raise TransportError("transport used before bind()")
+        t = seg.tensor if isinstance(seg, _ShmSegment) else seg
+        assert t is not None
+        return t
+
+    def start_send(self, bucket: BucketPlan, slot: int) -> Pending[None]:
+        seg = self._send[slot]
+        if isinstance(seg, _ShmSegment):
+            handle: dict[str, Any] = {"type": "shm", "path": seg.path}
+        elif isinstance(seg, torch.Tensor):
+            torch.cuda.current_stream(seg.device).synchronize()  # the pack must land before readers look
+            handle = _cuda_handle(seg)
+        else:
+            raise TransportError("transport used before bind()")
+        for d in bucket.dsts:
+            self._peer(dst(d)).send("ipc.bucket", index=bucket.index, handle=handle)
+        return _ReleasePending(self, bucket)
+
+    def _open(self, handle: dict[str, Any], bucket: BucketPlan, slot: int) -> torch.Tensor:
+        assert self._ctx is not None
+        kind = handle.get("type")
+        if kind == "shm":
+            path = str(handle.get("path", ""))
+            if os.path.dirname(path) != self.shm_dir or not os.path.basename(path).startswith(self.prefix):
+                raise TransportError(f"refusing shared memory path {path!r} outside {self.shm_dir}/{self.prefix}-*")
+            seg = _ShmSegment(path, bucket.nbytes, create=False)
+            self._open_segs[slot] = seg
+            assert seg.tensor is not None
+            t = seg.tensor[: bucket.nbytes]
+        elif kind == "cuda":
+            if self._ctx.device.type != "cuda":
+                raise TransportError("got a CUDA IPC handle but this receiver's device is CPU")
+            try:
+                full = _open_cuda(handle, int(handle["size"]), self._ctx.device)
+            except Exception as exc:
+                raise TransportError(f"cannot open the CUDA IPC handle of bucket {bucket.index}: {exc}") from exc
+            self._open_segs[slot] = full
+            t = full[: bucket.nbytes]
+        else:
+            raise TransportError(f"unknown IPC handle type {kind!r}")
+        self.handles_opened += 1
+        return t
+
+    def start_recv(self, bucket: BucketPlan, slot: int) -> Pending[torch.Tensor]:
+        return _OpenPending(self, bucket, slot)
+
+    def release_recv(self, bucket: BucketPlan, slot: int) -> None:
+        seg = self._open_segs.pop(slot, None)
+        if isinstance(seg, _ShmSegment):
+            seg.close()
+        elif isinstance(seg, torch.Tensor):
+            torch.cuda.current_stream(seg.device).synchronize()  # consumers' copies must be done
+            del seg
+            torch.cuda.ipc_collect()
+        self._peer(src(bucket.src)).send("ipc.release", index=bucket.index)
+
+    def abort(self, reason: str) -> None:
+        for slot in list(self._open_segs):
+            seg = self._open_segs.pop(slot)
+            if isinstance(seg, _ShmSegment):
+                with contextlib.suppress(TransportError):
+                    seg.close()
+
+    def close(self) -> None:
+        self.abort("closed")
+        for i in range(len(self._send)):
+            self._free_send(i)
+
+    def describe(self) -> dict[str, object]:
+        dev = self._ctx.device.type if self._ctx else "unbound"
+        return {"transport": self.name, "mechanism": "cuda-ipc" if dev == "cuda" else "posix-shm",
+                "handles_opened": self.handles_opened}
