@@ -17,8 +17,10 @@ from typing import Any
 
 from weightsync.e2e.runtime.containers import Backoff, ContainerRunner, rfc3339
 from weightsync.e2e.runtime.envvars import EnvError, Lookup, container_env, expand, service_env
+from weightsync.e2e.runtime.events import EventRecorder
 from weightsync.e2e.runtime.kube import ApiError, KubeClient, pod_path
 from weightsync.e2e.runtime.launch import find_executable, wrapper_argv
+from weightsync.e2e.runtime.orphans import RUNTIME_ID_ENV
 from weightsync.e2e.runtime.pod_volumes import PodVolumes
 from weightsync.e2e.runtime.probes import ProbeState, run_probe
 from weightsync.e2e.runtime.status import KIND_APP, KIND_INIT, KIND_SIDECAR, comparable, status_patch
@@ -49,6 +51,8 @@ class RuntimeContext:
     host_ip: Callable[[str], str]
     allocate_ip: Callable[[str, str | None], str]
     release_ip: Callable[[str], None]
+    events: EventRecorder
+    runtime_id: str
 
 
 def pod_dir_name(namespace: str, name: str, uid: str) -> str:
@@ -95,6 +99,16 @@ class PodWorker:
         self._last_status_at = 0.0
         self._transitions: dict[str, tuple[str, str]] = {}
         self._terminal = False
+        self._last_warning: dict[str, str] = {}  # container (or "") -> last Warning message sent
+
+    def _event(self, reason: str, message: str, container: str | None = None, warning: bool = False) -> None:
+        """Record an Event; a Warning is sent only when its message changed (no spam from retries)."""
+        if warning:
+            key = container or ""
+            if self._last_warning.get(key) == message:
+                return
+            self._last_warning[key] = message
+        self.ctx.events.emit(self._pod, "Warning" if warning else "Normal", reason, message, container)
 
     # --- thread-safe entry points (called by the watch threads / runtime) -------------------------------
     def log_file(self, container: str) -> Path:
@@ -174,6 +188,7 @@ class PodWorker:
             except VolumeError as exc:
                 if self.volume_error != str(exc):
                     log.warning("volumes not ready pod=%s error=%s", self.key, exc)
+                    self._event("FailedMount", str(exc), warning=True)
                 self.volume_error = str(exc)
         for runner in self.init_runners + self.app_runners:
             if runner.reap():
@@ -228,9 +243,9 @@ class PodWorker:
                 return
             delay = runner.schedule_restart(now)
             if delay > 0:
-                runner.set_waiting(
-                    "CrashLoopBackOff", f"back-off {delay:g}s restarting failed container={runner.name} pod={self.name}"
-                )
+                message = f"back-off {delay:g}s restarting failed container={runner.name} pod={self.name}"
+                runner.set_waiting("CrashLoopBackOff", message)
+                self._event("BackOff", f"Back-off restarting failed container {runner.name}", runner.name, warning=True)
                 return
         if now < runner.next_start_at:
             return
@@ -250,26 +265,31 @@ class PodWorker:
             reason = exc.reason if isinstance(exc, EnvError) else "CreateContainerConfigError"
             runner.set_waiting(reason, str(exc))
             runner.next_start_at = retry_at
+            self._event("Failed", f"Error: {exc}", runner.name, warning=True)
             return
         argv = [expand(a, env) for a in (spec.get("command") or []) + (spec.get("args") or [])]
         if not spec.get("command"):
-            runner.set_waiting(
-                "CreateContainerError",
+            message = (
                 f"container {runner.name} has no command: the process runtime runs `command`+`args` on the host "
-                "and cannot run an image entrypoint; set `command`",
+                "and cannot run an image entrypoint; set `command`"
             )
+            runner.set_waiting("CreateContainerError", message)
             runner.next_start_at = retry_at
+            self._event("Failed", f"Error: {message}", runner.name, warning=True)
             return
         workdir = spec.get("workingDir") or str(self.dir / "rootfs")
         if find_executable(argv[0], env, workdir, mounts) is None:
-            runner.set_waiting(
-                "ExecutableNotFound",
+            message = (
                 f'exec: "{argv[0]}": executable file not found in $PATH={env.get("PATH", "")} '
-                "(the process runtime runs commands from the host and the project's Python environment)",
+                "(the process runtime runs commands from the host and the project's Python environment)"
             )
-            runner.next_start_at = runner.next_start_at if runner.next_start_at > now else retry_at
+            runner.set_waiting("ExecutableNotFound", message)
+            runner.next_start_at = retry_at
+            self._event("Failed", f"Error: {message}", runner.name, warning=True)
             return
         runner.launch(wrapper_argv(mounts, workdir, argv), env, now)
+        self._last_warning.pop(runner.name, None)
+        self._event("Started", f"Started container {runner.name}", runner.name)
         log.info(
             "container started pod=%s container=%s kind=%s pid=%s restarts=%d argv=%s",
             self.key, runner.name, runner.kind, runner.pid, runner.restart_count, argv,
@@ -281,6 +301,7 @@ class PodWorker:
             "HOME": "/root",
             "HOSTNAME": self.name,
             "PYTHONUNBUFFERED": "1",
+            RUNTIME_ID_ENV: self.ctx.runtime_id,
             **{k: v for k, v in os.environ.items() if k in ("LANG", "LC_ALL", "TZ")},
             **service_env(self.ctx.api_host, self.ctx.api_port),
         }
@@ -328,11 +349,15 @@ class PodWorker:
                     "probe verdict changed pod=%s container=%s result=%s message=%s",
                     self.key, runner.name, probe.result, result.message,
                 )
+                if probe.result is False:
+                    which = next(k for k in ("readinessProbe", "livenessProbe", "startupProbe") if runner.spec.get(k) is probe.spec)
+                    self._event("Unhealthy", f"{which[:-5].capitalize()} probe failed: {result.message}", runner.name, warning=True)
 
     def _probe_kill(self, runner: ContainerRunner, which: str, grace: float) -> None:
         probe_spec = runner.spec.get(f"{which}Probe") or {}
         grace = float(probe_spec.get("terminationGracePeriodSeconds", grace))
         log.info("container failed %s probe, restarting pod=%s container=%s", which, self.key, runner.name)
+        self._event("Killing", f"Container {runner.name} failed {which} probe, will be restarted", runner.name)
         runner.kill(grace)
 
     # --- status ----------------------------------------------------------------------------------------
@@ -389,6 +414,9 @@ class PodWorker:
         if grace is None:
             grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
         log.info("pod terminating pod=%s grace_s=%s", self.key, grace)
+        for runner in self.init_runners + self.app_runners:
+            if runner.running:
+                self._event("Killing", f"Stopping container {runner.name}", runner.name)
         self._kill_all(grace_s=float(grace))
         try:
             self._publish(pod, force=True)

@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from weightsync.e2e.runtime.events import EventRecorder
 from weightsync.e2e.runtime.ips import DEFAULT_POD_CIDR, PodIPAllocator
 from weightsync.e2e.runtime.kube import ApiError, KubeClient, endpoint_from_kubeconfig, pod_path
+from weightsync.e2e.runtime.orphans import kill_marked
 from weightsync.e2e.runtime.pod_worker import PodWorker, RuntimeContext, pod_dir_name
 
 log = logging.getLogger(__name__)
@@ -93,9 +95,10 @@ class ProcessRuntime:
         self._ips = PodIPAllocator(pod_cidr)
         self._host_ips: dict[str, str] = {}
         tag = hashlib.sha1(str(self.state_dir).encode()).hexdigest()[:10]
+        self.runtime_id = tag
         self.ctx = RuntimeContext(
             client=self.client,
-            lookup=ObjectCache(self.client, ttl_s=1.0, ca_pem=endpoint.ca_pem()),
+            lookup=ObjectCache(self.client, ttl_s=min(volume_refresh_s, 1.5), ca_pem=endpoint.ca_pem()),
             api_host=endpoint.host,
             api_port=endpoint.port,
             python_bin_dir=self.python_bin_dir,
@@ -110,6 +113,8 @@ class ProcessRuntime:
             host_ip=self._host_ip,
             allocate_ip=self._allocate_ip,
             release_ip=self._ips.release,
+            events=EventRecorder(self.client),
+            runtime_id=tag,
         )
         self._workers: dict[str, PodWorker] = {}
         self._done: dict[str, float] = {}  # uids whose worker finished (never re-admitted)
@@ -121,6 +126,7 @@ class ProcessRuntime:
     # --- public API ------------------------------------------------------------------------------------
     def start(self, wait_s: float = 30.0) -> None:
         self.ctx.pods_dir.mkdir(parents=True, exist_ok=True)
+        kill_marked(self.runtime_id)  # what a crashed runtime with this state dir left running
         for node in self.node_names:
             thread = threading.Thread(target=self._watch_node, args=(node,), name=f"watch-{node}", daemon=True)
             thread.start()
@@ -140,6 +146,8 @@ class ProcessRuntime:
         deadline = time.monotonic() + timeout_s
         for worker in workers:
             worker.join(max(deadline - time.monotonic(), 0.1))
+        kill_marked(self.runtime_id)  # children that left their process group
+        self.ctx.events.close()
         shutil.rmtree(self.ctx.shm_root, ignore_errors=True)
         log.info("process runtime stopped pods=%d", len(workers))
 

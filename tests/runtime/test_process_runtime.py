@@ -87,6 +87,11 @@ def pid_of(pod: JSON, container: str) -> int:
     raise AssertionError(f"no status for container {container}")
 
 
+def events_of(api: KubeClient, namespace: str, pod: str, reason: str) -> list[JSON]:
+    items = api.get(f"/api/v1/namespaces/{namespace}/events", fieldSelector=f"involvedObject.name={pod}")["items"]
+    return [e for e in items if e["reason"] == reason]
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -297,6 +302,8 @@ def test_unknown_executable_waits_with_a_clear_reason(api: KubeClient, namespace
     assert waiting["reason"] == "ExecutableNotFound"
     assert "definitely-not-installed-xyz" in waiting["message"] and "PATH" in waiting["message"]
     assert pod["status"]["phase"] == "Pending"
+    failed = wait_until(lambda: events_of(api, namespace, "bad-exec", "Failed"), what="a Failed event")
+    assert failed[0]["type"] == "Warning" and "definitely-not-installed-xyz" in failed[0]["message"]
     create_pod(api, namespace, pod_manifest("good", [
         {"name": "main", "image": "x", "command": py("import time; time.sleep(3600)")}]))
     wait_pod(api, namespace, "good", running, "Running (the runtime still works)")
@@ -450,6 +457,8 @@ def test_restart_policy_backoff_and_liveness(api: KubeClient, namespace: str) ->
     assert once["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
     assert once["status"]["containerStatuses"][0]["restartCount"] == 0
     wait_pod(api, namespace, "unhealthy", restarted(1), "restarted by its liveness probe", timeout=60)
+    assert wait_until(lambda: events_of(api, namespace, "unhealthy", "Unhealthy"), what="an Unhealthy event")
+    assert wait_until(lambda: events_of(api, namespace, "crashy", "BackOff"), what="a BackOff event")
 
 
 # --- the runtime as a process (what `make dev-up` runs): stop leaves no process and no bound port ------------
