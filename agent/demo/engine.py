@@ -3,7 +3,8 @@
     python -m weightsync.agent.demo.engine --port 8001
 
 HTTP: GET /predict?x=0.5 -> {"y": ..., "version": v} (503 while paused), GET /version -> {"version", "paused"},
-GET /checksums -> sha256 of every weight of the served version (compare with the demo trainer's), GET /healthz.
+GET /checksums -> sha256 of every weight of the served version (compare with the demo trainer's), GET /events
+-> the pause/begin/commit/abort/resume sequence, GET /healthz.
 
 A version is loaded into a shadow copy and swapped in on commit, so predictions never see half a version
 and an aborted load leaves the served weights untouched.
@@ -32,7 +33,9 @@ log = logging.getLogger("weightsync.demo.engine")
 class DemoEngine:
     """The engine's state and the InferenceSession callbacks."""
 
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, fail_versions: set[int] | None = None) -> None:
+        self.fail_versions = set(fail_versions or ())  # tests: fail the first load of these versions
+        self.events: list[list[Any]] = []  # (event, version) in order, for tests of pause/resume ordering
         torch.manual_seed(12345)  # deliberately not the trainer's init: version None until the first load
         self.model = DemoModel(hidden)
         self.lock = threading.Lock()
@@ -45,6 +48,7 @@ class DemoEngine:
         self._loading: int | None = None
 
     def on_begin(self, version: int) -> None:
+        self.events.append(["begin", version])
         with self.lock:
             self._shadow = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self._received = set()
@@ -53,6 +57,9 @@ class DemoEngine:
     def on_bucket(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         if self._shadow is None or version != self._loading:
             raise RuntimeError(f"bucket for version {version} without begin")
+        if version in self.fail_versions:
+            self.fail_versions.discard(version)
+            raise RuntimeError(f"injected failure loading version {version}")
         for name, t in tensors:
             dst = self._shadow.get(name)
             if dst is None:
@@ -73,17 +80,21 @@ class DemoEngine:
             self.version = version
             self.loads += 1
         self._shadow = None
+        self.events.append(["commit", version])
         log.info("serving version=%d", version)
 
     def on_abort(self, version: int, reason: str) -> None:
         self._shadow = None
         self.aborts += 1
+        self.events.append(["abort", version])
         log.warning("load of version=%d aborted: %s", version, reason)
 
     def on_pause(self) -> None:
+        self.events.append(["pause", self.version])
         self.paused = True
 
     def on_resume(self) -> None:
+        self.events.append(["resume", self.version])
         self.paused = False
 
     def predict(self, x: float) -> float:
@@ -108,6 +119,8 @@ def serve(engine: DemoEngine, host: str, port: int) -> ThreadingHTTPServer:
                 self._json(200, {"ok": True})
             elif url.path == "/version":
                 self._json(200, engine.state())
+            elif url.path == "/events":
+                self._json(200, {"events": engine.events})
             elif url.path == "/checksums":
                 self._json(200, engine.checksums())
             elif url.path == "/predict":
@@ -144,9 +157,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=int(os.environ.get("WEIGHTSYNC_DEMO_PORT", "8001")))
     p.add_argument("--host", default=os.environ.get(contract.ENV_POD_IP, "127.0.0.1"))
     p.add_argument("--hidden", type=int, default=int(os.environ.get("WEIGHTSYNC_DEMO_HIDDEN", "64")))
+    p.add_argument("--fail-versions", default=os.environ.get("WEIGHTSYNC_DEMO_FAIL_VERSIONS", ""),
+                   help="comma-separated versions whose first load fails (tests)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    engine = DemoEngine(args.hidden)
+    engine = DemoEngine(args.hidden, {int(v) for v in args.fail_versions.split(",") if v.strip()})
     server = serve(engine, args.host, args.port)
     session = InferenceSession(engine.on_bucket, engine.on_commit, on_begin=engine.on_begin,
                                on_abort=engine.on_abort, on_pause=engine.on_pause, on_resume=engine.on_resume)
