@@ -101,8 +101,8 @@ class Cluster:
                 members = [t.name for t in trainers] + [p.name for p in pods if p.name not in {t.name for t in trainers}]
                 groups.append(TransportGroup(name=f"replica-{r}", members=members))
         return Topology(
-            job=self.job, namespace="default", generation=self.generation, placement=self.placement,  # type: ignore[arg-type]
-            mode=self.mode, bucket_size_mb=self.bucket_mb, verify="None",  # type: ignore[arg-type]
+            job=self.job, namespace="default", generation=self.generation, placement=self.placement,
+            mode=self.mode, bucket_size_mb=self.bucket_mb, verify="None",
             trainer=TrainerTopology(world_size=len(trainers), tensor=1, pipeline=1, data=len(trainers), pods=[
                 PodMember(name=t.name, index=i, ranks=[i], ip=t.ip) for i, t in enumerate(trainers)]),
             inference=[InferenceReplicaTopology(replica=r, tensor=len(pods), world_size=len(pods), pods=[

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from podprocs import (
     Cluster,
     Pod,
@@ -132,7 +130,7 @@ def test_failed_load_is_aborted_and_engine_always_resumed(tmp_path: Path, cluste
     _, body = get_json(f"{i.demo_url}/events")
     events = [tuple(e) for e in body["events"]]
     aborted = [v for e, v in events if e == "abort"]
-    assert 1 in aborted and 2 in aborted or 1 in aborted, events
+    assert aborted[:1] == [1], events  # the first load (v1) failed in the engine and was aborted
     # every pause is followed by a resume before anything else pauses, and every begin sits inside one
     paused = False
     for e, v in events:
