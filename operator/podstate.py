@@ -59,6 +59,14 @@ def is_synced(pod: Pod) -> bool:
     return condition(pod, contract.POD_CONDITION_SYNCED) == "True"
 
 
+def unschedulable(pod: Pod) -> str | None:
+    """The scheduler's message when it could not place the pod (PodScheduled=False, Unschedulable)."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return str(c.get("message") or "unschedulable")
+    return None
+
+
 def phase(pod: Pod) -> str:
     return str((pod.get("status") or {}).get("phase") or "Pending")
 

@@ -143,7 +143,11 @@ def aggregate(
 
     # Progressing: pods starting or a version rolling out.
     loading = [s for s in states if s.loading]
-    if missing or unscheduled:
+    blocked = [(n, podstate.unschedulable(live[n])) for n in unscheduled if podstate.unschedulable(live[n])]
+    if blocked:
+        put(contract.COND_PROGRESSING, "True", "PodsUnschedulable",
+            f"{len(blocked)} pods cannot be scheduled, e.g. {blocked[0][0]}: {blocked[0][1]}")
+    elif missing or unscheduled:
         put(contract.COND_PROGRESSING, "True", "PodsStarting",
             f"waiting for {len(missing)} missing and {len(unscheduled)} unscheduled pods")
     elif loading:

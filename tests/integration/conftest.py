@@ -27,8 +27,9 @@ def operator(cluster: Any, kube: Any, namespace: str, wsj_crd: str, tmp_path: Pa
     are force-deleted at the end so the simulated GPUs are free for the next test."""
     started: list[OperatorProcess] = []
 
-    def start(*extra: str) -> OperatorProcess:
-        op = start_operator(Path(cluster.kubeconfig), namespace, tmp_path, *extra)
+    def start(*extra: str, metrics_port: int = 0, cluster_wide: bool = False) -> OperatorProcess:
+        op = start_operator(Path(cluster.kubeconfig), None if cluster_wide else namespace, tmp_path, *extra,
+                            metrics_port=metrics_port)
         started.append(op)
         return op
 

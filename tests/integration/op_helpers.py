@@ -55,9 +55,12 @@ class OperatorProcess:
         return self.proc.returncode
 
 
-def start_operator(kubeconfig: Path, namespace: str, log_dir: Path, *extra: str, resync: float = 2.0) -> OperatorProcess:
+def start_operator(kubeconfig: Path, namespace: str | None, log_dir: Path, *extra: str, resync: float = 2.0,
+                   metrics_port: int = 0) -> OperatorProcess:
+    """namespace None: cluster-wide (`--all-namespaces`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"operator-{namespace}-{int(time.time() * 1000)}.log"
+    log_path = log_dir / f"operator-{namespace or 'all'}-{int(time.time() * 1000)}.log"
+    scope = ["--namespace", namespace] if namespace else ["--all-namespaces"]
     health = free_port()
     env = {
         **os.environ,
@@ -67,7 +70,7 @@ def start_operator(kubeconfig: Path, namespace: str, log_dir: Path, *extra: str,
     }
     with log_path.open("wb") as out:
         proc = subprocess.Popen(
-            [str(OPERATOR_BIN), "--namespace", namespace, "--metrics-port", "0", "--health-port", str(health),
+            [str(OPERATOR_BIN), *scope, "--metrics-port", str(metrics_port), "--health-port", str(health),
              "--verbose", *extra],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
         )
@@ -152,6 +155,23 @@ def condition(job: dict[str, Any], type_: str) -> dict[str, Any] | None:
 
 def token_of(secret: dict[str, Any]) -> str:
     return base64.b64decode(secret["data"][contract.TOKEN_FILE]).decode()
+
+
+def token_kubeconfig(admin: Path, token: str, out: Path) -> Path:
+    """A kubeconfig for the same cluster that authenticates with a bearer token only."""
+    import yaml
+
+    cfg = yaml.safe_load(admin.read_text())
+    ctx = next(c for c in cfg["contexts"] if c["name"] == cfg["current-context"])
+    cluster = next(c for c in cfg["clusters"] if c["name"] == ctx["context"]["cluster"])
+    out.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [cluster],
+        "users": [{"name": "token", "user": {"token": token}}],
+        "contexts": [{"name": "token", "context": {"cluster": cluster["name"], "user": "token"}}],
+        "current-context": "token",
+    }))
+    return out
 
 
 def force_delete_pods(kube: Any, namespace: str) -> None:

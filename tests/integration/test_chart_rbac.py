@@ -9,27 +9,13 @@ from typing import Any
 
 import pytest
 import yaml
-from op_helpers import create_job, get_job, live_pods, separated_spec, start_operator
+from op_helpers import create_job, get_job, live_pods, separated_spec, start_operator, token_kubeconfig
 from weightsync.crds import contract
 from weightsync.e2e.binaries import find_binary
 from weightsync.e2e.pytest_plugin import wait_until
 
 pytestmark = pytest.mark.cluster
 CHART = Path(__file__).resolve().parents[2] / "helm" / "weightsync-operator"
-
-
-def _token_kubeconfig(admin: Path, token: str, out: Path) -> Path:
-    cfg = yaml.safe_load(admin.read_text())
-    ctx = next(c for c in cfg["contexts"] if c["name"] == cfg["current-context"])
-    cluster = next(c for c in cfg["clusters"] if c["name"] == ctx["context"]["cluster"])
-    out.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [cluster],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": cluster["name"], "user": "operator"}}],
-        "current-context": "operator",
-    }))
-    return out
 
 
 def test_operator_runs_with_only_the_charts_namespaced_role(cluster: Any, kube: Any, namespace: str, wsj_crd: str,
@@ -44,7 +30,7 @@ def test_operator_runs_with_only_the_charts_namespaced_role(cluster: Any, kube: 
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(rbac))
     sa = next(d for d in rbac if d["kind"] == "ServiceAccount")["metadata"]["name"]
     token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
-    kubeconfig = _token_kubeconfig(Path(cluster.kubeconfig), token, tmp_path / "operator.kubeconfig")
+    kubeconfig = token_kubeconfig(Path(cluster.kubeconfig), token, tmp_path / "operator.kubeconfig")
 
     op = start_operator(kubeconfig, namespace, tmp_path)
     try:

@@ -163,3 +163,15 @@ def test_new_replicas_catch_up_at_once_and_annotations(separated):
     assert ann["demo-trainer-0"] == {contract.ANN_MEMBERSHIP_GENERATION: "6"}
     # Nothing published yet: no target at all.
     assert contract.ANN_TARGET_VERSION not in desired_annotations(spec, p, replica_states(p, {}), None, 1)["demo-inference-0-0"]
+
+
+def test_unschedulable_pods_surface_the_schedulers_message(separated):
+    spec = separated()
+    p = plan("demo", spec)
+    pods = {n: pod(n) for n in p.names}
+    pods["demo-trainer-0"]["spec"]["nodeName"] = None
+    pods["demo-trainer-0"]["status"]["conditions"].append(
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/4 nodes are available: 4 Insufficient rdma/hca_shared_devices_a."})
+    c = cond(aggregate(spec, 1, p, pods, None, 1, now=T0), "Progressing")
+    assert c.status == "True" and c.reason == "PodsUnschedulable" and "Insufficient rdma" in c.message

@@ -1,0 +1,197 @@
+"""The closed loop through the API: agents (played here by kubectl with the per-job ServiceAccount's
+token, i.e. exactly the agent's permissions) report versions on their pods; the operator aggregates them
+into the job status and hands out target versions under maxUnavailable. Plus metrics/health, DRA and
+the shipped examples under the running operator."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from op_helpers import (
+    REPO,
+    condition,
+    create_job,
+    force_delete_pods,
+    free_port,
+    get_job,
+    live_pods,
+    raw,
+    separated_spec,
+    token_kubeconfig,
+)
+from weightsync.crds import contract
+from weightsync.e2e.pytest_plugin import wait_until
+
+pytestmark = pytest.mark.cluster
+
+
+class AgentKubectl:
+    """kubectl authenticated as the job's agent ServiceAccount."""
+
+    def __init__(self, cluster: Any, namespace: str, sa: str, tmp: Path) -> None:
+        token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
+        self.kubeconfig = token_kubeconfig(Path(cluster.kubeconfig), token, tmp / f"{sa}.kubeconfig")
+        self.cluster = cluster
+        self.ns = namespace
+
+    def run(self, *args: str) -> Any:
+        return self.cluster.kubectl(f"--kubeconfig={self.kubeconfig}", "-n", self.ns, *args)
+
+    def annotate(self, pod: str, key: str, value: str) -> None:
+        self.run("patch", "pod", pod, "--type=merge", "-p", json.dumps({"metadata": {"annotations": {key: value}}}))
+
+    def condition(self, pod: str, type_: str, status: str) -> None:
+        body = {"status": {"conditions": [{"type": type_, "status": status, "reason": "Test"}]}}
+        self.run("patch", "pod", pod, "--subresource=status", "--type=strategic", "-p", json.dumps(body))
+
+
+def _kubelet_ready(cluster: Any, namespace: str, pod: str) -> None:
+    """What a kubelet would report once the containers run (there is none for these nodes)."""
+    body = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
+    cluster.kubectl("patch", "pod", pod, "-n", namespace, "--subresource=status", "--type=strategic",
+                    "-p", json.dumps(body))
+
+
+def _targets(kube: Any, ns: str, job: str) -> dict[str, str | None]:
+    return {n: (p["metadata"].get("annotations") or {}).get(contract.ANN_TARGET_VERSION)
+            for n, p in live_pods(kube, ns, job).items() if "inference" in n}
+
+
+def test_versions_flow_from_agents_to_status_and_rollout_respects_max_unavailable(cluster, kube, namespace,
+                                                                                   operator, tmp_path):
+    operator()
+    spec = separated_spec(trainer_pods=1, trainer_gpus=1, replicas=2, gpus_per_replica=1)
+    spec["updatePolicy"] = {"maxUnavailable": 1, "maxStaleness": 1}
+    create_job(kube, namespace, "loop", spec)
+    wait_until(lambda: len(live_pods(kube, namespace, "loop")) == 3, what="pods")
+    agent = AgentKubectl(cluster, namespace, "loop-agent", tmp_path)
+    inf = ["loop-inference-0-0", "loop-inference-1-0"]
+    for pod in ["loop-trainer-0", *inf]:
+        _kubelet_ready(cluster, namespace, pod)
+
+    # The trainer's agent publishes version 3: both replicas serve nothing yet, so both get it at once.
+    agent.annotate("loop-trainer-0", contract.ANN_PUBLISHED_VERSION, "3")
+    wait_until(lambda: _targets(kube, namespace, "loop") == {inf[0]: "3", inf[1]: "3"}, what="targets 3")
+    job = get_job(kube, namespace, "loop")
+    assert job["status"]["trainerVersion"] == 3 and condition(job, "Synced")["status"] == "False"
+
+    # The inference agents load it and report: served version + the synced condition (readiness gate).
+    for pod in inf:
+        agent.annotate(pod, contract.ANN_SERVED_VERSION, "3")
+        agent.condition(pod, contract.POD_CONDITION_SYNCED, "True")
+        _kubelet_ready(cluster, namespace, pod)
+
+    def synced() -> dict[str, Any] | None:
+        j = get_job(kube, namespace, "loop")
+        return j if (condition(j, "Synced") or {}).get("status") == "True" else None
+
+    job = wait_until(synced, what="Synced=True")
+    st = job["status"]
+    assert st["servedVersion"] == 3 and st["replicas"] == {"inference": 2, "synced": 2, "ready": 2}
+    assert condition(job, "Ready")["status"] == "True" and condition(job, "Progressing")["status"] == "False"
+    row = cluster.kubectl("get", "wsj", "loop", "-n", namespace, "--no-headers").stdout.split()
+    assert row[:7] == ["loop", "Separated", "NCCL", "3", "3", "True", "True"]
+
+    # Version 4: with maxUnavailable=1 only one serving replica loads at a time.
+    agent.annotate("loop-trainer-0", contract.ANN_PUBLISHED_VERSION, "4")
+    first = wait_until(lambda: [n for n, t in _targets(kube, namespace, "loop").items() if t == "4"] or None,
+                       what="one replica targeted")
+    assert len(first) == 1
+    assert sorted(_targets(kube, namespace, "loop").values()) == ["3", "4"]
+    agent.annotate(first[0], contract.ANN_SERVED_VERSION, "4")
+    wait_until(lambda: _targets(kube, namespace, "loop") == {inf[0]: "4", inf[1]: "4"}, what="second replica")
+    other = next(n for n in inf if n != first[0])
+    agent.annotate(other, contract.ANN_SERVED_VERSION, "4")
+    wait_until(lambda: get_job(kube, namespace, "loop")["status"].get("servedVersion") == 4, what="served 4")
+
+    # The agent cannot touch another job's pods or the job itself.
+    r = cluster.kubectl(f"--kubeconfig={agent.kubeconfig}", "-n", namespace, "patch", "wsj", "loop",
+                        "--type=merge", "-p", '{"spec":{"paused":true}}', check=False)
+    assert r.returncode != 0 and "forbidden" in r.stderr.lower()
+
+    # spec.paused flows to the pods as an annotation and to the Paused condition.
+    kube.custom.patch_namespaced_custom_object(contract.GROUP, contract.VERSION, namespace, contract.PLURAL, "loop",
+                                               {"spec": {"paused": True}})
+    wait_until(lambda: all((p["metadata"].get("annotations") or {}).get(contract.ANN_PAUSED) == "true"
+                           for n, p in live_pods(kube, namespace, "loop").items() if "inference" in n),
+               what="paused annotations")
+    wait_until(lambda: (condition(get_job(kube, namespace, "loop"), "Paused") or {}).get("status") == "True",
+               what="Paused=True")
+
+
+def test_metrics_and_health_endpoints(kube, namespace, operator):
+    port = free_port()
+    op = operator(metrics_port=port)
+    wait_until(lambda: "operator started" in op.log(), what="startup")
+    create_job(kube, namespace, "m", separated_spec(trainer_pods=1, trainer_gpus=1, replicas=1, gpus_per_replica=1))
+    wait_until(lambda: len(live_pods(kube, namespace, "m")) == 2, what="pods")
+
+    def metric(name: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(name) and not line.startswith("#"))
+
+    wait_until(lambda: metric("weightsync_operator_reconciles_total") >= 2, what="reconcile metric")
+    assert metric("weightsync_operator_reconcile_duration_seconds_count") >= 2
+    assert metric("weightsync_operator_reconcile_errors_total") == 0
+    health = urllib.request.urlopen(f"http://127.0.0.1:{op.health_port}/healthz", timeout=5)
+    assert health.status == 200 and "jobs" in json.loads(health.read())
+
+
+def test_colocated_with_dra_builds_a_claim_template_and_pods_reference_it(kube, namespace, operator):
+    operator()
+    spec = {
+        "placement": {"mode": "Colocated", "dra": {"deviceClassName": "gpu.example.com"}},
+        "transfer": {"mode": "IPC", "bucketSizeMB": 64},
+        "trainer": {"replicas": 2, "gpusPerPod": 2, "parallelism": {"tensor": 1, "pipeline": 1, "data": 4},
+                    "template": {"spec": {"containers": [{"name": "trainer", "image": "x"}]}}},
+        "inference": {"replicas": 2, "gpusPerReplica": 2, "parallelism": {"tensor": 2},
+                      "engine": {"type": "VLLM"}, "template": {"spec": {"containers": [{"name": "engine", "image": "x"}]}}},
+    }
+    create_job(kube, namespace, "dra", spec)
+    pods = wait_until(lambda: (p := live_pods(kube, namespace, "dra")) and len(p) == 2 and p, what="pods")
+    rct = raw(kube, f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates/dra-gpus")
+    assert rct["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] == 2
+    for pod in pods.values():
+        assert pod["spec"]["resourceClaims"] == [{"name": "weightsync-gpus", "resourceClaimTemplateName": "dra-gpus"}]
+        for c in pod["spec"]["containers"] + pod["spec"]["initContainers"][:1]:
+            assert c["resources"]["claims"] == [{"name": "weightsync-gpus"}]
+    # The resource-claim controller (kube-controller-manager) makes one claim per pod from the template.
+    claims = wait_until(lambda: raw(kube, f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims")["items"]
+                        or None, what="ResourceClaims")
+    assert len(claims) == 2
+
+
+@pytest.mark.parametrize("example, pods", [("separated-nccl.yaml", 4), ("colocated-ipc.yaml", 2)])
+def test_examples_are_placed_by_the_scheduler(cluster, kube, namespace, operator, example, pods):
+    operator()
+    body = yaml.safe_load((REPO / "examples" / example).read_text())
+    name = body["metadata"]["name"]
+    cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", str(REPO / "examples" / example))
+    placed = wait_until(lambda: (p := live_pods(kube, namespace, name)) and len(p) == pods
+                        and all(x["spec"].get("nodeName") for x in p.values()) and p, timeout=90, what="placed")
+    assert all(x["spec"]["initContainers"][0]["name"] == contract.AGENT_CONTAINER for x in placed.values())
+    force_delete_pods(kube, namespace)
+
+
+def test_gdr_example_without_rdma_on_the_nodes_reports_unschedulable(cluster, kube, namespace, operator):
+    operator()
+    body = yaml.safe_load((REPO / "examples" / "separated-gdr.yaml").read_text())
+    body["spec"]["placement"].pop("topologyKey", None)  # keep the test about the RDMA resource
+    cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+    name = body["metadata"]["name"]
+
+    def unschedulable() -> dict[str, Any] | None:
+        c = condition(get_job(kube, namespace, name), "Progressing") or {}
+        return c if c.get("reason") == "PodsUnschedulable" else None
+
+    c = wait_until(unschedulable, timeout=90, what="PodsUnschedulable")
+    assert "rdma/hca_shared_devices_a" in c["message"]
+    agent = live_pods(kube, namespace, name)[f"{name}-trainer-0"]["spec"]["initContainers"][0]
+    assert agent["resources"]["limits"]["rdma/hca_shared_devices_a"] == "1"
+    assert agent["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
