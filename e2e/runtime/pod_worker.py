@@ -99,7 +99,8 @@ class PodWorker:
         self._last_status_at = 0.0
         self._transitions: dict[str, tuple[str, str]] = {}
         self._terminal = False
-        self._last_warning: dict[str, str] = {}  # container (or "") -> last Warning message sent
+        self._last_warning: dict[str, str] = {}
+        self._last_patch_error = ""  # container (or "") -> last Warning message sent
 
     def _event(self, reason: str, message: str, container: str | None = None, warning: bool = False) -> None:
         """Record an Event; a Warning is sent only when its message changed (no spam from retries)."""
@@ -171,8 +172,11 @@ class PodWorker:
     def _setup(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         status = self._pod.get("status") or {}
-        self.pod_ip = self.ctx.allocate_ip(self.uid, status.get("podIP"))
         self.host_ip = self.ctx.host_ip(self._pod["spec"].get("nodeName", ""))
+        if self._pod["spec"].get("hostNetwork"):
+            self.pod_ip = self.host_ip  # the host's network: no address of its own
+        else:
+            self.pod_ip = self.ctx.allocate_ip(self.uid, status.get("podIP"))
         self.start_time = status.get("startTime") or rfc3339()
         log.info("pod admitted pod=%s uid=%s ip=%s dir=%s", self.key, self.uid, self.pod_ip, self.dir)
 
@@ -379,9 +383,11 @@ class PodWorker:
         except ApiError as exc:
             if exc.status == 404:
                 self.gone()
-            else:
+            elif self._last_patch_error != str(exc):  # one line per distinct error, not one per tick
                 log.warning("status patch failed pod=%s error=%s", self.key, exc)
+            self._last_patch_error = str(exc)
             return
+        self._last_patch_error = ""
         self._last_status = comparable(patch)
         self._last_status_at = now
         for cond in patch["status"]["conditions"]:
@@ -401,12 +407,39 @@ class PodWorker:
         grace = grace_s if grace_cap_s is None else min(grace_s, grace_cap_s)
         deadline = time.monotonic() + grace
         apps = [r for r in self.app_runners if r.running]
+        self._pre_stop(apps, deadline)
         for runner in apps:
             runner.signal(15)
         for runner in apps:
             runner.kill(max(deadline - time.monotonic(), 0.0))
         for runner in reversed(self.init_runners):
+            if runner.running:
+                self._pre_stop([runner], deadline)
             runner.kill(max(deadline - time.monotonic(), 2.0 if grace > 0 else 0.0))
+
+    def _pre_stop(self, runners: list[ContainerRunner], deadline: float) -> None:
+        """Run the containers' preStop hooks (exec, httpGet, sleep) concurrently, within the grace period."""
+
+        def hook(runner: ContainerRunner, spec: JSON) -> None:
+            budget = max(deadline - time.monotonic(), 0.0)
+            if "sleep" in spec:
+                time.sleep(min(float(spec["sleep"].get("seconds", 0)), budget))
+                return
+            result = run_probe(
+                {**spec, "timeoutSeconds": budget}, self.pod_ip, runner.pid, runner.env, runner.spec.get("ports") or []
+            )
+            if not result.ok:
+                self._event("FailedPreStopHook", f"PreStopHook failed: {result.message}", runner.name, warning=True)
+
+        threads = []
+        for runner in runners:
+            spec = (runner.spec.get("lifecycle") or {}).get("preStop")
+            if spec and runner.running:
+                thread = threading.Thread(target=hook, args=(runner, spec), daemon=True)
+                thread.start()
+                threads.append(thread)
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
 
     def _terminate(self, pod: JSON) -> None:
         meta = pod["metadata"]

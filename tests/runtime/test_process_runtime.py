@@ -328,9 +328,10 @@ def test_delete_sends_sigterm_then_sigkill_after_grace(api: KubeClient, namespac
         time.sleep(3600)
     """)
     mounts = [{"name": "out", "mountPath": "/out"}]
-    for name, command, grace in (("graceful", handles, 30), ("stubborn", ignores, 2)):
+    pre_stop = {"preStop": {"exec": {"command": py("import time; open('/out/graceful.prestop', 'w').write(repr(time.time()))")}}}
+    for name, command, grace, lifecycle in (("graceful", handles, 30, pre_stop), ("stubborn", ignores, 2, {})):
         create_pod(api, namespace, pod_manifest(
-            name, [{"name": "main", "image": "x", "command": command, "volumeMounts": mounts}],
+            name, [{"name": "main", "image": "x", "command": command, "volumeMounts": mounts, "lifecycle": lifecycle}],
             volumes=[out], terminationGracePeriodSeconds=grace,
         ))
     pids = {}
@@ -346,6 +347,8 @@ def test_delete_sends_sigterm_then_sigkill_after_grace(api: KubeClient, namespac
         took[name] = time.monotonic() - start
         assert not alive(pids[name])
         assert (tmp_path / f"{name}.sigterm").exists()
+    # the preStop hook ran (inside the container's mounts) before SIGTERM
+    assert float((tmp_path / "graceful.prestop").read_text()) < float((tmp_path / "graceful.sigterm").read_text())
     assert took["graceful"] < 10, took  # exited on SIGTERM, well within its 30 s grace
     assert took["stubborn"] >= 2, took  # ignored SIGTERM: killed when its 2 s grace ran out
 
