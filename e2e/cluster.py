@@ -414,3 +414,36 @@ class LocalCluster(ClusterAccess):
             "log_dir": str(self.log_dir), "pids": self.pids, "ports": self.ports,
             "binaries": self.binaries.as_dict(), "start_seconds": self.start_seconds,
         }
+
+
+def bench(runs: int = 3) -> dict[str, Any]:
+    """Start and stop a LocalCluster RUNS times; the timings as a JSON-able dict."""
+    starts, stops, phases = [], [], []
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
+            cluster = LocalCluster(kubeconfig=Path(tmp) / "kubeconfig").start()
+            starts.append(round(cluster.start_seconds or 0.0, 2))
+            phases.append({k: round(v, 2) for k, v in cluster.phase_seconds.items()})
+            t0 = time.monotonic()
+            cluster.stop()
+            stops.append(round(time.monotonic() - t0, 2))
+    return {"benchmark": "local-control-plane-start", "runs": runs, "start_to_ready_s": starts,
+            "stop_s": stops, "phases_s": phases, "cpus": os.cpu_count(),
+            "binaries": Binaries.resolve().as_dict()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m weightsync.e2e.cluster [--runs N]`: print start/stop timings as JSON (see bench/)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    print(json.dumps(bench(args.runs), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
