@@ -82,7 +82,7 @@ def create_nodes(api: kubernetes.client.ApiClient, specs: Sequence[GpuNodeSpec],
 
 def ready_node_count(api: kubernetes.client.ApiClient, label_selector: str = f"{LABEL_KWOK_NODE}=true") -> int:
     """How many nodes matching LABEL_SELECTOR report Ready=True (one paged list)."""
-    core = kubernetes.client.CoreV1Api(api)
+    core: Any = kubernetes.client.CoreV1Api(api)
     ready, cont = 0, None
     while True:
         page = core.list_node(label_selector=label_selector, limit=500, _continue=cont)

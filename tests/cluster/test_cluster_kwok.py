@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import kubernetes
 import pytest
@@ -40,8 +41,8 @@ def test_1000_kwok_nodes_become_ready_and_take_gpu_pods(scale_cluster: LocalClus
     kwok = KwokController(scale_cluster.kubeconfig, scale_cluster.log_dir).start()
     timings: dict[str, float] = {}
     with scale_cluster.api_client() as api:
-        core = kubernetes.client.CoreV1Api(api)
-        apps = kubernetes.client.AppsV1Api(api)
+        core: Any = kubernetes.client.CoreV1Api(api)  # Any: plain-dict bodies, no Optional noise
+        apps: Any = kubernetes.client.AppsV1Api(api)
         try:
             timings["create_s"] = create_nodes(api, kwok_fleet(NODES))
             timings["ready_s"] = wait_for(lambda: ready_node_count(api) == NODES, timeout=180,
@@ -66,7 +67,7 @@ def test_1000_kwok_nodes_become_ready_and_take_gpu_pods(scale_cluster: LocalClus
                                         "resources": {"limits": {contract.RESOURCE_GPU: "8"}}}]}}},
             })
 
-            def running() -> list[kubernetes.client.V1Pod]:
+            def running() -> list[Any]:
                 pods = core.list_namespaced_pod("kwok-scale", label_selector="app=kwok-gpu").items
                 return [p for p in pods if p.status.phase == "Running" and p.spec.node_name]
 
