@@ -292,9 +292,9 @@ class WeightServer:
         except FrameError as exc:
             self._reject(link, "malformed", exc)
         except P.ProtocolError as exc:
-            self._reject(link, "protocol", exc)
             with contextlib.suppress(LinkError):
                 link.send({"kind": P.ERROR, "message": str(exc)})
+            self._reject(link, "protocol", exc)
         except LinkError as exc:
             log.info("peer.closed peer=%s: %s", link.peer, exc)
             link.close()
