@@ -1,0 +1,98 @@
+"""The agent's pod link against a real kube-apiserver: desired state in through a field-selector watch,
+observed state out through at most one annotation patch per version and a status patch only when the
+synced condition flips, other conditions preserved."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from weightsync.agent.metrics import AgentMetrics
+from weightsync.agent.podstatus import Desired, Observed, PodLink, synced_state
+from weightsync.crds import contract
+
+
+def _pod(name: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "annotations": {contract.ANN_TARGET_VERSION: "3", contract.ANN_PAUSED: "false"}},
+        # never scheduled: no kubelet (or kwok) touches its status while the test owns it
+        "spec": {"schedulingGates": [{"name": "weightsync.io/test-hold"}],
+                 "containers": [{"name": "app", "image": "example.invalid/app:1"}]},
+    }
+
+
+def _wait(pred: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_pod_link_round_trip(kube: Any, namespace: str) -> None:
+    name = "demo-inference-0-0"
+    kube.core.create_namespaced_pod(namespace, _pod(name))
+    other = {"type": "example.com/Other", "status": "True", "reason": "Test", "message": "keep me"}
+    kube.core.patch_namespaced_pod_status(name, namespace, {"status": {"conditions": [other]}},
+                                          _content_type="application/strategic-merge-patch+json")
+    seen: list[Desired] = []
+    changed = threading.Event()
+
+    def on_desired(d: Desired) -> None:
+        seen.append(d)
+        changed.set()
+
+    link = PodLink(namespace, name, on_desired, AgentMetrics(), api=kube.core).start()
+    try:
+        assert link.desired == Desired(3, False)
+        # desired state in: the operator moves the target and pauses
+        changed.clear()
+        kube.core.patch_namespaced_pod(name, namespace, {"metadata": {"annotations": {
+            contract.ANN_TARGET_VERSION: "4", contract.ANN_PAUSED: "true"}}},
+            _content_type="application/merge-patch+json")
+        assert changed.wait(10), "the watch did not deliver the new annotations"
+        assert seen[-1] == Desired(4, True)
+
+        # observed state out: ten versions, synced stays True
+        for v in range(4, 14):
+            ok, reason, msg = synced_state(v, v, 1)
+            link.report(Observed(served_version=v, engine_paused=True, synced=ok, synced_reason=reason,
+                                 synced_message=msg,
+                                 last_sync={"version": v, "durationSeconds": 0.1, "bytes": 1000, "mode": "NCCL"}))
+            assert link.flush(10)
+        pod = kube.core.read_namespaced_pod(name, namespace)
+        ann = pod.metadata.annotations
+        assert ann[contract.ANN_SERVED_VERSION] == "13"
+        assert ann[contract.ANN_ENGINE_PAUSED] == "true"
+        assert '"version":13' in ann[contract.ANN_LAST_SYNC]
+        assert ann[contract.ANN_TARGET_VERSION] == "4"  # the operator's annotations are untouched
+        conds = {c.type: c for c in pod.status.conditions}
+        assert conds[contract.POD_CONDITION_SYNCED].status == "True"
+        assert conds["example.com/Other"].message == "keep me"
+        versions = 10
+        assert link.stats.counts["status"] == 1, link.stats.counts
+        assert link.stats.counts["annotations"] <= versions, link.stats.counts
+
+        # a stale replica reports synced=False (one more status write), with the reason
+        ok, reason, msg = synced_state(20, 13, 1)
+        link.report(Observed(served_version=13, synced=ok, synced_reason=reason, synced_message=msg,
+                             sync_error="fetch failed: trainer gone"))
+        assert link.flush(10)
+        _wait(lambda: link.stats.counts["status"] == 2, 10, "the status patch")
+        pod = kube.core.read_namespaced_pod(name, namespace)
+        conds = {c.type: c for c in pod.status.conditions}
+        assert conds[contract.POD_CONDITION_SYNCED].status == "False"
+        assert conds[contract.POD_CONDITION_SYNCED].reason == "Stale"
+        assert "7 versions behind" in conds[contract.POD_CONDITION_SYNCED].message
+        assert conds["example.com/Other"].status == "True"
+        assert pod.metadata.annotations[contract.ANN_SYNC_ERROR] == "fetch failed: trainer gone"
+        # the error annotation is removed again on success
+        link.report(Observed(served_version=20, synced=True, synced_reason="UpToDate", synced_message="ok"))
+        assert link.flush(10)
+        pod = kube.core.read_namespaced_pod(name, namespace)
+        assert contract.ANN_SYNC_ERROR not in (pod.metadata.annotations or {})
+    finally:
+        link.close()
