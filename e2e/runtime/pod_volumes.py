@@ -177,3 +177,21 @@ class PodVolumes:
         self._tmpfs.clear()
         shutil.rmtree(self.root, ignore_errors=True)
         shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+def unmount_under(root: Path, mounts_file: Path = Path("/proc/mounts")) -> list[str]:
+    """Lazily unmount every mount point below `root` (tmpfs volumes left by a crashed runtime)."""
+    prefix = str(root.resolve()).rstrip("/") + "/"
+    points = []
+    for line in mounts_file.read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 1:
+            point = fields[1].replace("\\040", " ")
+            if point.startswith(prefix):
+                points.append(point)
+    for point in sorted(points, key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+    if points:
+        log.warning("unmounted leftover volume mounts root=%s count=%d", root, len(points))
+    return points
+

@@ -149,6 +149,7 @@ class PodWorker:
                     pod = self._pod
                 if self._stopping:
                     self._kill_all(grace_cap_s=2.0)
+                    self.volumes.cleanup()  # no tmpfs mount outlives the runtime; logs stay
                     return
                 if self._gone:
                     self._kill_all(grace_cap_s=2.0)
@@ -166,6 +167,7 @@ class PodWorker:
         except Exception:
             log.exception("pod worker crashed pod=%s uid=%s; killing its processes", self.key, self.uid)
             self._kill_all(grace_cap_s=1.0)
+            self.volumes.cleanup()
         finally:
             self._on_exit(self.uid)
 

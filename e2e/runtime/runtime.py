@@ -20,6 +20,7 @@ from weightsync.e2e.runtime.events import EventRecorder
 from weightsync.e2e.runtime.ips import DEFAULT_POD_CIDR, PodIPAllocator
 from weightsync.e2e.runtime.kube import ApiError, KubeClient, endpoint_from_kubeconfig, pod_path
 from weightsync.e2e.runtime.orphans import kill_marked
+from weightsync.e2e.runtime.pod_volumes import unmount_under
 from weightsync.e2e.runtime.pod_worker import PodWorker, RuntimeContext, pod_dir_name
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class ProcessRuntime:
     def start(self, wait_s: float = 30.0) -> None:
         self.ctx.pods_dir.mkdir(parents=True, exist_ok=True)
         kill_marked(self.runtime_id)  # what a crashed runtime with this state dir left running
+        unmount_under(self.ctx.pods_dir)
         for node in self.node_names:
             thread = threading.Thread(target=self._watch_node, args=(node,), name=f"watch-{node}", daemon=True)
             thread.start()
@@ -147,6 +149,7 @@ class ProcessRuntime:
         for worker in workers:
             worker.join(max(deadline - time.monotonic(), 0.1))
         kill_marked(self.runtime_id)  # children that left their process group
+        unmount_under(self.ctx.pods_dir)
         self.ctx.events.close()
         shutil.rmtree(self.ctx.shm_root, ignore_errors=True)
         log.info("process runtime stopped pods=%d", len(workers))

@@ -488,25 +488,35 @@ def test_cli_runtime_stop_leaves_no_processes(cluster: Any, namespace: str, tmp_
         serve = py("""
             import http.server, os, subprocess
             child = subprocess.Popen(["sleep", "3600"])
-            print("CHILD", child.pid, flush=True)
+            shm = os.statvfs("/dev/shm")
+            print("CHILD", child.pid, "SHM", shm.f_blocks * shm.f_frsize, flush=True)
             http.server.HTTPServer((os.environ["POD_IP"], 8080), http.server.SimpleHTTPRequestHandler).serve_forever()
         """)
         env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
         create_pod(api, namespace, {
             "metadata": {"name": "served"},
-            "spec": {"nodeName": node, "containers": [{"name": "main", "image": "x", "command": serve, "env": env,
-                                                       "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1}}]},
+            "spec": {
+                "nodeName": node,
+                "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Mi"}}],
+                "containers": [{"name": "main", "image": "x", "command": serve, "env": env,
+                                "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+                                "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1}}],
+            },
         })
         pod = wait_pod(api, namespace, "served", lambda p: condition(p, "Ready") == "True", "Ready")
         ip, pid = pod["status"]["podIP"], pid_of(pod, "main")
         logs = list(tmp_path.glob(f"pods/{namespace}_served_*/main.log"))
         assert len(logs) == 1
-        child = int(wait_until(lambda: "\n" in logs[0].read_text() and logs[0].read_text(), what="CHILD line").split()[1])
+        fields = wait_until(lambda: "\n" in logs[0].read_text() and logs[0].read_text(), what="CHILD line").split()
+        child = int(fields[1])
+        assert int(fields[3]) == 32 * 1024 * 1024  # the memory emptyDir is a tmpfs of its sizeLimit
         assert alive(pid) and alive(child)
+        assert str(tmp_path) in Path("/proc/mounts").read_text()
 
         cli.send_signal(signal.SIGTERM)
         assert cli.wait(timeout=30) == 0
         assert not alive(pid) and not alive(child)
+        assert str(tmp_path) not in Path("/proc/mounts").read_text()  # no tmpfs left mounted
         with pytest.raises(OSError), socket.create_connection((ip, 8080), timeout=1):
             pass
     finally:

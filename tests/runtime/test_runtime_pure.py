@@ -270,3 +270,17 @@ def test_status_patch_readiness_gates_and_foreign_conditions() -> None:
     unready = [_view("main", KIND_APP, RUNNING, ready=False), _view("i", KIND_INIT, {"terminated": {"exitCode": 0}})]
     conds3 = {c["type"]: c for c in status_patch(pod, unready, **kwargs)["status"]["conditions"]}
     assert conds3["Ready"]["status"] == "False" and "main" in conds3["Ready"]["message"]
+
+
+def test_unmount_under_selects_only_mounts_below_root(tmp_path: Path) -> None:
+    from weightsync.e2e.runtime.pod_volumes import unmount_under
+
+    root = tmp_path / "state"
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        f"tmpfs {root}/pods/a/volumes/shm tmpfs rw 0 0\n"
+        f"tmpfs {root}/pods/b\\040x/volumes/shm tmpfs rw 0 0\n"
+        f"tmpfs {tmp_path}/stateful tmpfs rw 0 0\n"
+        "proc /proc proc rw 0 0\n"
+    )
+    assert sorted(unmount_under(root, mounts)) == [f"{root}/pods/a/volumes/shm", f"{root}/pods/b x/volumes/shm"]
