@@ -1,0 +1,234 @@
+"""Agent pieces in one process (fast): config, topology reload, client metadata, staging, the Custom
+engine path over the real Unix socket and shared memory, and the pure pod-status rules."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from weightsync.agent import staging
+from weightsync.agent.client import InferenceSession, TensorShard, TrainerSession, checksums, local_shards
+from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
+from weightsync.agent.engines.base import EngineError, load_version
+from weightsync.agent.engines.custom import AppRegistry, CustomEngineAdapter
+from weightsync.agent.local import LocalServer
+from weightsync.agent.podstatus import (
+    Observed,
+    annotation_patch,
+    annotations_for,
+    condition_for,
+    desired_from_annotations,
+    synced_state,
+)
+from weightsync.agent.server import StagingError, StagingStore
+from weightsync.crds import contract
+from weightsync.crds.topology import InferenceReplicaTopology, PodMember, Topology, TrainerTopology
+
+
+def _env(tmp: Path, **kw: str) -> dict[str, str]:
+    env = {contract.ENV_JOB: "j", contract.ENV_POD_NAME: "j-trainer-0", contract.ENV_ROLE: "trainer",
+           contract.ENV_TOPOLOGY_PATH: str(tmp / "topo.json"), contract.ENV_TOKEN_PATH: str(tmp / "token"),
+           contract.ENV_SOCKET_DIR: str(tmp)}
+    env.update(kw)
+    return env
+
+
+def _topo(generation: int = 1) -> Topology:
+    return Topology(job="j", namespace="default", generation=generation, placement="Separated", mode="NCCL",
+                    bucket_size_mb=1, trainer=TrainerTopology(world_size=1, tensor=1, pipeline=1, data=1, pods=[
+                        PodMember(name="j-trainer-0", index=0, ranks=[0], ip="127.0.0.1")]),
+                    inference=[InferenceReplicaTopology(replica=0, tensor=1, world_size=1, pods=[
+                        PodMember(name="j-inference-0-0", index=0, ranks=[0])])])
+
+
+def test_config_from_env_and_clear_errors(tmp_path: Path) -> None:
+    cfg = AgentConfig.from_env(_env(tmp_path, **{contract.ENV_BUCKET_SIZE_MB: "64", contract.ENV_KUBE_ENABLED: "false"}))
+    assert cfg.pod_ip == "127.0.0.1" and cfg.bucket_size_mb == 64 and not cfg.kube_enabled
+    assert cfg.socket_path == tmp_path / contract.AGENT_SOCKET_NAME and cfg.is_trainer and not cfg.is_inference
+    with pytest.raises(ConfigError, match=contract.ENV_ROLE):
+        AgentConfig.from_env(_env(tmp_path, **{contract.ENV_ROLE: "chef"}))
+    with pytest.raises(ConfigError, match=contract.ENV_RANK):
+        AgentConfig.from_env(_env(tmp_path, **{contract.ENV_RANK: "3", contract.ENV_WORLD_SIZE: "2"}))
+    with pytest.raises(ConfigError, match="not an integer"):
+        AgentConfig.from_env(_env(tmp_path, **{contract.ENV_CONTROL_PORT: "http"}))
+    with pytest.raises(ConfigError, match="token file"):
+        cfg.read_token()
+    (tmp_path / "token").write_text("  \n")
+    with pytest.raises(ConfigError, match="empty"):
+        cfg.read_token()
+
+
+def test_topology_watcher_reports_generation_changes(tmp_path: Path) -> None:
+    path = tmp_path / "topo.json"
+    path.write_text(_topo(1).to_json())
+    w = TopologyWatcher(path)
+    assert w.poll() is None
+    tmp = tmp_path / "t.tmp"
+    tmp.write_text(_topo(2).to_json())
+    os.replace(tmp, path)  # the kubelet's atomic swap
+    new = w.poll()
+    assert new is not None and new.generation == 2
+    path.write_text("{broken")
+    assert w.poll() is None and w.current.generation == 2  # a bad file keeps the last good topology
+
+
+def test_local_shards_plain_tied_and_explicit() -> None:
+    emb = torch.nn.Embedding(10, 4)
+    model = torch.nn.Module()
+    model.embed = emb
+    model.head = torch.nn.Linear(4, 10, bias=False)
+    model.head.weight = emb.weight  # tied
+    shards, aliases = local_shards(model)
+    assert [s.name for s in shards] == ["embed.weight"] and aliases == {"head.weight": "embed.weight"}
+    full = torch.arange(12.0).reshape(4, 3)
+    shards, _ = local_shards({"w": TensorShard(full[2:], (4, 3), (2, 0))})
+    assert shards[0].global_shape == (4, 3) and shards[0].global_offset == (2, 0)
+    with pytest.raises(ValueError, match="outside"):
+        local_shards({"w": TensorShard(full, (4, 3), (1, 0))})
+
+
+def test_local_shards_dtensor_uses_truthful_global_metadata() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    t = distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)])
+    shards, _ = local_shards({"w": t})
+    assert shards[0].global_shape == (5, 2) and shards[0].global_offset == (0, 0)
+    assert torch.equal(shards[0].tensor, torch.arange(10.0).reshape(5, 2))
+
+
+def test_staging_store_keeps_latest_and_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    completed: list[int] = []
+    store = StagingStore([0], "wstest", keep=1, on_complete=lambda sv: completed.append(sv.version))
+    meta = [{"name": "w", "dtype": "float32", "shape": [4], "global_shape": [4], "global_offset": [0],
+             "offset": 0, "nbytes": 16}]
+    try:
+        for v in (1, 2):
+            seg = store.stage(0, v, 16, "cpu")
+            seg.view(0, torch.float32, (4,)).copy_(torch.full((4,), float(v)))
+            store.publish(0, v, seg.name, meta, {})
+        assert completed == [1, 2] and store.latest() == 2 and store.get(1) is None
+        with store.reading(2) as sv:
+            seg3 = store.stage(0, 3, 16, "cpu")
+            store.publish(0, 3, seg3.name, meta, {})
+            assert store.get(2) is not None  # still read: not evicted, its slot not reused
+            assert torch.equal(sv.ranks[0].tensors()["w"], torch.full((4,), 2.0))
+        assert store.get(2) is None
+        with pytest.raises(StagingError, match="must increase"):
+            store.stage(0, 3, 16, "cpu")
+    finally:
+        store.close()
+
+
+class _Engine:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.events: list[str] = []
+
+    def on_bucket(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if self.fail:
+            raise RuntimeError("engine exploded")
+        for n, t in tensors:
+            self.loaded[n] = t.clone()
+
+    def on_commit(self, version: int) -> None:
+        self.events.append(f"commit{version}")
+
+
+def test_custom_engine_over_socket_and_shm_always_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    registry = AppRegistry()
+
+    def handler(conn: Any) -> None:
+        h, _ = conn.recv()
+        conn.reply_ok()
+        registry.add(int(h["rank"]), conn, h.get("served_version"))
+        while registry.holds(int(h["rank"]), conn):
+            time.sleep(0.05)
+
+    server = LocalServer(tmp_path / "agent.sock", handler).start()
+    eng = _Engine()
+    sess = InferenceSession(eng.on_bucket, eng.on_commit, socket_path=tmp_path / "agent.sock", rank=0,
+                            on_pause=lambda: eng.events.append("pause"), on_resume=lambda: eng.events.append("resume"))
+    sess.start()
+    adapter = CustomEngineAdapter(registry, [0], prefix="wstest", connect_timeout=10)
+    try:
+        tensors = {"a": torch.randn(3, 5), "b": torch.randint(-128, 127, (7,), dtype=torch.int8),
+                   "c": torch.randn(2, 2).to(torch.bfloat16)}
+        load_version(adapter, 1, [list(tensors.items())[:2], list(tensors.items())[2:]], pause_generation=True)
+        assert checksums(eng.loaded.items()) == checksums(tensors.items())
+        assert eng.events == ["pause", "commit1", "resume"] and adapter.served_version() == 1
+        eng.fail = True
+        with pytest.raises(EngineError, match="engine exploded"):
+            load_version(adapter, 2, [list(tensors.items())], pause_generation=True)
+        assert eng.events[-1] == "resume" and "commit2" not in eng.events and adapter.served_version() == 1
+    finally:
+        adapter.close()
+        sess.close()
+        server.close()
+
+
+def test_trainer_session_publish_is_bit_exact_in_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    store = StagingStore([0], "wstest")
+
+    def handler(conn: Any) -> None:
+        conn.recv()
+        conn.reply_ok()
+        while True:
+            h, _ = conn.recv()
+            try:
+                if h["op"] == "stage":
+                    conn.reply_ok(segment=store.stage(h["rank"], h["version"], h["nbytes"], h["device"]).handle())
+                else:
+                    store.publish(h["rank"], h["version"], h["segment"], h["tensors"], h["aliases"])
+                    conn.reply_ok()
+            except StagingError as exc:
+                conn.reply_error(str(exc))
+
+    server = LocalServer(tmp_path / "agent.sock", handler).start()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    weights = {**{k: v.detach().clone() for k, v in model.state_dict().items()},
+               "mask": torch.tensor([True, False]), "scale": torch.tensor(3, dtype=torch.int64),
+               "tiny": torch.zeros(0), **{f"t{i}": torch.full((3,), float(i)) for i in range(500)}}
+    try:
+        with TrainerSession(tmp_path / "agent.sock", rank=0) as s:
+            res = s.publish(weights, version=7)
+            assert res.tensors == len(weights)
+            for p in model.parameters():  # the trainer may reuse its memory at once
+                p.data.zero_()
+            s.publish(model, version=8)
+        sv = store.get(7)
+        assert sv is None  # evicted by 8 (keep=1)
+        got = store.get(8)
+        assert got is not None
+        assert checksums(got.ranks[0].tensors().items()) == checksums(model.state_dict().items())
+        with pytest.raises(Exception, match="must increase"), TrainerSession(tmp_path / "agent.sock", rank=0) as s:
+            s.publish(model, version=8)
+    finally:
+        server.close()
+        store.close()
+
+
+def test_pod_status_rules() -> None:
+    assert synced_state(None, None, 1)[0] is True
+    assert synced_state(5, 4, 1) == (True, "UpToDate", "serving 4, newest 5, maxStaleness 1")
+    ok, reason, msg = synced_state(5, 3, 1)
+    assert not ok and reason == "Stale" and "2 versions behind" in msg
+    assert synced_state(2, None, 1)[0] is False
+    assert desired_from_annotations({contract.ANN_TARGET_VERSION: "7", contract.ANN_PAUSED: "true"}).paused
+    assert desired_from_annotations({contract.ANN_TARGET_VERSION: "x"}).target_version is None
+    ann = annotations_for(Observed(served_version=3, last_sync={"version": 3, "bytes": 1}))
+    assert ann[contract.ANN_SERVED_VERSION] == "3" and ann[contract.ANN_SYNC_ERROR] is None
+    assert annotation_patch(ann, dict(ann)) == {}
+    assert condition_for(Observed(), __import__("datetime").datetime.now()) is None
