@@ -1,0 +1,601 @@
+"""GDR transport: one-sided NIXL READs of packed buckets straight from the trainer agent's registered
+staging slots into the inference agent's memory.
+
+Why one-sided reads: the trainer never tracks who reads, so inference replicas join and leave without a
+collective group being rebuilt (a late replica simply binds and reads), and with GPUDirect RDMA the bytes
+go NIC -> GPU without a host bounce. NIXL picks the fabric (UCX: InfiniBand/RoCE, cuda_ipc, or tcp/cma
+on a CPU-only machine, which is how CI runs this same code).
+
+Protocol on the authenticated control link (H5's Mailbox), per bind (= per version):
+
+    src -> dst  gdr.hello {agent, gen, mem, slots, dslots} + payload: NIXL agent metadata
+    per bucket k (sender packed it into slot s):
+    src -> dst  gdr.ready {gen, index, slot, nbytes, id, delta: {base, nbytes} | null}
+    dst         NIXL READ of slot s (or of the encoded delta in dslot s), verified by the sync hooks
+    dst -> src  gdr.done  {gen, index}         (slot s may be packed again once every dst said done)
+
+Descriptors travel as plain JSON (address, length, device) and are rebuilt locally, so nothing from the
+network is unpickled. The receiver runs a prefetch worker: up to `num_slots` (K) buckets are read ahead
+while earlier ones are unpacked and loaded. `refetch(bucket)` reads a bucket again (used by
+verify: Checksum to retry a mismatch): the sender's slot still holds it until `gdr.done`.
+
+Delta sync (optional, `delta=DeltaConfig(...)`): the sender keeps each bucket's previous bytes, encodes
+the change into a second registered slot, and offers both; a receiver whose stored base carries the id
+the delta was computed against reads the small encoding and applies it, any other receiver (new, late,
+or one that failed a version) reads the full bucket. Either way it ends with identical bytes.
+
+Memory: slots live on `ctx.device`. CUDA device -> VRAM registration (GPUDirect RDMA when the NIC and
+driver support it); CPU -> pinned host memory when CUDA exists, plain DRAM otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import delta as deltamod
+from ..buckets import allocate
+from ..link import LinkTimeout, Mailbox
+from ..plan import BucketPlan, TransferPlan
+from .base import Endpoint, Pending, Transport, TransportContext, TransportError, register
+
+log = logging.getLogger(__name__)
+
+#: UCX transports for a CPU-only machine: tcp carries UCX's active messages (NIXL insists on a transport
+#: with peer-failure handling, so shared memory alone is refused), cma does the bulk copies, self loops.
+CPU_UCX_TLS = "tcp,cma,self"
+_POLL_SLICE = 0.25  # seconds: how often blocking waits look at the abort flag
+
+
+def configure_ucx(tls: str | None = None) -> str | None:
+    """Set UCX_TLS before the first NIXL agent of the process is created (UCX reads it once).
+
+    An explicit `tls` wins; an existing UCX_TLS is kept; on a machine without CUDA the CPU set is used;
+    on a GPU machine UCX is left to choose (rc / cuda_ipc / cuda_copy), which is what GPUDirect needs.
+    Returns the value in effect (None: UCX's own choice)."""
+    if tls:
+        os.environ["UCX_TLS"] = tls
+    elif "UCX_TLS" not in os.environ and not torch.cuda.is_available():
+        os.environ["UCX_TLS"] = CPU_UCX_TLS
+    return os.environ.get("UCX_TLS")
+
+
+def _mem_of(t: torch.Tensor) -> tuple[str, int]:
+    return ("VRAM", t.device.index or 0) if t.device.type == "cuda" else ("DRAM", 0)
+
+
+def _desc(t: torch.Tensor, nbytes: int | None = None) -> tuple[int, int, int]:
+    _mem, dev = _mem_of(t)
+    return (int(t.data_ptr()), int(t.numel() if nbytes is None else nbytes), dev)
+
+
+class NixlEndpoint:
+    """One NIXL agent with the UCX backend, guarded by a lock (NIXL agents are not thread-safe by
+    default). Knows which remote agents it has loaded and re-loads one whose metadata changed."""
+
+    def __init__(self, name: str | None = None, *, backends: Sequence[str] = ("UCX",)) -> None:
+        configure_ucx()
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:  # pragma: no cover - depends on the image
+            raise TransportError(
+                "the GDR transport needs NIXL: pip install 'weightsync[gdr]' (PyPI nixl)"
+            ) from exc
+        self.name = name or f"ws-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+        self._lock = threading.RLock()
+        try:
+            self.agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends)))
+        except Exception as exc:
+            raise TransportError(
+                f"cannot create NIXL agent {self.name} with backends {list(backends)}: {exc}; on a CPU-only "
+                f"machine UCX needs a TCP-capable transport (UCX_TLS={os.environ.get('UCX_TLS')!r}, try "
+                f"{CPU_UCX_TLS!r})"
+            ) from exc
+        self._remote_md: dict[str, bytes] = {}
+        self._regs: list[Any] = []
+
+    def register(self, tensors: Sequence[torch.Tensor]) -> Any:
+        if not tensors:
+            return None
+        mem, _ = _mem_of(tensors[0])
+        with self._lock:
+            reg = self.agent.register_memory([(*_desc(t), "") for t in tensors], mem)
+            self._regs.append(reg)
+            return reg
+
+    def deregister(self, reg: Any) -> None:
+        if reg is None:
+            return
+        with self._lock:
+            with contextlib.suppress(Exception):
+                self.agent.deregister_memory(reg)
+            with contextlib.suppress(ValueError):
+                self._regs.remove(reg)
+
+    def metadata(self) -> bytes:
+        with self._lock:
+            return bytes(self.agent.get_agent_metadata())
+
+    def load_remote(self, name: str, md: bytes) -> str:
+        """Make `name` readable; re-load it when its metadata changed (new registrations)."""
+        with self._lock:
+            if self._remote_md.get(name) == md:
+                return name
+            if name in self._remote_md:
+                with contextlib.suppress(Exception):
+                    self.agent.remove_remote_agent(name)
+            got = self.agent.add_remote_agent(md)
+            got_s = got.decode() if isinstance(got, bytes) else str(got)
+            if got_s != name:
+                raise TransportError(f"NIXL metadata announced as agent {name!r} belongs to {got_s!r}")
+            self._remote_md[name] = md
+            return name
+
+    def read(
+        self,
+        local: torch.Tensor,
+        remote: tuple[int, int, int],
+        remote_mem: str,
+        peer: str,
+        *,
+        timeout: float,
+        aborted: threading.Event,
+    ) -> None:
+        """READ len(local) bytes from the peer's (addr, len, dev) into `local`; blocks until done."""
+        nbytes = local.numel()
+        if nbytes == 0:
+            return
+        mem, dev = _mem_of(local)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            ldesc = self.agent.get_xfer_descs([(int(local.data_ptr()), nbytes, dev)], mem)
+            rdesc = self.agent.get_xfer_descs([(remote[0], nbytes, remote[2])], remote_mem)
+            handle = self.agent.initialize_xfer("READ", ldesc, rdesc, peer)
+            state = self.agent.transfer(handle)
+        try:
+            while state == "PROC":
+                if aborted.is_set():
+                    raise TransportError(f"READ of {nbytes} bytes from {peer} aborted")
+                if time.monotonic() > deadline:
+                    raise TransportError(f"READ of {nbytes} bytes from {peer} timed out after {timeout:.0f}s")
+                with self._lock:
+                    state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransportError(f"NIXL READ of {nbytes} bytes from {peer} failed (state {state})")
+        finally:
+            with self._lock, contextlib.suppress(Exception):
+                self.agent.release_xfer_handle(handle)
+
+    def close(self) -> None:
+        with self._lock:
+            for reg in list(self._regs):
+                with contextlib.suppress(Exception):
+                    self.agent.deregister_memory(reg)
+            self._regs.clear()
+            for name in list(self._remote_md):
+                with contextlib.suppress(Exception):
+                    self.agent.remove_remote_agent(name)
+            self._remote_md.clear()
+
+
+@dataclass
+class GdrStats:
+    """What the transport moved (for describe(), the bench and delta accounting)."""
+
+    buckets: int = 0
+    full_bytes: int = 0  # bytes of the buckets as planned
+    wire_bytes: int = 0  # bytes actually read (receiver) or offered as the smallest read (sender)
+    delta_buckets: int = 0
+    refetches: int = 0
+    read_seconds: float = 0.0
+    encode_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["wire_fraction"] = self.wire_bytes / self.full_bytes if self.full_bytes else 0.0
+        return d
+
+
+@dataclass
+class _Remote:
+    """What a receiver knows about one source agent for the current bind."""
+
+    agent: str
+    gen: int
+    mem: str
+    slots: list[tuple[int, int, int]]
+    dslots: list[tuple[int, int, int]]
+
+
+@dataclass
+class _RecvJob:
+    bucket: BucketPlan
+    slot: int
+    future: Future[torch.Tensor] = field(default_factory=Future)
+
+
+class _FuturePending(Pending[Any]):
+    def __init__(self, fut: Future[Any], what: str) -> None:
+        self._fut = fut
+        self._what = what
+
+    def wait(self, timeout: float | None = None) -> Any:
+        try:
+            return self._fut.result(timeout)
+        except TimeoutError:
+            raise TransportError(f"{self._what}: not complete within {timeout}s") from None
+
+
+class _SendPending(Pending[None]):
+    """Completes when every destination of the bucket said gdr.done (the slot may be reused)."""
+
+    def __init__(self, mailboxes: list[tuple[int, Mailbox]], gen: int, index: int, aborted: threading.Event) -> None:
+        self._mailboxes = mailboxes
+        self._gen = gen
+        self._index = index
+        self._aborted = aborted
+        self._done = False
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._done:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for d, mb in self._mailboxes:
+            while True:
+                if self._aborted.is_set():
+                    raise TransportError(f"bucket {self._index}: transport aborted while waiting for dst{d}")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TransportError(f"bucket {self._index}: destination rank {d} did not finish reading "
+                                         f"within {timeout}s")
+                try:
+                    mb.get("gdr.done", timeout=min(_POLL_SLICE, left) if left is not None else _POLL_SLICE,
+                           match={"gen": self._gen, "index": self._index})
+                    break
+                except LinkTimeout:
+                    continue
+        self._done = True
+
+
+@register("gdr")
+class GdrTransport(Transport):
+    """NIXL one-sided READ transport. See the module docstring for the protocol.
+
+    `num_slots` is the prefetch depth K (buckets in flight per endpoint). `delta` enables delta sync.
+    `endpoint` lets several transports of one process share a NIXL agent (default: one each).
+    """
+
+    name = "gdr"
+
+    def __init__(
+        self,
+        *,
+        num_slots: int = 2,
+        delta: deltamod.DeltaConfig | None = None,
+        endpoint: NixlEndpoint | None = None,
+        agent_name: str | None = None,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.delta = delta
+        self._own_endpoint = endpoint is None
+        self._nixl_arg = endpoint
+        self._agent_name = agent_name
+        self._nx: NixlEndpoint | None = endpoint
+        self.stats = GdrStats()
+        self._ctx: TransportContext | None = None
+        self._plan: TransferPlan | None = None
+        self._aborted = threading.Event()
+        self._gen = 0
+        # sender
+        self._slots: list[torch.Tensor] = []
+        self._dslots: list[torch.Tensor] = []
+        self._slot_reg: Any = None
+        self._base = deltamod.DeltaBase()
+        # receiver
+        self._remotes: dict[int, _Remote] = {}
+        self._rslots: list[torch.Tensor] = []
+        self._rdslots: list[torch.Tensor] = []
+        self._store: torch.Tensor | None = None
+        self._store_views: dict[int, torch.Tensor] = {}
+        self._rreg: Any = None
+        self._rkey: tuple[str, str] | None = None
+        self._pending_ids: dict[int, int | None] = {}
+        self._targets: dict[int, tuple[torch.Tensor, int, int]] = {}  # index -> (target, remote slot, src)
+        self._jobs: queue.Queue[_RecvJob | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+
+    # ---- common ----
+
+    @property
+    def nixl(self) -> NixlEndpoint:
+        if self._nx is None:
+            self._nx = NixlEndpoint(self._agent_name)
+        return self._nx
+
+    def _mailbox(self, ep: Endpoint) -> Mailbox:
+        assert self._ctx is not None
+        mb = self._ctx.peers.get(ep)
+        if mb is None:
+            raise TransportError(f"{self._ctx.me}: no control link to {ep}")
+        return mb
+
+    def bind(self, ctx: TransportContext) -> None:
+        self._aborted.clear()
+        plan_changed = self._plan is None or self._plan.hash != ctx.plan.hash
+        self._ctx = ctx
+        self._plan = ctx.plan
+        if ctx.me.role == "src":
+            self._bind_src(ctx, plan_changed)
+        else:
+            self._bind_dst(ctx, plan_changed)
+
+    def describe(self) -> dict[str, object]:
+        mem = "VRAM" if self._ctx is not None and self._ctx.device.type == "cuda" else "DRAM"
+        return {"transport": self.name, "backend": "nixl/UCX", "ucx_tls": os.environ.get("UCX_TLS"),
+                "mem": mem, "prefetch": self.num_slots, "delta": self.delta is not None,
+                "agent": self._nx.name if self._nx else None, **self.stats.to_dict()}
+
+    def abort(self, reason: str) -> None:
+        self._aborted.set()
+        # A half-received bucket must never serve as a delta base.
+        for index in list(self._pending_ids):
+            self._base.invalidate(index)
+        self._pending_ids.clear()
+        self._drain_jobs(TransportError(f"GDR transport aborted: {reason}"))
+
+    def close(self) -> None:
+        self._aborted.set()
+        self._drain_jobs(TransportError("GDR transport closed"))
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join(timeout=5)
+            self._worker = None
+        if self._nx is not None:
+            self._nx.deregister(self._slot_reg)
+            self._nx.deregister(self._rreg)
+            if self._own_endpoint:
+                self._nx.close()
+        self._slot_reg = self._rreg = None
+        self._slots, self._dslots, self._rslots, self._rdslots = [], [], [], []
+        self._store = None
+
+    # ---- sender ----
+
+    def _bind_src(self, ctx: TransportContext, plan_changed: bool) -> None:
+        size = ctx.plan.max_bucket_nbytes(src=ctx.me.rank)
+        if not self._slots or self._slots[0].numel() < size or self._slots[0].device != ctx.device:
+            self.nixl.deregister(self._slot_reg)
+            pin = ctx.device.type == "cpu"
+            self._slots = [allocate(max(size, 1), ctx.device, pin_memory=pin) for _ in range(self.num_slots)]
+            self._dslots = (
+                [allocate(deltamod.max_encoded_bytes(size), ctx.device, pin_memory=pin)
+                 for _ in range(self.num_slots)] if self.delta else []
+            )
+            self._slot_reg = self.nixl.register(self._slots + self._dslots)
+        if plan_changed:
+            self._base = deltamod.DeltaBase()
+        self._gen += 1
+        md = self.nixl.metadata()
+        mem, _ = _mem_of(self._slots[0])
+        for ep in sorted(ctx.peers):
+            self._mailbox(ep).send(
+                "gdr.hello", md, agent=self.nixl.name, gen=self._gen, mem=mem,
+                slots=[list(_desc(t)) for t in self._slots], dslots=[list(_desc(t)) for t in self._dslots],
+            )
+
+    def send_buffer(self, slot: int) -> torch.Tensor:
+        return self._slots[slot]
+
+    def start_send(self, bucket: BucketPlan, slot: int) -> Pending[None]:
+        assert self._ctx is not None
+        buf = self._slots[slot][: bucket.nbytes]
+        dinfo: dict[str, int] | None = None
+        new_id: int | None = None
+        offered = bucket.nbytes
+        if self.delta is not None:
+            t0 = time.perf_counter()
+            prev = self._base.buffer(bucket.index, bucket.nbytes, buf.device)
+            base_id = self._base.id_of(bucket.index)
+            if base_id is not None:
+                unit = deltamod.unit_for_dtypes(e.piece.dtype for e in bucket.entries)
+                enc = deltamod.encode(prev, buf, self._dslots[slot], self.delta, unit=unit)
+                if enc.nbytes is not None:
+                    dinfo = {"base": base_id, "nbytes": enc.nbytes}
+                    offered = enc.nbytes
+                    self.stats.delta_buckets += 1
+            prev.copy_(buf)
+            new_id = deltamod.new_base_id()
+            self._base.ids[bucket.index] = new_id
+            self.stats.encode_seconds += time.perf_counter() - t0
+        self.stats.buckets += 1
+        self.stats.full_bytes += bucket.nbytes
+        self.stats.wire_bytes += offered
+        mbs = []
+        for d in bucket.dsts:
+            mb = self._mailbox(Endpoint("dst", d))
+            mb.send("gdr.ready", gen=self._gen, index=bucket.index, slot=slot, nbytes=bucket.nbytes, id=new_id,
+                    delta=dinfo)
+            mbs.append((d, mb))
+        return _SendPending(mbs, self._gen, bucket.index, self._aborted)
+
+    # ---- receiver ----
+
+    def _bind_dst(self, ctx: TransportContext, plan_changed: bool) -> None:
+        mine = ctx.plan.buckets_to(ctx.me.rank)
+        size = max((b.nbytes for b in mine), default=0)
+        key = (ctx.plan.hash, str(ctx.device))
+        if plan_changed or self._rkey != key:
+            self._rkey = key
+            self.nixl.deregister(self._rreg)
+            pin = ctx.device.type == "cpu"
+            self._base = deltamod.DeltaBase()
+            self._store_views = {}
+            regs: list[torch.Tensor] = []
+            if self.delta is not None:
+                # Full buckets land in a per-bucket store that doubles as the next version's delta base.
+                offsets, total = {}, 0
+                for b in mine:
+                    offsets[b.index] = total
+                    total += (b.nbytes + 255) // 256 * 256
+                self._store = allocate(max(total, 1), ctx.device, pin_memory=pin)
+                for b in mine:
+                    view = self._store[offsets[b.index] : offsets[b.index] + b.nbytes]
+                    self._store_views[b.index] = view
+                    self._base.bytes_by_index[b.index] = view
+                    self._base.ids[b.index] = None
+                self._rdslots = [allocate(deltamod.max_encoded_bytes(size), ctx.device, pin_memory=pin)
+                                 for _ in range(self.num_slots)]
+                self._rslots = []
+                regs = [self._store, *self._rdslots]
+            else:
+                self._rslots = [allocate(max(size, 1), ctx.device, pin_memory=pin) for _ in range(self.num_slots)]
+                self._store = None
+                regs = list(self._rslots)
+            self._rreg = self.nixl.register(regs)
+        self._remotes = {}
+        for ep in sorted(ctx.peers):
+            header, payload = self._get(self._mailbox(ep), "gdr.hello", None, ctx.timeout, f"hello from {ep}")
+            name = self.nixl.load_remote(str(header["agent"]), bytes(payload))
+            self._remotes[ep.rank] = _Remote(
+                name, int(header["gen"]), str(header["mem"]),
+                [(int(a), int(n), int(d)) for a, n, d in header["slots"]],
+                [(int(a), int(n), int(d)) for a, n, d in header["dslots"]],
+            )
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, name=f"gdr-prefetch-{ctx.me}", daemon=True)
+            self._worker.start()
+
+    def _get(
+        self, mb: Mailbox, kind: str, match: dict[str, Any] | None, timeout: float, what: str
+    ) -> tuple[dict[str, Any], memoryview]:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._aborted.is_set():
+                raise TransportError(f"aborted while waiting for {what}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(f"no {what} within {timeout:.0f}s (is the trainer agent alive?)")
+            try:
+                return mb.get(kind, timeout=min(_POLL_SLICE, left), match=match)
+            except LinkTimeout:
+                continue
+
+    def start_recv(self, bucket: BucketPlan, slot: int) -> Pending[torch.Tensor]:
+        job = _RecvJob(bucket, slot)
+        if self._aborted.is_set():
+            job.future.set_exception(TransportError(f"bucket {bucket.index}: transport aborted"))
+        else:
+            self._jobs.put(job)
+        return _FuturePending(job.future, f"GDR read of bucket {bucket.index} from source rank {bucket.src}")
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.future.done():
+                continue
+            try:
+                job.future.set_result(self._receive(job.bucket, job.slot))
+            except BaseException as exc:
+                err = exc if isinstance(exc, TransportError) else TransportError(
+                    f"bucket {job.bucket.index} from source rank {job.bucket.src}: {type(exc).__name__}: {exc}")
+                if not job.future.done():
+                    job.future.set_exception(err)
+
+    def _receive(self, bucket: BucketPlan, slot: int) -> torch.Tensor:
+        assert self._ctx is not None
+        remote = self._remotes.get(bucket.src)
+        if remote is None:
+            raise TransportError(f"bucket {bucket.index}: no GDR hello from source rank {bucket.src}")
+        mb = self._mailbox(Endpoint("src", bucket.src))
+        header, _ = self._get(mb, "gdr.ready", {"gen": remote.gen, "index": bucket.index}, self._ctx.timeout,
+                              f"bucket {bucket.index} from source rank {bucket.src}")
+        nbytes = int(header["nbytes"])
+        if nbytes != bucket.nbytes:
+            raise TransportError(f"bucket {bucket.index}: source rank {bucket.src} offers {nbytes} bytes, the "
+                                 f"plan says {bucket.nbytes}")
+        rslot = int(header["slot"])
+        if not 0 <= rslot < len(remote.slots) or remote.slots[rslot][1] < nbytes:
+            raise TransportError(f"bucket {bucket.index}: source rank {bucket.src} named an invalid slot {rslot}")
+        t0 = time.perf_counter()
+        self.stats.buckets += 1
+        self.stats.full_bytes += nbytes
+        if self.delta is None:
+            target = self._rslots[slot][:nbytes]
+            self._read(target, remote, rslot, remote.slots)
+            self.stats.wire_bytes += nbytes
+        else:
+            target = self._store_views[bucket.index]
+            dinfo = header.get("delta")
+            have = self._base.id_of(bucket.index)
+            self._base.invalidate(bucket.index)
+            if dinfo is not None and have is not None and int(dinfo["base"]) == have:
+                enc_n = int(dinfo["nbytes"])
+                if enc_n > self._rdslots[slot].numel() or enc_n > remote.dslots[rslot][1]:
+                    raise TransportError(f"bucket {bucket.index}: delta of {enc_n} bytes does not fit a slot")
+                landing = self._rdslots[slot][:enc_n]
+                self._read(landing, remote, rslot, remote.dslots)
+                deltamod.apply(target, landing)
+                self.stats.wire_bytes += enc_n
+                self.stats.delta_buckets += 1
+            else:
+                self._read(target, remote, rslot, remote.slots)
+                self.stats.wire_bytes += nbytes
+            new_id = header.get("id")
+            self._pending_ids[bucket.index] = int(new_id) if new_id is not None else None
+        self._targets[bucket.index] = (target, rslot, bucket.src)
+        self.stats.read_seconds += time.perf_counter() - t0
+        return target
+
+    def _read(self, local: torch.Tensor, remote: _Remote, rslot: int, table: list[tuple[int, int, int]]) -> None:
+        assert self._ctx is not None
+        self.nixl.read(local, table[rslot], remote.mem, remote.agent, timeout=self._ctx.timeout,
+                       aborted=self._aborted)
+
+    def refetch(self, bucket: BucketPlan) -> torch.Tensor:
+        """Read bucket `bucket` again, in full, into the same memory (after a checksum mismatch). Valid
+        until `release_recv`; the sender keeps the slot until then."""
+        got = self._targets.get(bucket.index)
+        remote = self._remotes.get(bucket.src)
+        if got is None or remote is None:
+            raise TransportError(f"bucket {bucket.index} was not received, nothing to fetch again")
+        target, rslot, _src = got
+        self._base.invalidate(bucket.index)
+        self._read(target, remote, rslot, remote.slots)
+        self.stats.refetches += 1
+        self.stats.wire_bytes += target.numel()
+        return target
+
+    def release_recv(self, bucket: BucketPlan, slot: int) -> None:
+        self._targets.pop(bucket.index, None)
+        if self.delta is not None and bucket.index in self._pending_ids:
+            self._base.ids[bucket.index] = self._pending_ids.pop(bucket.index)
+        remote = self._remotes.get(bucket.src)
+        gen = remote.gen if remote is not None else -1
+        self._mailbox(Endpoint("src", bucket.src)).send("gdr.done", gen=gen, index=bucket.index)
+
+    def _drain_jobs(self, err: TransportError) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:
+                self._jobs.put(None)
+                return
+            if not job.future.done():
+                job.future.set_exception(err)
