@@ -23,10 +23,12 @@ from typing import Any
 import torch
 from weightsync.agent import protocol as P
 from weightsync.agent.engines.base import EngineAdapter, NamedTensors, load_version
+from weightsync.agent.layout import LayoutError, TensorMeta, inference_layout
 from weightsync.agent.link import Link, LinkError, LinkTimeout, Mailbox, connect
 from weightsync.agent.plan import TensorShard, TransferPlan, build_plan
 from weightsync.agent.sync import SyncStats, WeightReceiver
 from weightsync.agent.transports.base import Transport, WorldMap
+from weightsync.agent.verify import ChecksumHooks
 from weightsync.crds.topology import PodMember, Topology
 
 log = logging.getLogger(__name__)
@@ -248,12 +250,18 @@ class _BucketPipe:
 def compute_needs(names: dict[str, TensorShard], world: int, tensor_parallel: int,
                   layout_fn: Callable[[dict[str, TensorShard], int, int], list[list[TensorShard]]] | None
                   ) -> list[list[TensorShard]]:
-    """Every destination rank's needed boxes for a replica of `world` ranks."""
+    """Every destination rank's needed boxes for a replica of `world` ranks (default: the HF TP rules of
+    agent/layout.py; tied embeddings were already published once, under one name)."""
     if layout_fn is not None:
         return layout_fn(names, world, tensor_parallel)
-    if tensor_parallel == 1 and world == 1:
-        return [[TensorShard.full(n, s.dtype, s.global_shape) for n, s in sorted(names.items())]]
-    raise FetchError("no inference layout available for tensor parallelism > 1")
+    if world != tensor_parallel:
+        raise FetchError(f"inference replica of {world} ranks with tensor parallelism {tensor_parallel}: only "
+                         "pure tensor parallelism (world == tensor) has a default layout")
+    metas = [TensorMeta(n, s.dtype, s.global_shape) for n, s in sorted(names.items())]
+    try:
+        return [inference_layout(metas, tensor_parallel, r) for r in range(world)]
+    except LayoutError as exc:
+        raise FetchError(f"cannot lay out the model for TP {tensor_parallel}: {exc}") from None
 
 
 @dataclass
@@ -262,6 +270,7 @@ class FetchResult:
     bytes: int
     seconds: float
     stats: list[SyncStats]
+    verified_bytes: int = 0
 
 
 TransportFor = Callable[[dict[str, Any], TransferPlan], tuple[Transport, WorldMap]]
@@ -283,6 +292,7 @@ def fetch_version(
     token: bytes,
     layout_fn: Callable[[dict[str, TensorShard], int, int], list[list[TensorShard]]] | None = None,
     expand_aliases: bool = True,
+    verify: bool = False,
     timeout: float = 600.0,
 ) -> FetchResult:
     """Fetch `version` for this agent's ranks of `replica` and load it into the engine; raises FetchError."""
@@ -311,6 +321,7 @@ def fetch_version(
         for r in m.ranks:
             host_of[r] = m.ip or ""
     links: dict[int, Mailbox] = {}
+    hooks = ChecksumHooks() if verify else None
     try:
         for s in plan.srcs_of(my_rank):
             if not host_of.get(s):
@@ -321,7 +332,8 @@ def fetch_version(
             links[s] = Mailbox(link, name=f"src{s}")
         transport, world = transport_for(group, plan)
         receiver = WeightReceiver(plan, my_rank, transport, links, timeout=timeout, world=world,
-                                  device=getattr(transport, "device", None) or "cpu")
+                                  device=getattr(transport, "device", None) or "cpu",
+                                  hooks=hooks)
     except (LinkError, OSError) as exc:
         for mb in links.values():
             mb.close()
@@ -361,7 +373,8 @@ def fetch_version(
         for mb in links.values():
             mb.close()
     stats = results[0] if results else SyncStats(version, f"dst{my_rank}", plan.hash)
-    return FetchResult(version, stats.bytes, time.perf_counter() - t0, results)
+    return FetchResult(version, stats.bytes, time.perf_counter() - t0, results,
+                       verified_bytes=hooks.stats.bytes if hooks else 0)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

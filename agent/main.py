@@ -115,6 +115,7 @@ class Agent:
 
         topo = self.watcher.current
         self.mode = topo.mode if cfg.transfer_mode == "Auto" else cfg.transfer_mode
+        self.verify = "Checksum" in (cfg.verify, topo.verify)
         self.cache = TransportCache(mode=self.mode, job=cfg.job, pod_ip=cfg.pod_ip, transport_port=cfg.transport_port)
         self.tmember = trainer_member(topo, cfg.pod_name) if cfg.is_trainer else None
         self.islot = inference_slot(topo, cfg.pod_name) if cfg.is_inference else None
@@ -131,7 +132,7 @@ class Agent:
             self.server = WeightServer(
                 host=cfg.pod_ip, port=cfg.control_port, token=self.token, pod=cfg.pod_name, store=self.store,
                 transport_for=lambda g, p: self.cache.get(g, p, role="src"), metrics=self.metrics, mode=self.mode,
-                generation=lambda: self.watcher.current.generation,
+                generation=lambda: self.watcher.current.generation, verify=self.verify,
             )
             if self.mode == "NCCL" and self.tmember.index == 0:
                 self.cache.host_store()
@@ -355,7 +356,7 @@ class Agent:
                 adapter=_UserPauseGuard(self.adapter, self),
                 transport_for=transport_for, group=group, bucket_bytes=self.cfg.bucket_size_mb << 20,
                 pause_generation=self.cfg.pause_generation, port=self.cfg.control_port, token=self.token,
-                expand_aliases=self.cfg.engine_type == "Custom",
+                expand_aliases=self.cfg.engine_type == "Custom", verify=self.verify,
             )
         except (FetchError, EngineError, StagingError) as exc:
             self._attempt += 1
@@ -374,6 +375,7 @@ class Agent:
         self.metrics.served_version.set(version)
         self.metrics.versions.labels("committed").inc()
         self.metrics.transfer_bytes.labels("received", self.mode).inc(res.bytes)
+        self.metrics.verified_bytes.inc(res.verified_bytes)
         self.metrics.sync_seconds.labels(self.mode).observe(took)
         log.info("version committed version=%s bytes=%s seconds=%.3f", version, res.bytes, took)
         self._report()
@@ -386,6 +388,7 @@ class Agent:
     # --- health --------------------------------------------------------------------------------------
     def _health(self) -> tuple[bool, dict[str, Any]]:
         detail: dict[str, Any] = {"role": self.cfg.role, "pod": self.cfg.pod_name, "mode": self.mode,
+                                  "verify": self.verify,
                                   "generation": self.watcher.current.generation}
         if self.store is not None:
             detail["published"] = self.published

@@ -19,6 +19,9 @@ class AgentMetrics:
         self.transfer_bytes = Counter(
             "weightsync_agent_transfer_bytes_total", "Weight bytes moved between agents",
             ["direction", "mode"], registry=r)
+        self.verified_bytes = Counter(
+            "weightsync_agent_verified_bytes_total", "Received bytes whose bucket checksum matched the sender's",
+            registry=r)
         self.staged_bytes = Counter(
             "weightsync_agent_staged_bytes_total", "Bytes the local trainer published into staging", registry=r)
         self.sync_seconds = Histogram(

@@ -31,6 +31,7 @@ from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.plan import TensorShard, TransferPlan
 from weightsync.agent.sync import SyncError, WeightSender
 from weightsync.agent.transports.base import Transport, WorldMap
+from weightsync.agent.verify import ChecksumHooks
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +241,9 @@ class WeightServer:
 
     def __init__(self, *, host: str, port: int, token: bytes, pod: str, store: StagingStore,
                  transport_for: Callable[[dict[str, Any], TransferPlan], tuple[Transport, WorldMap]],
-                 metrics: AgentMetrics, mode: str, generation: Callable[[], int], timeout: float = 600.0) -> None:
+                 metrics: AgentMetrics, mode: str, generation: Callable[[], int], verify: bool = False,
+                 timeout: float = 600.0) -> None:
+        self.verify = verify
         self.pod = pod
         self.store = store
         self.transport_for = transport_for
@@ -407,7 +410,8 @@ class WeightServer:
                 # serialising them per agent could deadlock two trainer pods serving two replicas.
                 transport, world = self.transport_for(group, rdv.plan)
                 sender = WeightSender(rdv.plan, rdv.src, transport, rdv.peers, timeout=self.timeout,
-                                      world=world, device=transport_device(transport))
+                                      world=world, device=transport_device(transport),
+                                      hooks=ChecksumHooks() if self.verify else None)
                 stats = sender.send_version(rdv.version, rs.tensors())
         except (SyncError, StagingError) as exc:
             self.metrics.versions.labels("serve_failed").inc()

@@ -62,7 +62,8 @@ class Cluster:
     """A job's pods as processes under one temporary directory."""
 
     def __init__(self, root: Path, *, job: str = "demo", mode: str = "NCCL", placement: str = "Separated",
-                 bucket_mb: int = 1, token: str = "s3cret-token") -> None:
+                 bucket_mb: int = 1, token: str = "s3cret-token", verify: str = "None") -> None:
+        self.verify = verify
         self.root = root
         self.job = job
         self.mode = mode
@@ -102,7 +103,7 @@ class Cluster:
                 groups.append(TransportGroup(name=f"replica-{r}", members=members))
         return Topology(
             job=self.job, namespace="default", generation=self.generation, placement=self.placement,
-            mode=self.mode, bucket_size_mb=self.bucket_mb, verify="None",
+            mode=self.mode, bucket_size_mb=self.bucket_mb, verify=self.verify,
             trainer=TrainerTopology(world_size=len(trainers), tensor=1, pipeline=1, data=len(trainers), pods=[
                 PodMember(name=t.name, index=i, ranks=[i], ip=t.ip) for i, t in enumerate(trainers)]),
             inference=[InferenceReplicaTopology(replica=r, tensor=len(pods), world_size=len(pods), pods=[
@@ -126,7 +127,7 @@ class Cluster:
             contract.ENV_SOCKET_DIR: str(self.root / pod.name / "sock"),
             contract.ENV_APP_SOCKET: str(self.root / pod.name / "sock" / contract.AGENT_SOCKET_NAME),
             contract.ENV_TRANSFER_MODE: self.mode, contract.ENV_BUCKET_SIZE_MB: str(self.bucket_mb),
-            contract.ENV_ENGINE_TYPE: "Custom", contract.ENV_KUBE_ENABLED: "false",
+            contract.ENV_VERIFY: self.verify, contract.ENV_ENGINE_TYPE: "Custom", contract.ENV_KUBE_ENABLED: "false",
             "WEIGHTSYNC_DEMO_PORT": str(DEMO_PORT), "PYTHONUNBUFFERED": "1",
         })
         env.update(self.extra_env)

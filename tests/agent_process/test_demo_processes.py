@@ -38,7 +38,7 @@ def commits(url: str) -> list[int]:
 
 
 def test_separated_gloo_two_replicas_bit_exact(tmp_path: Path, clusters: list[Cluster]) -> None:
-    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
+    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1, verify="Checksum")
     c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = "96"
     clusters.append(c)
     t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
@@ -63,6 +63,7 @@ def test_separated_gloo_two_replicas_bit_exact(tmp_path: Path, clusters: list[Cl
 
     code, health = get_json(f"{infs[0].metrics_url}/healthz")
     assert code == 200 and health["ok"] and health["served"] == 5 and health["role"] == "inference"
+    assert health["verify"] is True
     code, health = get_json(f"{t.metrics_url}/healthz")
     assert code == 200 and health["published"] == 5
     _, tm = get_text(f"{t.metrics_url}/metrics")
@@ -70,6 +71,7 @@ def test_separated_gloo_two_replicas_bit_exact(tmp_path: Path, clusters: list[Cl
     assert metric_value(tm, "weightsync_agent_published_version") == 5
     assert (metric_value(tm, "weightsync_agent_transfer_bytes_total", 'direction="sent",mode="NCCL"') or 0) > 0
     assert metric_value(im, "weightsync_agent_served_version") == 5
+    assert (metric_value(im, "weightsync_agent_verified_bytes_total") or 0) > 0  # verify: Checksum ran
     assert (metric_value(im, "weightsync_agent_transfer_bytes_total", 'direction="received"') or 0) > 0
     assert (metric_value(im, "weightsync_agent_sync_seconds_count", 'mode="NCCL"') or 0) >= 1
 
