@@ -127,7 +127,12 @@ class KubeClient:
             except ValueError:
                 message = resp.text
             raise ApiError(resp.status_code, f"{method} {path}: {message}")
-        return resp.json() if resp.content else {}
+        if not resp.content:
+            return {}
+        try:
+            return dict(resp.json())
+        except ValueError:  # /readyz, /healthz answer plain text
+            return {"text": resp.text}
 
     def get(self, path: str, **params: Any) -> JSON:
         return self.request("GET", path, params=params or None)
