@@ -528,3 +528,35 @@ def test_cli_runtime_stop_leaves_no_processes(cluster: Any, namespace: str, tmp_
             except ApiError as exc:
                 if exc.status != 404:
                     raise
+
+
+# --- a script from a ConfigMap as the command; a projected token with its own audience, bound to the pod ----
+def test_configmap_script_and_audience_bound_token(api: KubeClient, namespace: str, process_runtime: Any) -> None:
+    script = textwrap.dedent("""\
+        #!/bin/sh
+        exec python3 - <<'PY'
+        import base64, json
+        token = open("/var/run/tokens/agent").read()
+        body = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+        print(json.dumps({"aud": claims["aud"], "pod": claims["kubernetes.io"]["pod"]["name"],
+                          "sa": claims["kubernetes.io"]["serviceaccount"]["name"],
+                          "ttl": claims["exp"] - claims["iat"]}), flush=True)
+        PY
+    """)
+    api.post(f"/api/v1/namespaces/{namespace}/configmaps", {"metadata": {"name": "scripts"}, "data": {"run.sh": script}})
+    create_pod(api, namespace, pod_manifest(
+        "scripted",
+        [{"name": "main", "image": "x", "command": ["/opt/scripts/run.sh"],
+          "volumeMounts": [{"name": "scripts", "mountPath": "/opt/scripts"}, {"name": "tokens", "mountPath": "/var/run/tokens"}]}],
+        restartPolicy="Never",
+        volumes=[
+            {"name": "scripts", "configMap": {"name": "scripts", "defaultMode": 0o755}},
+            {"name": "tokens", "projected": {"sources": [
+                {"serviceAccountToken": {"audience": "weightsync-agent", "expirationSeconds": 600, "path": "agent"}}]}},
+        ],
+    ))
+    pod = wait_pod(api, namespace, "scripted", finished, "finished")
+    assert pod["status"]["phase"] == "Succeeded", pod["status"]
+    claims = json.loads(process_runtime.log_path(namespace, "scripted", "main").read_text())
+    assert claims == {"aud": ["weightsync-agent"], "pod": "scripted", "sa": "default", "ttl": 600}
