@@ -1,0 +1,133 @@
+"""Order of engine calls over real HTTP: pause before the first load, resume after the last, resume also
+when a load fails (the server answers 500), never a commit after a failure; plus the HTTP client's
+retry / backoff / error policy."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from recording_server import RecordingServer
+from weightsync.agent.engines import sglang, vllm
+from weightsync.agent.engines.base import EngineError, load_version
+from weightsync.agent.engines.http import EngineHTTPError, HttpClient, backoff_delays
+
+
+def _buckets(n: int) -> list[list[tuple[str, torch.Tensor]]]:
+    return [[(f"w{i}", torch.full((4, 4), float(i)))] for i in range(n)]
+
+
+def _client(url: str, engine: str, sleeps: list[float] | None = None) -> HttpClient:
+    return HttpClient(url, engine, timeout=10, retries=2, backoff=0.01,
+                      sleep=(sleeps.append if sleeps is not None else lambda s: None))
+
+
+def test_sglang_pause_load_commit_resume(server: RecordingServer) -> None:
+    a = sglang.SGLangAdapter(server.url, client=_client(server.url, "SGLang"))
+    assert load_version(a, 4, _buckets(3), pause_generation=True) == 3
+    assert server.paths() == ["/pause_generation", "/update_weights_from_tensor", "/update_weights_from_tensor",
+                              "/update_weights_from_tensor", "/update_weight_version", "/continue_generation"]
+    assert server.calls[-2].body == {"new_version": "4", "abort_all_requests": False}
+
+
+def test_sglang_failed_load_is_aborted_and_resumed(server: RecordingServer) -> None:
+    server.replies["/update_weights_from_tensor"] = [(200, {"success": True}), (500, {"message": "CUDA OOM"})]
+    sleeps: list[float] = []
+    a = sglang.SGLangAdapter(server.url, client=_client(server.url, "SGLang", sleeps))
+    with pytest.raises(EngineHTTPError) as ei:
+        load_version(a, 5, _buckets(3), pause_generation=True)
+    err = ei.value
+    assert err.status == 500 and err.engine == "SGLang" and "/update_weights_from_tensor" in err.url
+    assert "CUDA OOM" in str(err) and err.attempts == 3
+    paths = server.paths()
+    assert paths[0] == "/pause_generation"
+    assert paths[-1] == "/continue_generation", "resume must come last, also after a failed load"
+    assert paths.count("/update_weights_from_tensor") == 1 + 3  # bucket 0, then bucket 1 tried 3 times
+    # abort marks the version partial; it is never committed as version 5
+    versions = [c.body["new_version"] for c in server.calls if c.path == "/update_weight_version"]
+    assert versions == ["partial-5"]
+    assert a.served_version() is None
+    assert sleeps == backoff_delays(2, 0.01, 5.0)
+
+
+def test_sglang_no_pause_when_not_asked(server: RecordingServer) -> None:
+    a = sglang.SGLangAdapter(server.url, client=_client(server.url, "SGLang"))
+    load_version(a, 1, _buckets(1), pause_generation=False)
+    assert "/pause_generation" not in server.paths() and "/continue_generation" not in server.paths()
+
+
+def test_vllm_order_and_failed_load(server: RecordingServer) -> None:
+    a = vllm.VLLMAdapter(server.url, client=_client(server.url, "vLLM"))
+    load_version(a, 1, _buckets(2), pause_generation=True)
+    assert server.paths() == ["/pause", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                              "/update_weights", "/finish_weight_update", "/resume"]
+    server.calls.clear()
+    server.replies["/update_weights"] = [(500, {"error": "worker died"})]
+    with pytest.raises(EngineHTTPError, match="worker died"):
+        load_version(a, 2, _buckets(2), pause_generation=True)
+    paths = server.paths()
+    assert paths[0] == "/pause" and paths[-1] == "/resume"
+    assert "/finish_weight_update" not in paths, "a failed version must never be finished (published)"
+    assert "/init_weight_transfer_engine" not in paths, "the engine is initialized once"
+    assert a.served_version() is None
+
+
+def test_resume_even_when_begin_fails(server: RecordingServer) -> None:
+    server.replies["/start_weight_update"] = [(400, {"error": "no weight transfer engine"})]
+    a = vllm.VLLMAdapter(server.url, client=_client(server.url, "vLLM"))
+    with pytest.raises(EngineError):
+        load_version(a, 1, _buckets(1), pause_generation=True)
+    assert server.paths() == ["/pause", "/init_weight_transfer_engine", "/start_weight_update", "/resume"]
+
+
+def test_client_retries_5xx_then_succeeds(server: RecordingServer) -> None:
+    server.replies["/x"] = [(503, {"message": "warming up"}), (502, None), (200, {"ok": 1})]
+    sleeps: list[float] = []
+    assert _client(server.url, "SGLang", sleeps).post("/x", {"a": 1}) == {"ok": 1}
+    assert len(server.calls) == 3 and sleeps == [0.01, 0.02]
+
+
+def test_client_does_not_retry_4xx(server: RecordingServer) -> None:
+    server.replies["/x"] = [(422, {"detail": "field required: new_version"})]
+    with pytest.raises(EngineHTTPError, match=r"HTTP 422.*field required") as ei:
+        _client(server.url, "SGLang").post("/x", {})
+    assert ei.value.attempts == 1 and len(server.calls) == 1
+
+
+def test_client_success_false_is_an_error(server: RecordingServer) -> None:
+    server.replies["/x"] = [(200, {"success": False, "message": "weights partially updated"})]
+    with pytest.raises(EngineHTTPError, match="partially updated"):
+        _client(server.url, "SGLang").post("/x", {})
+
+
+def test_client_unreachable_engine_is_named() -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    url = f"http://127.0.0.1:{port}"
+    sleeps: list[float] = []
+    with pytest.raises(EngineHTTPError, match=rf"vLLM engine: POST {url}/pause failed \(no response\).*Connect") as ei:
+        _client(url, "vLLM", sleeps).post("/pause")
+    assert ei.value.status is None and ei.value.attempts == 3 and len(sleeps) == 2
+
+
+def test_client_timeout(server: RecordingServer) -> None:
+    import time
+
+    def slow(call: object) -> tuple[int, object]:
+        time.sleep(1.0)
+        return 200, {}
+
+    server.replies["/slow"] = slow
+    c = HttpClient(server.url, "SGLang", timeout=0.2, retries=0)
+    with pytest.raises(EngineHTTPError, match=r"no response.*Timeout"):
+        c.post("/slow")
+
+
+def test_backoff_delays_are_capped() -> None:
+    assert backoff_delays(5, 1.0, 4.0) == [1.0, 2.0, 4.0, 4.0, 4.0]
+    assert backoff_delays(0, 1.0, 4.0) == []
+    with pytest.raises(ValueError, match="http"):
+        HttpClient("localhost:1", "SGLang")
