@@ -10,6 +10,7 @@ version leaves the previously committed tensors in place (the engine stand-in ke
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -117,7 +118,7 @@ class GdrScenario:
     delta: DeltaConfig | None = None
     verify: bool = False
     change: float = 1.0  # see full_tensor
-    timeout: float = 30.0
+    timeout: float = 60.0
     hold: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # replica -> (version, other, v)
 
 
@@ -323,18 +324,32 @@ def _destination(scn: GdrScenario, replica: int, rank: int, port: int, out: Any)
     out.put(res)
 
 
-def run_gdr(scn: GdrScenario, deadline: float = 120.0) -> dict[tuple[str, int], dict[str, Any]]:
+def _dump_path(key: tuple[str, int], pid: int) -> str:
+    return f"/tmp/gdr-harness-{pid}-{key[0]}-{key[1]}.txt"
+
+
+def _child(target: Any, key: tuple[str, int], *args: Any) -> None:
+    """Run a process body with a stack dump on SIGUSR1 (the parent asks for it before killing a
+    process that never reported, so a hang shows where it hangs)."""
+    with open(_dump_path(key, os.getpid()), "w") as f:
+        faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+        target(*args)
+
+
+def run_gdr(scn: GdrScenario, deadline: float = 300.0) -> dict[tuple[str, int], dict[str, Any]]:
     """Run every source rank and every replica rank in its own process; return their reports."""
     ctx = mp.get_context("fork")
     store = TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=deadline))
     out = ctx.Queue()
     procs: list[tuple[tuple[str, int], Any]] = []
     for r in range(len(scn.sources)):
-        procs.append((("src", r), ctx.Process(target=_source, args=(scn, r, store.port, out), daemon=True)))
+        procs.append((("src", r), ctx.Process(target=_child, args=(_source, ("src", r), scn, r, store.port, out),
+                                              daemon=True)))
     for i, rep in enumerate(scn.replicas):
         for r in range(len(rep.needs)):
-            procs.append(((f"dst{i}", r),
-                          ctx.Process(target=_destination, args=(scn, i, r, store.port, out), daemon=True)))
+            key = (f"dst{i}", r)
+            procs.append((key, ctx.Process(target=_child, args=(_destination, key, scn, i, r, store.port, out),
+                                           daemon=True)))
     for _, p in procs:
         p.start()
     results: dict[tuple[str, int], dict[str, Any]] = {}
@@ -353,13 +368,21 @@ def run_gdr(scn: GdrScenario, deadline: float = 120.0) -> dict[tuple[str, int], 
                 continue
             results[(r["role"], r["rank"])] = r
     finally:
-        for _, p in procs:
+        stacks: dict[tuple[str, int], str] = {}
+        for key, p in procs:
             p.join(timeout=5)
             if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGUSR1)
+                time.sleep(0.5)
+                with contextlib.suppress(OSError), open(_dump_path(key, p.pid)) as f:
+                    stacks[key] = f.read()
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(timeout=5)
+            with contextlib.suppress(OSError):
+                os.unlink(_dump_path(key, p.pid or 0))
     for key, p in procs:
-        results.setdefault(key, {"role": key[0], "rank": key[1], "ok": False, "error": "no report"})
+        results.setdefault(key, {"role": key[0], "rank": key[1], "ok": False,
+                                 "error": f"no report; stacks:\n{stacks.get(key, '(none)')}"})
         results[key]["exitcode"] = p.exitcode
     return results
 
@@ -368,3 +391,4 @@ def assert_ok(results: dict[tuple[str, int], dict[str, Any]]) -> None:
     for key, r in sorted(results.items()):
         assert r["ok"], f"{key}: {r.get('error')}\n{r.get('trace', '')}"
         assert r.get("mismatches", []) == [], f"{key}: {r['mismatches'][:5]}"
+        assert not r.get("failed"), f"{key}: {r['failed']}"
