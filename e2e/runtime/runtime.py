@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.e2e.runtime.events import EventRecorder
-from weightsync.e2e.runtime.ips import DEFAULT_POD_CIDR, PodIPAllocator
+from weightsync.e2e.runtime.ips import DEFAULT_LEASE_DIR, DEFAULT_POD_CIDR, HostLeases, PodIPAllocator
 from weightsync.e2e.runtime.kube import ApiError, KubeClient, endpoint_from_kubeconfig, pod_path
 from weightsync.e2e.runtime.orphans import kill_marked
 from weightsync.e2e.runtime.pod_volumes import unmount_under
@@ -76,6 +76,7 @@ class ProcessRuntime:
         python_bin_dir: Path | None = None,
         *,
         pod_cidr: str = DEFAULT_POD_CIDR,
+        ip_lease_dir: Path | None = DEFAULT_LEASE_DIR,
         resync_s: float = 30.0,
         watch_timeout_s: int = 60,
         volume_refresh_s: float = 2.0,
@@ -93,7 +94,7 @@ class ProcessRuntime:
         self.watch_timeout_s = watch_timeout_s
         endpoint = endpoint_from_kubeconfig(kubeconfig)
         self.client = KubeClient(endpoint)
-        self._ips = PodIPAllocator(pod_cidr)
+        self._ips = PodIPAllocator(pod_cidr, HostLeases(ip_lease_dir) if ip_lease_dir else None)
         self._host_ips: dict[str, str] = {}
         tag = hashlib.sha1(str(self.state_dir).encode()).hexdigest()[:10]
         self.runtime_id = tag
@@ -150,6 +151,7 @@ class ProcessRuntime:
             worker.join(max(deadline - time.monotonic(), 0.1))
         kill_marked(self.runtime_id)  # children that left their process group
         unmount_under(self.ctx.pods_dir)
+        self._ips.release_all()
         self.ctx.events.close()
         shutil.rmtree(self.ctx.shm_root, ignore_errors=True)
         log.info("process runtime stopped pods=%d", len(workers))

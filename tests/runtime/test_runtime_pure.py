@@ -11,7 +11,7 @@ import pytest
 from weightsync.e2e.runtime.atomic_writer import read_current, write_atomic
 from weightsync.e2e.runtime.containers import Backoff
 from weightsync.e2e.runtime.envvars import EnvError, container_env, expand, field_ref_value
-from weightsync.e2e.runtime.ips import PodIPAllocator, PodIPExhausted
+from weightsync.e2e.runtime.ips import HostLeases, PodIPAllocator, PodIPExhausted
 from weightsync.e2e.runtime.launch import Mount, find_executable, mount_script, sort_mounts, to_host_path
 from weightsync.e2e.runtime.probes import ProbeResult, ProbeState, resolve_port
 from weightsync.e2e.runtime.status import (
@@ -56,6 +56,29 @@ def test_ip_allocator_unique_idempotent_and_never_localhost() -> None:
     alloc.release("u5")
     assert alloc.reserve("other", ip)
     assert not alloc.reserve("again", ip)
+
+
+def test_host_leases_keep_runtimes_on_one_machine_apart(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    first = PodIPAllocator("127.0.0.0/29", HostLeases(tmp_path))
+    second = PodIPAllocator("127.0.0.0/29", HostLeases(tmp_path))  # another runtime, same process
+    a = {first.allocate(f"a{i}") for i in range(3)}
+    b = {second.allocate(f"b{i}") for i in range(3)}
+    assert len(a) == 3 and len(b) == 3 and not a & b
+    with pytest.raises(PodIPExhausted):
+        second.allocate("b-too-many")  # 127.0.0.2-7: six usable addresses, all leased
+    freed = first.get("a0")
+    first.release("a0")
+    assert second.allocate("b-again") == freed  # the only address left, once its lease is released
+    # a lease whose owner process died is taken over
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "127.9.0.1").write_text(f"{int(dead.stdout)}:dead\n")
+    third = PodIPAllocator("127.9.0.0/30", HostLeases(tmp_path))
+    assert third.allocate("c") == "127.9.0.1"
+    third.release_all()
+    assert not (tmp_path / "127.9.0.1").exists()
 
 
 def test_ip_allocator_exhaustion_and_bad_cidr() -> None:
