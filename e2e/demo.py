@@ -237,14 +237,20 @@ def is_trainer_pod(pod: Mapping[str, Any]) -> bool:
     return role in (contract.ROLE_TRAINER, contract.ROLE_COLOCATED)
 
 
-def agent_pid(pod: Mapping[str, Any]) -> int | None:
-    """The host pid of the pod's agent sidecar (process runtime: containerID `process://PID`)."""
-    for s in (pod.get("status") or {}).get("initContainerStatuses") or []:
-        if s.get("name") == contract.AGENT_CONTAINER and "running" in (s.get("state") or {}):
+def container_pid(pod: Mapping[str, Any], container: str) -> int | None:
+    """The host pid (= process group) of a running container (process runtime: containerID `process://PID`)."""
+    st = pod.get("status") or {}
+    for s in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+        if s.get("name") == container and "running" in (s.get("state") or {}):
             cid = str(s.get("containerID") or "")
             if cid.startswith("process://"):
                 return int(cid.removeprefix("process://"))
     return None
+
+
+def agent_pid(pod: Mapping[str, Any]) -> int | None:
+    """The host pid of the pod's agent sidecar."""
+    return container_pid(pod, contract.AGENT_CONTAINER)
 
 
 def agent_restarts(pod: Mapping[str, Any]) -> int:

@@ -98,35 +98,50 @@ def test_demo_example_serves_every_version_bit_exact(cluster, kube, namespace, o
 
 
 # --- (2) pause / resume ----------------------------------------------------------------------------------------
-def test_pause_confirmed_by_every_engine_then_resume(cluster, kube, namespace, operator, demo_job):
+def _paused_everywhere(kube: Any, namespace: str, name: str) -> None:
+    pods = inference_pods(kube, namespace, name)
+    assert len(pods) == 2
+    for p in pods.values():
+        assert demo.annotation(p, contract.ANN_ENGINE_PAUSED) == "true", p["metadata"]["name"]
+        assert demo.engine_state(p)["paused"] is True, p["metadata"]["name"]
+        code, _ = demo.http_json(f"{demo.engine_url(p)}/predict?x=0.5")
+        assert code == 503, "a paused engine must not generate"
+
+
+def test_pause_confirmed_by_every_engine_then_resume(cluster, kube, namespace, operator, demo_job, process_runtime):
     operator()
     body = demo_job("separated", versions=60, interval=1.0)
     name = body["metadata"]["name"]
     _served_at_least(kube, namespace, name, 2)
 
-    demo.patch_job(kube.custom, namespace, name, {"paused": True})
-    # Paused=True only once every replica confirmed: whenever the job says Paused=True, every engine
-    # (read afterwards) is paused and every pod says engine-paused=true.
-    deadline = time.monotonic() + 60
-    while True:
-        j = job(kube, namespace, name)
-        if cond(j, contract.COND_PAUSED) == "True":
-            pods = inference_pods(kube, namespace, name)
-            assert len(pods) == 2
-            for p in pods.values():
-                assert demo.annotation(p, contract.ANN_ENGINE_PAUSED) == "true", (
-                    f"Paused=True before {p['metadata']['name']} confirmed: {demo.condition(j, 'Paused')}")
-                assert demo.engine_state(p)["paused"] is True
-            break
-        assert time.monotonic() < deadline, f"no Paused=True within 60s: {demo.status_line(j)}"
-        time.sleep(0.05)
-    for p in inference_pods(kube, namespace, name).values():
-        code, _ = demo.http_json(f"{demo.engine_url(p)}/predict?x=0.5")
-        assert code == 503, "a paused engine must not generate"
+    slow = sorted(inference_pods(kube, namespace, name))[1]
+    stopped: int | None = None
+    if process_runtime is not None:
+        # One engine cannot answer for a while (SIGSTOP): its replica cannot confirm the pause, so the job
+        # must not say Paused=True yet.
+        stopped = demo.container_pid(inference_pods(kube, namespace, name)[slow], "engine")
+        assert stopped is not None
+        os.killpg(stopped, signal.SIGSTOP)
+    try:
+        demo.patch_job(kube.custom, namespace, name, {"paused": True})
+        if stopped is not None:
+            wait(lambda: demo.annotation(inference_pods(kube, namespace, name)[slow], contract.ANN_PAUSED) == "true",
+                 30, "paused annotation on the pods")
+            t_end = time.monotonic() + 6
+            while time.monotonic() < t_end:
+                j = job(kube, namespace, name)
+                assert cond(j, contract.COND_PAUSED) != "True", (
+                    f"Paused=True while {slow}'s engine had not confirmed: {demo.condition(j, 'Paused')}")
+                time.sleep(0.1)
+            assert demo.annotation(inference_pods(kube, namespace, name)[slow], contract.ANN_ENGINE_PAUSED) != "true"
+    finally:
+        if stopped is not None:
+            os.killpg(stopped, signal.SIGCONT)
+    wait(lambda: cond(job(kube, namespace, name), contract.COND_PAUSED) == "True", 60, "Paused=True")
+    _paused_everywhere(kube, namespace, name)
     time.sleep(3)  # versions keep coming: the engines stay paused across loads
-    for p in inference_pods(kube, namespace, name).values():
-        assert demo.engine_state(p)["paused"] is True
-        assert demo.annotation(p, contract.ANN_ENGINE_PAUSED) == "true"
+    _paused_everywhere(kube, namespace, name)
+    assert cond(job(kube, namespace, name), contract.COND_PAUSED) == "True"
 
     demo.patch_job(kube.custom, namespace, name, {"paused": False})
     wait(lambda: cond(job(kube, namespace, name), contract.COND_PAUSED) == "False", 60, "Paused=False")
@@ -135,9 +150,8 @@ def test_pause_confirmed_by_every_engine_then_resume(cluster, kube, namespace, o
     for p in inference_pods(kube, namespace, name).values():
         code, answer = demo.http_json(f"{demo.engine_url(p)}/predict?x=0.5")
         assert code == 200 and answer["version"] is not None
-        events = demo.engine_events(p)
-        kinds = [e for e, _ in events]
-        assert kinds.count("pause") == kinds.count("resume"), events
+        kinds = [e for e, _ in demo.engine_events(p)]
+        assert kinds.count("pause") == kinds.count("resume"), kinds
     # and versions still flow after the resume
     now = job(kube, namespace, name)["status"]["servedVersion"]
     _served_at_least(kube, namespace, name, now + 1, timeout=60)
