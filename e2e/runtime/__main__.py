@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+from weightsync.e2e.runtime.ips import DEFAULT_POD_CIDR
 from weightsync.e2e.runtime.runtime import ProcessRuntime
 
 
@@ -19,6 +20,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nodes", required=True, help="comma-separated process node names")
     parser.add_argument("--state-dir", required=True, type=Path, help="pod dirs and container logs go here")
     parser.add_argument("--python-bin-dir", type=Path, default=None, help="prepended to PATH (default: this venv)")
+    parser.add_argument("--pod-cidr", default=DEFAULT_POD_CIDR, help="loopback CIDR for pod IPs (inside 127.0.0.0/8)")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
-    runtime = ProcessRuntime(args.kubeconfig, nodes, args.state_dir, args.python_bin_dir)
+    runtime = ProcessRuntime(args.kubeconfig, nodes, args.state_dir, args.python_bin_dir, pod_cidr=args.pod_cidr)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -307,3 +307,35 @@ def test_unmount_under_selects_only_mounts_below_root(tmp_path: Path) -> None:
         "proc /proc proc rw 0 0\n"
     )
     assert sorted(unmount_under(root, mounts)) == [f"{root}/pods/a/volumes/shm", f"{root}/pods/b x/volumes/shm"]
+
+
+def test_leftover_processes_are_found_by_runtime_id_and_killed() -> None:
+    import subprocess
+    import sys
+
+    from weightsync.e2e.runtime.orphans import RUNTIME_ID_ENV, kill_marked, marked_pids
+
+    runtime_id = f"test-{os.getpid()}"
+    marked = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env={**os.environ, RUNTIME_ID_ENV: runtime_id})
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             env={**os.environ, RUNTIME_ID_ENV: runtime_id + "-other"})
+    try:
+        assert marked_pids(runtime_id) == [marked.pid]
+        assert kill_marked(runtime_id) == [marked.pid]
+        assert marked.wait(10) == -9
+        assert other.poll() is None
+    finally:
+        for proc in (marked, other):
+            proc.kill()
+            proc.wait()
+
+
+def test_event_body_points_at_the_container() -> None:
+    from weightsync.e2e.runtime.events import event_body
+
+    body = event_body(POD, "Warning", "Failed", "x" * 2000, "main")
+    assert body["involvedObject"] == {
+        "apiVersion": "v1", "kind": "Pod", "name": "p", "namespace": "ns", "uid": "u-1", "fieldPath": "spec.containers{main}",
+    }
+    assert body["source"]["host"] == "proc-0" and len(body["message"]) == 1024 and body["type"] == "Warning"
