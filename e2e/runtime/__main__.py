@@ -33,7 +33,15 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
-    runtime = ProcessRuntime(args.kubeconfig, nodes, args.state_dir, args.python_bin_dir, pod_cidr=args.pod_cidr)
+    try:
+        runtime = ProcessRuntime(args.kubeconfig, nodes, args.state_dir, args.python_bin_dir, pod_cidr=args.pod_cidr)
+    except Exception as exc:  # one clear line instead of a traceback
+        print(
+            f"error: cannot start the process runtime with --kubeconfig {args.kubeconfig}: {exc} "
+            "(start a cluster with `make dev-up`, which writes .dev/kubeconfig)",
+            file=sys.stderr,
+        )
+        return 2
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

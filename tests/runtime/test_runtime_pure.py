@@ -339,3 +339,11 @@ def test_event_body_points_at_the_container() -> None:
         "apiVersion": "v1", "kind": "Pod", "name": "p", "namespace": "ns", "uid": "u-1", "fieldPath": "spec.containers{main}",
     }
     assert body["source"]["host"] == "proc-0" and len(body["message"]) == 1024 and body["type"] == "Warning"
+
+
+def test_cli_bad_kubeconfig_gives_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from weightsync.e2e.runtime.__main__ import main
+
+    assert main(["--kubeconfig", str(tmp_path / "missing"), "--nodes", "n", "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "make dev-up" in err[0] and "missing" in err[0]
