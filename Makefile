@@ -40,6 +40,7 @@ bench: setup
 	mkdir -p bench/results
 	$(VPY) -m weightsync.agent.bench --transport nccl --size-mb 1024 --json | tee bench/results/nccl.json
 	$(VPY) -m weightsync.agent.bench --transport ipc --size-mb 1024 --json | tee bench/results/ipc.json
+	$(VPY) bench/status_latency.py --versions 50 --pods 8 | tee bench/results/status-latency.json
 
 crds: $(STAMP)
 	$(VPY) -m weightsync.crds.generate
