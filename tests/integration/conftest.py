@@ -10,13 +10,22 @@ from typing import Any
 import pytest
 from op_helpers import CRD_FILE, OperatorProcess, force_delete_pods, start_operator
 from weightsync.crds import contract
+from weightsync.e2e.pytest_plugin import wait_until
 
 
 @pytest.fixture(scope="session")
 def wsj_crd(cluster: Any) -> str:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=weightsync-tests",
                     "-f", str(CRD_FILE))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{contract.CRD_NAME}")
+
+    def established() -> bool:
+        r = cluster.kubectl("get", f"crd/{contract.CRD_NAME}", "-o",
+                            "jsonpath={.status.conditions[?(@.type=='Established')].status}", check=False)
+        return r.returncode == 0 and r.stdout.strip() == "True"
+
+    # Polled rather than `kubectl wait`: right after start the API server may answer 429 while its
+    # storage initialises.
+    wait_until(established, timeout=90, what=f"CRD {contract.CRD_NAME} Established")
     return contract.CRD_NAME
 
 
