@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from weightsync.agent import protocol as P
 from weightsync.agent.engines.base import EngineAdapter, NamedTensors, load_version
+from weightsync.agent.groups import RoutingTransport
 from weightsync.agent.layout import LayoutError, TensorMeta, inference_layout
 from weightsync.agent.link import Link, LinkError, LinkTimeout, Mailbox, connect
 from weightsync.agent.plan import TensorShard, TransferPlan, build_plan
@@ -200,41 +201,56 @@ class TrainerPeers:
                     p.link.close()
 
 
-class _BucketPipe:
-    """Hands buckets from the receiver thread to `load_version`'s loop, one at a time.
+class RankedBucket(list[tuple[str, torch.Tensor]]):
+    """One bucket's (name, tensor) pairs plus the destination rank they belong to (several inference
+    ranks can share one agent; adapters that care read `.rank`)."""
 
-    The receiver's views are only valid until its callback returns, so `push` blocks until the engine
-    loaded the bucket (the generator resumed) or the consumer gave up (`cancel`; then push raises)."""
+    def __init__(self, tensors: NamedTensors, rank: int) -> None:
+        super().__init__(tensors)
+        self.rank = rank
+
+
+class _BucketPipe:
+    """Hands buckets from the receiver threads (one per local destination rank) to `load_version`'s loop.
+
+    A receiver's views are only valid until its callback returns, so `push` blocks until the engine
+    loaded that bucket (the generator resumed) or the consumer gave up (`cancel`; then push raises)."""
 
     _END = object()
 
-    def __init__(self) -> None:
+    def __init__(self, producers: int) -> None:
         self._q: queue.Queue[Any] = queue.Queue()
-        self._consumed = threading.Semaphore(0)
         self._cancelled = threading.Event()
+        self._left = producers
+        self._lock = threading.Lock()
         self.error: BaseException | None = None
 
-    def push(self, tensors: NamedTensors) -> None:
+    def push(self, tensors: NamedTensors, rank: int) -> None:
         if self._cancelled.is_set():
             raise FetchError("the engine stopped loading this version")
-        self._q.put(tensors)
-        while not self._consumed.acquire(timeout=0.5):
+        done = threading.Event()
+        self._q.put((RankedBucket(tensors, rank), done))
+        while not done.wait(0.5):
             if self._cancelled.is_set():
                 break
         if self._cancelled.is_set():
             raise FetchError("the engine failed to load a bucket of this version")
 
     def finish(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self._q.put(self._END)
+        with self._lock:
+            self._left -= 1
+            if error is not None and self.error is None:
+                self.error = error
+            last = self._left == 0 or error is not None
+        if last:
+            self._q.put((self._END, None))
 
     def cancel(self) -> None:
         self._cancelled.set()
-        self._consumed.release()
 
     def __iter__(self) -> Iterator[NamedTensors]:
         while True:
-            item = self._q.get()
+            item, done = self._q.get()
             if item is self._END:
                 if self.error is not None:
                     raise self.error
@@ -244,7 +260,23 @@ class _BucketPipe:
             # for IPC, unmaps) the buffer: the caller's loop variable is this same list object.
             item.clear()
             del item
-            self._consumed.release()
+            done.set()
+
+
+class _RankRouter:
+    """Tells a multi-rank adapter (e.g. the Custom one) which destination rank the next bucket is for."""
+
+    def __init__(self, inner: EngineAdapter) -> None:
+        self.inner = inner
+
+    def load_bucket(self, tensors: NamedTensors) -> None:
+        rank = getattr(tensors, "rank", None)
+        if rank is not None and hasattr(self.inner, "rank"):
+            self.inner.rank = rank
+        self.inner.load_bucket(tensors)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def compute_needs(names: dict[str, TensorShard], world: int, tensor_parallel: int,
@@ -273,7 +305,8 @@ class FetchResult:
     verified_bytes: int = 0
 
 
-TransportFor = Callable[[dict[str, Any], TransferPlan], tuple[Transport, WorldMap]]
+TransportFor = Callable[[dict[str, Any], TransferPlan, str], tuple[Transport, WorldMap | None]]
+EPOCH_TIMEOUT = 90.0  # the trainer answers with the epoch once every destination of its rank joined
 
 
 def fetch_version(
@@ -286,6 +319,7 @@ def fetch_version(
     adapter: EngineAdapter,
     transport_for: TransportFor,
     group: dict[str, Any],
+    proposal: str,
     bucket_bytes: int,
     pause_generation: bool,
     port: int,
@@ -297,9 +331,6 @@ def fetch_version(
 ) -> FetchResult:
     """Fetch `version` for this agent's ranks of `replica` and load it into the engine; raises FetchError."""
     t0 = time.perf_counter()
-    if len(my_ranks) != 1:
-        raise FetchError(f"this agent serves inference ranks {my_ranks}; one rank per inference agent is supported")
-    my_rank = my_ranks[0]
     rep = next((r for r in topo.inference if r.replica == replica), None)
     if rep is None:
         raise FetchError(f"replica {replica} is not in the topology")
@@ -320,61 +351,74 @@ def fetch_version(
     for m in topo.trainer.pods:
         for r in m.ranks:
             host_of[r] = m.ip or ""
-    links: dict[int, Mailbox] = {}
-    hooks = ChecksumHooks() if verify else None
+    links: dict[int, dict[int, Mailbox]] = {r: {} for r in my_ranks}
+    all_links: list[Mailbox] = []
+    hooks = {r: ChecksumHooks() if verify else None for r in my_ranks}
+    receivers: dict[int, WeightReceiver] = {}
     try:
-        for s in plan.srcs_of(my_rank):
-            if not host_of.get(s):
-                raise FetchError(f"trainer rank {s} has no pod IP yet")
-            link = connect(host_of[s], port, token, timeout=10.0)
-            link.send({"kind": P.TRANSFER, "version": version, "src": s, "dst": my_rank, "replica": replica,
-                       "group": group, "plan_hash": plan.hash}, inputs)
-            links[s] = Mailbox(link, name=f"src{s}")
-        transport, world = transport_for(group, plan)
-        receiver = WeightReceiver(plan, my_rank, transport, links, timeout=timeout, world=world,
-                                  device=getattr(transport, "device", None) or "cpu",
-                                  hooks=hooks)
+        for r in my_ranks:
+            for s in plan.srcs_of(r):
+                if not host_of.get(s):
+                    raise FetchError(f"trainer rank {s} has no pod IP yet")
+                link = connect(host_of[s], port, token, timeout=10.0)
+                link.send({"kind": P.TRANSFER, "version": version, "src": s, "dst": r, "replica": replica,
+                           "group": group, "plan_hash": plan.hash, "proposal": proposal}, inputs)
+                mb = Mailbox(link, name=f"src{s}->dst{r}")
+                links[r][s] = mb
+                all_links.append(mb)
+        for r in my_ranks:
+            by_src: dict[int, Transport] = {}
+            for s, mb in links[r].items():
+                h, _ = mb.get(P.EPOCH, timeout=EPOCH_TIMEOUT)
+                t, _ = transport_for({**group, "epoch": str(h.get("epoch"))}, plan, f"dst{r}<-src{s}")
+                by_src[s] = t
+            transport = RoutingTransport(by_src)
+            receivers[r] = WeightReceiver(plan, r, transport, links[r], timeout=timeout,
+                                          device=getattr(transport, "device", None) or "cpu", hooks=hooks[r])
     except (LinkError, OSError) as exc:
-        for mb in links.values():
+        for mb in all_links:
             mb.close()
         raise FetchError(f"connecting to the trainer agents for version {version}: {exc}") from None
     except BaseException:
-        for mb in links.values():
+        for mb in all_links:
             mb.close()
         raise
 
-    pipe = _BucketPipe()
+    pipe = _BucketPipe(len(receivers))
     results: list[SyncStats] = []
     alias_of: dict[str, list[str]] = {}
     for alias, target in aliases.items():
         alias_of.setdefault(target, []).append(alias)
 
-    def on_bucket(tensors: NamedTensors) -> None:
-        if expand_aliases and alias_of:
-            tensors = list(tensors) + [(a, t) for n, t in tensors for a in alias_of.get(n, [])]
-        pipe.push(tensors)
+    def run(r: int, receiver: WeightReceiver) -> None:
+        def on_bucket(tensors: NamedTensors) -> None:
+            if expand_aliases and alias_of:
+                tensors = list(tensors) + [(a, t) for n, t in tensors for a in alias_of.get(n, [])]
+            pipe.push(tensors, r)
 
-    def run() -> None:
         try:
             results.append(receiver.receive_version(on_bucket, expected_version=version))
             pipe.finish()
         except BaseException as exc:
             pipe.finish(exc)
 
-    th = threading.Thread(target=run, name=f"receive-v{version}", daemon=True)
-    th.start()
+    threads = [threading.Thread(target=run, args=(r, rc), name=f"receive-v{version}-dst{r}", daemon=True)
+               for r, rc in receivers.items()]
+    for th in threads:
+        th.start()
     try:
-        load_version(adapter, version, pipe, pause_generation=pause_generation)
+        load_version(_RankRouter(adapter), version, pipe, pause_generation=pause_generation)
     except Exception as exc:
         pipe.cancel()
         raise FetchError(f"version {version} was not committed: {exc}") from exc
     finally:
-        th.join(timeout)
-        for mb in links.values():
+        for th in threads:
+            th.join(timeout)
+        for mb in all_links:
             mb.close()
-    stats = results[0] if results else SyncStats(version, f"dst{my_rank}", plan.hash)
-    return FetchResult(version, stats.bytes, time.perf_counter() - t0, results,
-                       verified_bytes=hooks.stats.bytes if hooks else 0)
+    nbytes = sum(st.bytes for st in results)
+    verified = sum(h.stats.bytes for h in hooks.values() if h is not None)
+    return FetchResult(version, nbytes, time.perf_counter() - t0, results, verified_bytes=verified)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -1,10 +1,11 @@
 """Transports per transport group, created once per (group, membership generation, epoch) and reused.
 
 Why an epoch on top of the generation: an agent container can restart without its pod's IP changing,
-so the operator keeps the generation, yet the process groups of the dead process are useless. The
-inference agent names an epoch (its session, the trainer agents' sessions, and a counter it bumps after
-every failed fetch) and sends it with each transfer; both ends key their transports by it, so a restart
-or a failure always leads to fresh groups on both sides instead of a hang on a stale one.
+so the operator keeps the generation, yet the process groups of the dead process are useless. Every
+inference agent proposes an epoch with each transfer (its session, the trainer agents' sessions, and a
+counter it bumps after every failed fetch); the trainer agent of each source rank combines the
+proposals of all destinations into the epoch (`ws.epoch`), and both ends key their transports by it,
+so a restart or a failure always leads to fresh groups on every member instead of a hang on a stale one.
 
 NCCL mode: the first member of each group (trainer pod 0) hosts the TCPStore on its transport port; all
 groups live under `<job>/<group>/g<generation>/<epoch>/` prefixes in it. IPC mode needs no store.
@@ -12,17 +13,29 @@ groups live under `<job>/<group>/g<generation>/<epoch>/` prefixes in it. IPC mod
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import hashlib
 import logging
+import socket
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from weightsync.agent.plan import TransferPlan
-from weightsync.agent.transports.base import TRANSPORTS, Transport, WorldMap
+from weightsync.agent.plan import BucketPlan, TransferPlan
+from weightsync.agent.transports.base import (
+    TRANSPORTS,
+    Pending,
+    Transport,
+    TransportContext,
+    TransportError,
+    WorldMap,
+)
 from weightsync.agent.transports.ipc import IpcTransport
 from weightsync.agent.transports.nccl import NcclTransport, make_store
+from weightsync.crds import contract
 from weightsync.crds.topology import Topology, TransportGroup
 
 log = logging.getLogger(__name__)
@@ -30,9 +43,62 @@ log = logging.getLogger(__name__)
 KEEP_PER_GROUP = 2  # transports kept per group name (the current epoch and the one before)
 
 
-def epoch_of(session: str, attempt: int, trainer_sessions: Sequence[str]) -> str:
+def proposal_of(session: str, attempt: int, trainer_sessions: Sequence[str]) -> str:
+    """An inference agent's epoch proposal: new whenever it restarts, fails, or a trainer agent restarts."""
     doc = "|".join([session, str(attempt), *sorted(trainer_sessions)])
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def epoch_of(trainer_session: str, src: int, proposals: Sequence[str], failures: int) -> str:
+    """The epoch a source rank's groups use for one transfer: decided by the trainer agent from every
+    destination's proposal, so all members of a group (several inference pods included) agree on it."""
+    doc = "|".join([trainer_session, str(src), str(failures), *sorted(proposals)])
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+class RoutingTransport(Transport):
+    """Receive side over one transport per source rank (each source's groups live under the epoch its
+    trainer agent chose). Each inner transport is bound to the part of the plan its source sends."""
+
+    name = "routed"
+
+    def __init__(self, by_src: dict[int, Transport]) -> None:
+        self.by_src = by_src
+        self.num_slots = min((t.num_slots for t in by_src.values()), default=2)
+
+    @property
+    def device(self) -> Any:
+        return next((getattr(t, "device", None) for t in self.by_src.values()), None)
+
+    def bind(self, ctx: TransportContext) -> None:
+        for s, t in self.by_src.items():
+            sub = dataclasses.replace(ctx.plan, buckets=tuple(b for b in ctx.plan.buckets if b.src == s))
+            t.bind(dataclasses.replace(ctx, plan=sub))
+
+    def send_buffer(self, slot: int) -> torch.Tensor:
+        raise TransportError("a routing transport only receives")
+
+    def start_send(self, bucket: BucketPlan, slot: int) -> Pending[None]:
+        raise TransportError("a routing transport only receives")
+
+    def _of(self, bucket: BucketPlan) -> Transport:
+        t = self.by_src.get(bucket.src)
+        if t is None:
+            raise TransportError(f"no transport for source rank {bucket.src} (bucket {bucket.index})")
+        return t
+
+    def start_recv(self, bucket: BucketPlan, slot: int) -> Pending[torch.Tensor]:
+        return self._of(bucket).start_recv(bucket, slot)
+
+    def release_recv(self, bucket: BucketPlan, slot: int) -> None:
+        self._of(bucket).release_recv(bucket, slot)
+
+    def abort(self, reason: str) -> None:
+        for t in self.by_src.values():
+            t.abort(reason)
+
+    def describe(self) -> dict[str, object]:
+        return {"transport": self.name, "sources": {s: t.describe() for s, t in self.by_src.items()}}
 
 
 def default_groups(topo: Topology) -> list[TransportGroup]:
@@ -75,12 +141,28 @@ class TransportCache:
         self._cache: dict[tuple[str, int, str, str], Transport] = {}
         self._order: list[tuple[str, int, str, str]] = []
         self._master: dist.TCPStore | None = None
+        self._listen: socket.socket | None = None
 
     def host_store(self) -> None:
-        """Trainer pod 0 in NCCL mode: host the rendezvous store every group of the job uses."""
+        """Trainer pod 0 in NCCL mode: host the rendezvous store every group of the job uses.
+
+        The store listens on the pod IP only (a socket we bind and hand over by fd): TCPStore alone binds
+        every address, which collides when pods share a network namespace (the local process runtime)."""
         if self.mode != "NCCL" or self._master is not None:
             return
-        self._master = make_store(self.pod_ip, self.transport_port, is_master=True, timeout=self.timeout)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.pod_ip, self.transport_port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot host the rendezvous store on {self.pod_ip}:{self.transport_port}: {exc} "
+                          f"(another process holds the transport port; set {contract.ENV_TRANSPORT_PORT})") from exc
+        sock.listen(128)
+        self._listen = sock
+        self._master = dist.TCPStore(self.pod_ip, self.transport_port, None, True,
+                                     timeout=datetime.timedelta(seconds=self.timeout), wait_for_workers=False,
+                                     master_listen_fd=sock.fileno(), use_libuv=True)
         log.info("rendezvous store hosted at %s:%s", self.pod_ip, self.transport_port)
 
     def get(self, group: dict[str, Any], plan: TransferPlan, *, role: str) -> tuple[Transport, WorldMap | None]:
@@ -117,10 +199,11 @@ class TransportCache:
             raise ValueError(f"transfer mode {self.mode} has no transport (known: {sorted(TRANSPORTS)})")
         return factory()
 
-    def drop(self, group_name: str) -> None:
-        """Forget every transport of a group (after a failure: the next attempt gets a new epoch anyway)."""
+    def drop(self, group_name: str, role_prefix: str = "") -> None:
+        """Forget a group's transports whose role starts with `role_prefix` (after a failed fetch: the next
+        attempt gets a new epoch anyway, so they would never be used again)."""
         with self._lock:
-            for k in [k for k in self._order if k[0] == group_name]:
+            for k in [k for k in self._order if k[0] == group_name and k[3].startswith(role_prefix)]:
                 self._order.remove(k)
                 t = self._cache.pop(k)
                 try:

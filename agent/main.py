@@ -31,7 +31,7 @@ from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
 from weightsync.agent.engines.base import EngineAdapter, EngineError
 from weightsync.agent.engines.custom import AppRegistry, CustomEngineAdapter
 from weightsync.agent.fetcher import FetchError, TrainerPeers, fetch_version
-from weightsync.agent.groups import TransportCache, epoch_of, group_for
+from weightsync.agent.groups import TransportCache, group_for, proposal_of
 from weightsync.agent.health import HealthServer
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.plan import TransferPlan
@@ -131,7 +131,7 @@ class Agent:
             self.store = StagingStore(self.tmember.ranks, self.prefix, on_complete=self._on_complete)
             self.server = WeightServer(
                 host=cfg.pod_ip, port=cfg.control_port, token=self.token, pod=cfg.pod_name, store=self.store,
-                transport_for=lambda g, p: self.cache.get(g, p, role="src"), metrics=self.metrics, mode=self.mode,
+                transport_for=lambda g, p, role: self.cache.get(g, p, role=role), metrics=self.metrics, mode=self.mode,
                 generation=lambda: self.watcher.current.generation, verify=self.verify,
             )
             if self.mode == "NCCL" and self.tmember.index == 0:
@@ -343,11 +343,10 @@ class Agent:
         g = group_for(topo, rep.replica, self.cfg.pod_name)
         store_host = next((p.ip for p in topo.trainer.pods if p.name == g.members[0]), None)
         group = {"name": g.name, "generation": topo.generation,
-                 "epoch": epoch_of(self.session, self._attempt, self.peers_sessions()),
                  "store": [store_host or self.cfg.pod_ip, self.cfg.transport_port]}
 
-        def transport_for(gr: dict[str, Any], plan: TransferPlan) -> Any:
-            return self.cache.get(gr, plan, role="dst")
+        def transport_for(gr: dict[str, Any], plan: TransferPlan, role: str) -> Any:
+            return self.cache.get(gr, plan, role=role)
 
         t0 = time.perf_counter()
         try:
@@ -355,12 +354,13 @@ class Agent:
                 version, peers=self.peers, topo=topo, replica=rep.replica, my_ranks=self.islot.member.ranks,
                 adapter=_UserPauseGuard(self.adapter, self),
                 transport_for=transport_for, group=group, bucket_bytes=self.cfg.bucket_size_mb << 20,
+                proposal=proposal_of(self.session, self._attempt, self.peers_sessions()),
                 pause_generation=self.cfg.pause_generation, port=self.cfg.control_port, token=self.token,
                 expand_aliases=self.cfg.engine_type == "Custom", verify=self.verify,
             )
         except (FetchError, EngineError, StagingError) as exc:
             self._attempt += 1
-            self.cache.drop(g.name)
+            self.cache.drop(g.name, role_prefix="dst")
             self.last_error = str(exc)
             self.metrics.versions.labels("failed").inc()
             log.warning("sync failed version=%s attempt=%s error=%s", version, self._attempt, exc)

@@ -11,7 +11,8 @@ Control link (inference agent -> every trainer agent, one per pair, long-lived):
     t -> i  ws.error    {id?, message}            a request the trainer could not parse
 
 Transfer link (one per (source rank, destination rank) per version, short-lived):
-    i -> t  ws.transfer {version, src, dst, replica, group, plan_hash} + payload: JSON plan inputs
+    i -> t  ws.transfer {version, src, dst, replica, group, plan_hash, proposal} + payload: JSON plan inputs
+    t -> i  ws.epoch    {src, epoch}              once every destination of the source rank joined
     then the sync protocol (sync.begin/ready/go/.../ack) through a Mailbox on both ends.
 
 Why the inference side computes the plan and ships its inputs: only it knows the destination layouts,
@@ -34,6 +35,7 @@ META_REQ = "ws.meta?"
 META = "ws.meta"
 ERROR = "ws.error"
 TRANSFER = "ws.transfer"
+EPOCH = "ws.epoch"
 
 
 class ProtocolError(RuntimeError):

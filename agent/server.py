@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from weightsync.agent import protocol as P
 from weightsync.agent import staging
+from weightsync.agent.groups import epoch_of
 from weightsync.agent.link import AuthError, FrameError, Link, LinkError, LinkListener, LinkTimeout, Mailbox
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.plan import TensorShard, TransferPlan
@@ -232,6 +233,8 @@ class _Rendezvous:
     src: int
     expected: set[int]
     peers: dict[int, Mailbox] = field(default_factory=dict)
+    proposals: dict[int, str] = field(default_factory=dict)
+    group: dict[str, Any] = field(default_factory=dict)
     started: bool = False
     created: float = field(default_factory=time.monotonic)
 
@@ -240,7 +243,7 @@ class WeightServer:
     """Accepts control and transfer links from inference agents and serves staged versions."""
 
     def __init__(self, *, host: str, port: int, token: bytes, pod: str, store: StagingStore,
-                 transport_for: Callable[[dict[str, Any], TransferPlan], tuple[Transport, WorldMap]],
+                 transport_for: Callable[[dict[str, Any], TransferPlan, str], tuple[Transport, WorldMap | None]],
                  metrics: AgentMetrics, mode: str, generation: Callable[[], int], verify: bool = False,
                  timeout: float = 600.0) -> None:
         self.verify = verify
@@ -258,6 +261,7 @@ class WeightServer:
         self._subs_lock = threading.Lock()
         self._rdv: dict[tuple[Any, ...], _Rendezvous] = {}
         self._rdv_lock = threading.Lock()
+        self._failures: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="ws-accept", daemon=True)
         metrics.rejected_connections.set_function(lambda: self.listener.rejected)
@@ -360,9 +364,10 @@ class WeightServer:
         dst = P.require(h, "dst", int)
         group = P.require(h, "group", dict)
         plan_hash = P.require(h, "plan_hash", str)
+        proposal = P.require(h, "proposal", str)
         if src not in self.store.ranks:
             raise P.ProtocolError(f"source rank {src} is not served by {self.pod} (ranks {self.store.ranks})")
-        key = (version, src, plan_hash, repr(sorted(group.items())))
+        key = (version, src, plan_hash, str(group.get("name")), group.get("generation"))
         mb = Mailbox(link, name=f"dst{dst}@{link.peer}")
         run: _Rendezvous | None = None
         with self._rdv_lock:
@@ -373,17 +378,21 @@ class WeightServer:
                 if plan.hash != plan_hash:
                     mb.abort(f"plan mismatch: {self.pod} computed {plan.hash}, the destination sent {plan_hash}")
                     raise P.ProtocolError(f"plan hash mismatch for version {version} (ours {plan.hash}, theirs {plan_hash})")
-                rdv = self._rdv[key] = _Rendezvous(plan, version, src, set(plan.dsts_of(src)))
+                rdv = self._rdv[key] = _Rendezvous(plan, version, src, set(plan.dsts_of(src)), group=dict(group))
             if dst not in rdv.expected:
                 mb.abort(f"destination rank {dst} receives nothing from source rank {src} in this plan")
                 raise P.ProtocolError(f"dst {dst} not in plan for src {src}")
+            old = rdv.peers.get(dst)
+            if old is not None:  # the destination retried: the new link replaces the old one
+                old.close()
             rdv.peers[dst] = mb
+            rdv.proposals[dst] = proposal
             if set(rdv.peers) == rdv.expected and not rdv.started:
                 rdv.started = True
                 del self._rdv[key]
                 run = rdv
         if run is not None:
-            self._send(run, group)
+            self._send(run)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -394,26 +403,31 @@ class WeightServer:
                     mb.abort(f"not every destination of version {rdv.version} joined within {RENDEZVOUS_TIMEOUT:.0f}s")
                     mb.close()
 
-    def _send(self, rdv: _Rendezvous, group: dict[str, Any]) -> None:
+    def _send(self, rdv: _Rendezvous) -> None:
         t0 = time.perf_counter()
+        gname = str(rdv.group.get("name"))
+        epoch = epoch_of(self.session, rdv.src, list(rdv.proposals.values()), self._failures.get(gname, 0))
         try:
+            for mb in rdv.peers.values():
+                mb.send(P.EPOCH, src=rdv.src, epoch=epoch)
             with self.store.reading(rdv.version) as sv:
                 rs = sv.ranks.get(rdv.src)
                 if rs is None:
                     raise StagingError(f"rank {rdv.src} has no shards in version {rdv.version}")
-                mine = {s.to_dict()["name"]: s for s in rs.shards()}
+                mine = {s.name: s for s in rs.shards()}
                 theirs = {s.name: s for s in rdv.plan.sources[rdv.src]}
                 if mine != theirs:
                     raise StagingError(f"the destination's plan describes source rank {rdv.src} differently from "
                                        f"what was staged for version {rdv.version}")
-                # transfers of different replicas run concurrently (each replica has its own group):
+                # transfers of different replicas run concurrently (each replica has its own groups):
                 # serialising them per agent could deadlock two trainer pods serving two replicas.
-                transport, world = self.transport_for(group, rdv.plan)
+                transport, world = self.transport_for({**rdv.group, "epoch": epoch}, rdv.plan, f"src{rdv.src}")
                 sender = WeightSender(rdv.plan, rdv.src, transport, rdv.peers, timeout=self.timeout,
                                       world=world, device=transport_device(transport),
                                       hooks=ChecksumHooks() if self.verify else None)
                 stats = sender.send_version(rdv.version, rs.tensors())
-        except (SyncError, StagingError) as exc:
+        except (SyncError, StagingError, LinkError) as exc:
+            self._failures[gname] = self._failures.get(gname, 0) + 1
             self.metrics.versions.labels("serve_failed").inc()
             log.warning("serve.failed version=%s src=%s error=%s", rdv.version, rdv.src, exc)
             for mb in rdv.peers.values():
