@@ -65,9 +65,9 @@ def _jobs(api: Any, namespace: str) -> list[str]:
     import kubernetes
 
     custom = kubernetes.client.CustomObjectsApi(api)
-    items = custom.list_namespaced_custom_object(demo.contract.GROUP, demo.contract.VERSION, namespace,
-                                                 demo.contract.PLURAL)["items"]
-    return [j["metadata"]["name"] for j in items]
+    listed: Any = custom.list_namespaced_custom_object(demo.contract.GROUP, demo.contract.VERSION, namespace,
+                                                       demo.contract.PLURAL)
+    return [j["metadata"]["name"] for j in listed["items"]]
 
 
 @pytest.fixture
