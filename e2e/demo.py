@@ -289,24 +289,48 @@ def pod_ip(pod: Mapping[str, Any]) -> str:
     return str(ip)
 
 
-def trainer_url(pod: Mapping[str, Any]) -> str:
-    return f"http://{pod_ip(pod)}:{TRAINER_PORT}"
+# Pod HTTP goes straight to the pod IP (process runtime: pods are 127.x.y.z on this host). On a cluster whose
+# pod IPs are not reachable from here (kind), set POD_PROXY to an ApiClient: requests then go through the
+# API server's pod proxy (`/api/v1/namespaces/NS/pods/NAME:PORT/proxy/PATH`).
+POD_PROXY: kubernetes.client.ApiClient | None = None
 
 
-def engine_url(pod: Mapping[str, Any]) -> str:
-    return f"http://{pod_ip(pod)}:{ENGINE_PORT}"
+def pod_get(pod: Mapping[str, Any], port: int, path: str, timeout: float = 5.0) -> tuple[int, Any]:
+    """GET PATH on PORT of POD: (HTTP status, JSON body or None)."""
+    if POD_PROXY is None:
+        return http_json(f"http://{pod_ip(pod)}:{port}{path}", timeout)
+    meta = pod["metadata"]
+    url = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}:{port}/proxy{path}"
+    try:
+        resp = POD_PROXY.call_api(*POD_PROXY.param_serialize("GET", url, auth_settings=["BearerToken"]),
+                                  _request_timeout=timeout)
+        resp.read()
+    except ApiException as exc:
+        return int(exc.status or 0), None
+    try:
+        return int(resp.status), json.loads(resp.data or b"null")
+    except ValueError:
+        return int(resp.status), None
+
+
+def trainer_get(pod: Mapping[str, Any], path: str) -> tuple[int, Any]:
+    return pod_get(pod, TRAINER_PORT, path)
+
+
+def engine_get(pod: Mapping[str, Any], path: str) -> tuple[int, Any]:
+    return pod_get(pod, ENGINE_PORT, path)
 
 
 def engine_state(pod: Mapping[str, Any]) -> JSON:
     """The demo engine's {version, paused, loads, aborts}."""
-    code, body = http_json(f"{engine_url(pod)}/version")
+    code, body = engine_get(pod, "/version")
     if code != 200:
         raise DemoError(f"engine of {pod['metadata']['name']}: /version answered {code}")
     return dict(body)
 
 
 def engine_events(pod: Mapping[str, Any]) -> list[tuple[str, int | None]]:
-    _, body = http_json(f"{engine_url(pod)}/events")
+    _, body = engine_get(pod, "/events")
     return [(str(e), v) for e, v in (body or {}).get("events", [])]
 
 
@@ -327,7 +351,7 @@ def verify_bit_exact(pods: Mapping[str, Mapping[str, Any]], version: int) -> Bit
     trainer = next((p for p in pods.values() if is_trainer_pod(p)), None)
     if trainer is None:
         raise DemoError("no trainer pod found")
-    code, body = http_json(f"{trainer_url(trainer)}/checksums?version={version}")
+    code, body = trainer_get(trainer, f"/checksums?version={version}")
     if code != 200 or not body or not body.get("checksums"):
         raise DemoError(f"the demo trainer has no checksums for version {version} (HTTP {code})")
     want: dict[str, str] = body["checksums"]
@@ -335,7 +359,7 @@ def verify_bit_exact(pods: Mapping[str, Mapping[str, Any]], version: int) -> Bit
     for name, pod in sorted(pods.items()):
         if not is_inference_pod(pod):
             continue
-        code, got = http_json(f"{engine_url(pod)}/checksums")
+        code, got = engine_get(pod, "/checksums")
         if code != 200:
             raise DemoError(f"engine of {name}: /checksums answered {code}")
         report.engines[name] = got.get("version")

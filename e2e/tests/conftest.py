@@ -21,12 +21,20 @@ pytest_plugins = ["weightsync.e2e.pytest_plugin"]
 
 
 @pytest.fixture(scope="session")
-def process_runtime(cluster: Environment, tmp_path_factory: pytest.TempPathFactory) -> Any | None:
+def process_runtime(cluster: Environment, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any | None]:
     """The plugin's fixture, but on a private pod CIDR (parallel sessions on one machine would otherwise
     hand out the same pod IPs, and agents would fight over ports)."""
-    if not runtime_wanted(cluster):
-        return None
-    return demo.start_private_runtime(cluster, tmp_path_factory.mktemp("runtime"))
+    if runtime_wanted(cluster):
+        yield demo.start_private_runtime(cluster, tmp_path_factory.mktemp("runtime"))
+        return
+    # No process runtime (kind): pod IPs are not reachable from here, so pod HTTP goes through the API server.
+    api = cluster.api_client()
+    demo.POD_PROXY = api
+    try:
+        yield None
+    finally:
+        demo.POD_PROXY = None
+        api.close()
 
 
 @pytest.fixture(scope="session")

@@ -104,7 +104,7 @@ def _paused_everywhere(kube: Any, namespace: str, name: str) -> None:
     for p in pods.values():
         assert demo.annotation(p, contract.ANN_ENGINE_PAUSED) == "true", p["metadata"]["name"]
         assert demo.engine_state(p)["paused"] is True, p["metadata"]["name"]
-        code, _ = demo.http_json(f"{demo.engine_url(p)}/predict?x=0.5")
+        code, _ = demo.engine_get(p, "/predict?x=0.5")
         assert code == 503, "a paused engine must not generate"
 
 
@@ -148,7 +148,7 @@ def test_pause_confirmed_by_every_engine_then_resume(cluster, kube, namespace, o
     wait(lambda: all(not demo.engine_state(p)["paused"] and demo.annotation(p, contract.ANN_ENGINE_PAUSED) == "false"
                      for p in inference_pods(kube, namespace, name).values()), 60, "engines resumed")
     for p in inference_pods(kube, namespace, name).values():
-        code, answer = demo.http_json(f"{demo.engine_url(p)}/predict?x=0.5")
+        code, answer = demo.engine_get(p, "/predict?x=0.5")
         assert code == 200 and answer["version"] is not None
         kinds = [e for e, _ in demo.engine_events(p)]
         assert kinds.count("pause") == kinds.count("resume"), kinds
