@@ -173,7 +173,12 @@ class Reconciler:
             pods = self._owned_pods(job)
             states = replica_states(plan, pods)
 
-        status = aggregate(spec, job.generation, plan, pods, prev_status, generation, states=states)
+        built = {p["metadata"]["name"]: p["metadata"]["annotations"].get(contract.ANN_SPEC_HASH) for p in desired_pods}
+        outdated = [
+            n for n, p in pods.items()
+            if podstate.is_live(p) and n in built and podstate.pod_annotations(p).get(contract.ANN_SPEC_HASH) != built[n]
+        ]
+        status = aggregate(spec, job.generation, plan, pods, prev_status, generation, states=states, outdated=outdated)
         self._write_status(job, prev_status, ordered(status), out)
         if out.created:
             self.events.normal(job, "Created", f"created {', '.join(sorted(out.created))}"[:1000])

@@ -8,9 +8,6 @@ A replica already loading keeps its target until it is served (no retargeting mi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from weightsync.crds import contract
 from weightsync.crds.models import WeightSyncJobSpec, max_unavailable_count
 from weightsync.operator.placement import Plan
@@ -45,7 +42,6 @@ def desired_annotations(
     states: list[ReplicaState],
     trainer_version: int | None,
     membership_generation: int,
-    pods: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, dict[str, str]]:
     """Pod name -> the operator-owned annotations it should carry."""
     targets = replica_targets(spec, states, trainer_version)

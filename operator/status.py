@@ -76,7 +76,10 @@ def aggregate(
     problem: Problem | None = None,
     now: datetime | None = None,
     states: list[ReplicaState] | None = None,
+    outdated: Sequence[str] = (),
 ) -> WeightSyncJobStatus:
+    """`outdated`: live pods built from an older spec (a mutable field such as bucketSizeMB changed). They
+    are not recreated behind the user's back (a trainer restart loses progress); the condition says so."""
     prev = dict(previous or {})
     conds = parse_conditions(prev.get("conditions"))
     prev_last: LastSync | None = None
@@ -153,6 +156,10 @@ def aggregate(
     elif loading:
         put(contract.COND_PROGRESSING, "True", "RollingOut",
             f"{len(loading)} replicas loading a new version")
+    elif outdated:
+        put(contract.COND_PROGRESSING, "False", "PodsOutdated",
+            f"{len(outdated)} pods were built from an older spec (e.g. {sorted(outdated)[0]}); they pick up the "
+            "change when recreated: delete them when convenient")
     else:
         put(contract.COND_PROGRESSING, "False", "Stable", "all pods exist and no load is in flight")
 

@@ -325,3 +325,32 @@ def test_status_is_json_the_api_stores_verbatim(kube, namespace, operator):
     for c in job["status"]["conditions"]:
         assert c["lastTransitionTime"].endswith("Z") and c["reason"]
     json.dumps(job["status"])
+
+
+def test_mutable_spec_change_updates_topology_and_reports_outdated_pods(kube, namespace, operator):
+    operator()
+    create_job(kube, namespace, "edit", separated_spec(trainer_pods=1, trainer_gpus=1, replicas=1, gpus_per_replica=1))
+    pods = _wait_scheduled(kube, namespace, "edit", 2)
+    uids = {n: p["metadata"]["uid"] for n, p in pods.items()}
+
+    def topology() -> Topology:
+        cm = kube.core.read_namespaced_config_map("edit-topology", namespace)
+        return Topology.from_json(cm.data[contract.TOPOLOGY_FILE])
+
+    # Wait until the topology records where the scheduler put the pods (that is a membership change).
+    wait_until(lambda: all(m.node for m in topology().trainer.pods + topology().inference[0].pods),
+               what="topology with nodes")
+    gen_before = topology().generation
+    kube.custom.patch_namespaced_custom_object(contract.GROUP, contract.VERSION, namespace, contract.PLURAL, "edit",
+                                               {"spec": {"transfer": {"bucketSizeMB": 256}}})
+
+    def outdated() -> dict[str, Any] | None:
+        job = get_job(kube, namespace, "edit")
+        c = condition(job, "Progressing") or {}
+        return job if c.get("reason") == "PodsOutdated" else None
+
+    job = wait_until(outdated, what="PodsOutdated")
+    assert job["status"]["observedGeneration"] == job["metadata"]["generation"] == 2
+    topo = topology()
+    assert topo.bucket_size_mb == 256 and topo.generation == gen_before  # not a membership change
+    assert {n: p["metadata"]["uid"] for n, p in live_pods(kube, namespace, "edit").items()} == uids

@@ -175,3 +175,12 @@ def test_unschedulable_pods_surface_the_schedulers_message(separated):
          "message": "0/4 nodes are available: 4 Insufficient rdma/hca_shared_devices_a."})
     c = cond(aggregate(spec, 1, p, pods, None, 1, now=T0), "Progressing")
     assert c.status == "True" and c.reason == "PodsUnschedulable" and "Insufficient rdma" in c.message
+
+
+def test_outdated_pods_are_reported_not_recreated(separated):
+    spec = separated()
+    p = plan("demo", spec)
+    pods = {n: pod(n) for n in p.names}
+    c = cond(aggregate(spec, 2, p, pods, None, 1, now=T0, outdated=["demo-trainer-1"]), "Progressing")
+    assert c.status == "False" and c.reason == "PodsOutdated" and "demo-trainer-1" in c.message
+    assert cond(aggregate(spec, 2, p, pods, None, 1, now=T0), "Progressing").reason == "Stable"
