@@ -90,6 +90,12 @@ class _UserPauseGuard:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("inner", "agent"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)  # e.g. the destination rank of the next bucket
+
 
 class Agent:
     """One agent process: wires config, local socket, server and/or client, health, and the pod link."""

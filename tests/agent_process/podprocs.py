@@ -46,6 +46,7 @@ class Pod:
     rank: int = 0
     world_size: int = 1
     replica: int = 0
+    ranks: list[int] | None = None  # ranks this pod's agent serves (default: [index in role/replica])
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
 
@@ -101,14 +102,28 @@ class Cluster:
             for r, pods in sorted(replicas.items()):
                 members = [t.name for t in trainers] + [p.name for p in pods if p.name not in {t.name for t in trainers}]
                 groups.append(TransportGroup(name=f"replica-{r}", members=members))
+        def ranks(pods: list[Pod]) -> list[list[int]]:
+            out, nxt = [], 0
+            for p in pods:
+                r = p.ranks if p.ranks is not None else [nxt]
+                out.append(r)
+                nxt = max(r) + 1
+            return out
+
+        t_ranks = ranks(trainers)
+        t_world = sum(len(r) for r in t_ranks)
+        inference = []
+        for r, pods in sorted(replicas.items()):
+            pr = ranks(pods)
+            world = sum(len(x) for x in pr)
+            inference.append(InferenceReplicaTopology(replica=r, tensor=world, world_size=world, pods=[
+                PodMember(name=p.name, index=j, ranks=pr[j], ip=p.ip) for j, p in enumerate(pods)]))
         return Topology(
             job=self.job, namespace="default", generation=self.generation, placement=self.placement,
             mode=self.mode, bucket_size_mb=self.bucket_mb, verify=self.verify,
-            trainer=TrainerTopology(world_size=len(trainers), tensor=1, pipeline=1, data=len(trainers), pods=[
-                PodMember(name=t.name, index=i, ranks=[i], ip=t.ip) for i, t in enumerate(trainers)]),
-            inference=[InferenceReplicaTopology(replica=r, tensor=len(pods), world_size=len(pods), pods=[
-                PodMember(name=p.name, index=j, ranks=[j], ip=p.ip) for j, p in enumerate(pods)])
-                for r, pods in sorted(replicas.items())],
+            trainer=TrainerTopology(world_size=t_world, tensor=1, pipeline=1, data=t_world, pods=[
+                PodMember(name=t.name, index=i, ranks=t_ranks[i], ip=t.ip) for i, t in enumerate(trainers)]),
+            inference=inference,
             groups=groups,
         )
 
@@ -148,6 +163,9 @@ class Cluster:
 
     def start_trainer(self, pod: Pod, *args: str) -> subprocess.Popen[bytes]:
         return self.spawn(pod, "trainer", [PY, "-m", "weightsync.agent.demo.trainer", *args])
+
+    def start_script(self, pod: Pod, what: str, script: str, *args: str) -> subprocess.Popen[bytes]:
+        return self.spawn(pod, what, [PY, str(Path(__file__).with_name(script)), *args])
 
     def start_engine(self, pod: Pod, *args: str) -> subprocess.Popen[bytes]:
         return self.spawn(pod, "engine", [PY, "-m", "weightsync.agent.demo.engine", *args])
