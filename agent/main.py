@@ -204,8 +204,13 @@ class Agent:
                 return
             served = hello.get("served_version")
             conn.reply_ok(pod=self.cfg.pod_name, role=self.cfg.role, job=self.cfg.job)
-            if isinstance(served, int) and self.served is None:
-                self.served = served  # a restarted agent adopts what the engine already serves
+            # The engine is the truth about what it serves: a restarted agent adopts its version, a restarted
+            # engine (None) is loaded again; a new engine process is not paused yet, so pause is re-applied.
+            engine_served = served if isinstance(served, int) else None
+            if engine_served != self.served:
+                log.info("engine reports served=%s (agent had %s)", engine_served, self.served)
+            self.served = engine_served if self.served is None or engine_served is None else min(self.served, engine_served)
+            self.user_paused = False
             self.registry.add(rank, conn, served if isinstance(served, int) else None)
             log.info("engine connected rank=%s served=%s", rank, served)
             self._wake.set()

@@ -116,6 +116,12 @@ def test_late_joiner_and_agent_restart_catch_up(tmp_path: Path, clusters: list[C
     assert version == 6 and got == trainer_sums(t, 6)
     seq = commits(i.demo_url)
     assert seq[0] == first and seq == sorted(set(seq)), seq
+    # the engine restarts with its initial weights: the agent loads the current version into it again
+    c.kill(i, "engine")
+    c.start_engine(i)
+    wait_for(lambda: engine_version(i) == 6, 60, "restarted engine reloaded v6", c)
+    version, got = engine_sums(i.demo_url)
+    assert version == 6 and got == trainer_sums(t, 6)
 
 
 def test_failed_load_is_aborted_and_engine_always_resumed(tmp_path: Path, clusters: list[Cluster]) -> None:
