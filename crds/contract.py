@@ -147,3 +147,4 @@ LABEL_ZONE: Final = "topology.kubernetes.io/zone"
 LABEL_RACK: Final = f"topology.{GROUP}/rack"               # no upstream standard for racks
 LABEL_NVLINK_DOMAIN: Final = "nvidia.com/gpu.clique"       # NVLink domain (GFD's clique label on MNNVL systems)
 TOPOLOGY_KEYS: Final = (LABEL_HOSTNAME, LABEL_NVLINK_DOMAIN, LABEL_RACK, LABEL_ZONE)
+ENV_AGENT_DEVICE: Final = "WEIGHTSYNC_AGENT_DEVICE"           # "cpu" (default) or "cuda[:N]": transport buffers
