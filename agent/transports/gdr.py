@@ -71,6 +71,24 @@ def configure_ucx(tls: str | None = None) -> str | None:
     return os.environ.get("UCX_TLS")
 
 
+class Backoff:
+    """Polling pause for transfer completion: spin briefly (small buckets finish in microseconds),
+    then sleep with growing pauses up to 1 ms, so a poller never starves UCX's progress thread or
+    the peer process of CPU (a 2-core CI machine has nothing to spare)."""
+
+    def __init__(self, spins: int = 64, first: float = 20e-6, cap: float = 1e-3) -> None:
+        self.spins = spins
+        self.delay = first
+        self.cap = cap
+
+    def __call__(self) -> None:
+        if self.spins > 0:
+            self.spins -= 1
+            return
+        time.sleep(self.delay)
+        self.delay = min(self.cap, self.delay * 2)
+
+
 def _mem_of(t: torch.Tensor) -> tuple[str, int]:
     return ("VRAM", t.device.index or 0) if t.device.type == "cuda" else ("DRAM", 0)
 
@@ -164,11 +182,13 @@ class NixlEndpoint:
             handle = self.agent.initialize_xfer("READ", ldesc, rdesc, peer)
             state = self.agent.transfer(handle)
         try:
+            pause = Backoff()
             while state == "PROC":
                 if aborted.is_set():
                     raise TransportError(f"READ of {nbytes} bytes from {peer} aborted")
                 if time.monotonic() > deadline:
                     raise TransportError(f"READ of {nbytes} bytes from {peer} timed out after {timeout:.0f}s")
+                pause()
                 with self._lock:
                     state = self.agent.check_xfer_state(handle)
             if state != "DONE":
