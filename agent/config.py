@@ -55,6 +55,12 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"environment variable {name}={raw!r} is not a boolean (use true or false)")
 
 
+def _device(raw: str) -> str:
+    if raw == "cpu" or raw == "cuda" or (raw.startswith("cuda:") and raw[5:].isdigit()):
+        return raw
+    raise ConfigError(f"{contract.ENV_AGENT_DEVICE}={raw!r}: expected cpu, cuda or cuda:N")
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """Identity and settings of one agent, read once at start."""
@@ -81,6 +87,7 @@ class AgentConfig:
     pause_generation: bool = True
     max_staleness: int = 1
     kube_enabled: bool = True
+    device: str = "cpu"
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -151,6 +158,7 @@ class AgentConfig:
             pause_generation=_bool(env, contract.ENV_PAUSE_GENERATION, True),
             max_staleness=max(0, _int(env, contract.ENV_MAX_STALENESS, 1)),
             kube_enabled=_bool(env, contract.ENV_KUBE_ENABLED, True),
+            device=_device(env.get(contract.ENV_AGENT_DEVICE) or "cpu"),
         )
 
 

@@ -327,6 +327,7 @@ def fetch_version(
     layout_fn: Callable[[dict[str, TensorShard], int, int], list[list[TensorShard]]] | None = None,
     expand_aliases: bool = True,
     verify: bool = False,
+    device: str = "cpu",
     timeout: float = 600.0,
 ) -> FetchResult:
     """Fetch `version` for this agent's ranks of `replica` and load it into the engine; raises FetchError."""
@@ -373,8 +374,8 @@ def fetch_version(
                 t, _ = transport_for({**group, "epoch": str(h.get("epoch"))}, plan, f"dst{r}<-src{s}")
                 by_src[s] = t
             transport = RoutingTransport(by_src)
-            receivers[r] = WeightReceiver(plan, r, transport, links[r], timeout=timeout,
-                                          device=getattr(transport, "device", None) or "cpu", hooks=hooks[r])
+            receivers[r] = WeightReceiver(plan, r, transport, links[r], timeout=timeout, device=device,
+                                          hooks=hooks[r])
     except (LinkError, OSError) as exc:
         for mb in all_links:
             mb.close()

@@ -66,10 +66,6 @@ class RoutingTransport(Transport):
         self.by_src = by_src
         self.num_slots = min((t.num_slots for t in by_src.values()), default=2)
 
-    @property
-    def device(self) -> Any:
-        return next((getattr(t, "device", None) for t in self.by_src.values()), None)
-
     def bind(self, ctx: TransportContext) -> None:
         for s, t in self.by_src.items():
             sub = dataclasses.replace(ctx.plan, buckets=tuple(b for b in ctx.plan.buckets if b.src == s))

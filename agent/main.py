@@ -63,7 +63,7 @@ def inference_slot(topo: Topology, pod: str) -> InferenceSlot | None:
 def make_adapter(cfg: AgentConfig, registry: AppRegistry, ranks: list[int]) -> EngineAdapter:
     """The engine adapter for cfg.engine_type. SGLang/vLLM modules expose `from_agent_config(cfg, ranks)`."""
     if cfg.engine_type == "Custom":
-        return CustomEngineAdapter(registry, ranks, prefix=f"weightsync-{cfg.job}-{cfg.pod_name}")
+        return CustomEngineAdapter(registry, ranks, prefix=f"weightsync-{cfg.job}-{cfg.pod_name}", device=cfg.device)
     module = importlib.import_module(f"weightsync.agent.engines.{cfg.engine_type.lower()}")
     factory = getattr(module, "from_agent_config", None)
     if factory is None:
@@ -138,7 +138,7 @@ class Agent:
             self.server = WeightServer(
                 host=cfg.pod_ip, port=cfg.control_port, token=self.token, pod=cfg.pod_name, store=self.store,
                 transport_for=lambda g, p, role: self.cache.get(g, p, role=role), metrics=self.metrics, mode=self.mode,
-                generation=lambda: self.watcher.current.generation, verify=self.verify,
+                generation=lambda: self.watcher.current.generation, verify=self.verify, device=cfg.device,
             )
             if self.mode == "NCCL" and self.tmember.index == 0:
                 self.cache.host_store()
@@ -367,7 +367,7 @@ class Agent:
                 transport_for=transport_for, group=group, bucket_bytes=self.cfg.bucket_size_mb << 20,
                 proposal=proposal_of(self.session, self._attempt, self.peers_sessions()),
                 pause_generation=self.cfg.pause_generation, port=self.cfg.control_port, token=self.token,
-                expand_aliases=self.cfg.engine_type == "Custom", verify=self.verify,
+                expand_aliases=self.cfg.engine_type == "Custom", verify=self.verify, device=self.cfg.device,
             )
         except (FetchError, EngineError, StagingError) as exc:
             self._attempt += 1

@@ -245,8 +245,9 @@ class WeightServer:
     def __init__(self, *, host: str, port: int, token: bytes, pod: str, store: StagingStore,
                  transport_for: Callable[[dict[str, Any], TransferPlan, str], tuple[Transport, WorldMap | None]],
                  metrics: AgentMetrics, mode: str, generation: Callable[[], int], verify: bool = False,
-                 timeout: float = 600.0) -> None:
+                 device: str = "cpu", timeout: float = 600.0) -> None:
         self.verify = verify
+        self.device = torch.device(device)
         self.pod = pod
         self.store = store
         self.transport_for = transport_for
@@ -423,7 +424,7 @@ class WeightServer:
                 # serialising them per agent could deadlock two trainer pods serving two replicas.
                 transport, world = self.transport_for({**rdv.group, "epoch": epoch}, rdv.plan, f"src{rdv.src}")
                 sender = WeightSender(rdv.plan, rdv.src, transport, rdv.peers, timeout=self.timeout,
-                                      world=world, device=transport_device(transport),
+                                      world=world, device=self.device,
                                       hooks=ChecksumHooks() if self.verify else None)
                 stats = sender.send_version(rdv.version, rs.tensors())
         except (SyncError, StagingError, LinkError) as exc:
@@ -450,7 +451,3 @@ class WeightServer:
             for link in self._subs.values():
                 link.close()
 
-
-def transport_device(transport: Transport) -> torch.device:
-    dev = getattr(transport, "device", None)
-    return torch.device(dev) if dev is not None else torch.device("cpu")
