@@ -55,6 +55,23 @@ def _kubectl_wait_synced(cluster: Any, ns: str, name: str, timeout_s: int) -> No
     assert "condition met" in r.stdout
 
 
+def _final_status(kube: Any, ns: str, name: str, last: int, replicas: int, timeout: float = 60.0) -> dict[str, Any]:
+    """Wait until every replica is also Ready (the agent's readiness probe and the synced gate may trail
+    Synced=True by a probe period), then check the whole status."""
+    def settled() -> dict[str, Any] | None:
+        j = job(kube, ns, name)
+        st = j.get("status") or {}
+        ok = st.get("servedVersion") == last and (st.get("replicas") or {}).get("ready") == replicas
+        return j if ok and cond(j, contract.COND_READY) == "True" else None
+
+    try:
+        j: dict[str, Any] = wait(settled, timeout, f"{ns}/{name}: version {last} on {replicas} Ready replicas")
+    except demo.DemoError:
+        j = job(kube, ns, name)
+    _final_status_is_correct(j, last, replicas)
+    return j
+
+
 def _final_status_is_correct(j: dict[str, Any], last: int, replicas: int) -> None:
     st = j["status"]
     assert st["trainerVersion"] == last and st["servedVersion"] == last, st
@@ -77,8 +94,7 @@ def test_demo_example_serves_every_version_bit_exact(cluster, kube, namespace, o
     _kubectl_wait_synced(cluster, namespace, name, int(START_TIMEOUT))  # Synced=True at some version first
     j = _served_at_least(kube, namespace, name, last)
     _kubectl_wait_synced(cluster, namespace, name, 60)
-    j = job(kube, namespace, name)
-    _final_status_is_correct(j, last, engines)
+    j = _final_status(kube, namespace, name, last, engines)
     assert j["status"]["lastSync"]["mode"] == mode
 
     out = cluster.kubectl("get", "wsj", "-n", namespace).stdout.splitlines()
@@ -211,7 +227,7 @@ def test_agent_killed_mid_transfer_never_reports_the_half_loaded_version(cluster
     commits = [v for e, v in events if e == "commit"]
     assert commits == sorted(set(commits)) and commits[-1] == last, events
     assert not demo.engine_state(pod)["paused"], "the engine was left paused by the dead agent"
-    _final_status_is_correct(job(kube, namespace, name), last, 2)
+    _final_status(kube, namespace, name, last, 2)
     assert_bit_exact(kube, namespace, name, last, 2)
 
 
@@ -234,15 +250,14 @@ def test_operator_killed_mid_rollout_new_one_converges(cluster, kube, namespace,
     time.sleep(4)  # versions keep coming while no operator runs
 
     second = operator()
-    j = _served_at_least(kube, namespace, name, last, timeout=START_TIMEOUT)
+    _served_at_least(kube, namespace, name, last, timeout=START_TIMEOUT)
     _kubectl_wait_synced(cluster, namespace, name, 60)
     assert second.alive()
     after = {n: p["metadata"]["uid"] for n, p in demo.job_pods(kube.api, namespace, name).items()}
     assert after == before, "the new operator must adopt the pods, not recreate or duplicate them"
     all_pods = kube.core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_JOB}={name}").items
     assert len(all_pods) == 3
-    j = job(kube, namespace, name)
-    _final_status_is_correct(j, last, 2)
+    _final_status(kube, namespace, name, last, 2)
     assert_bit_exact(kube, namespace, name, last, 2)
 
 
@@ -257,9 +272,8 @@ def test_scale_inference_from_2_to_4_while_versions_flow(cluster, kube, namespac
     wait(lambda: len(inference_pods(kube, namespace, name)) == 4, 60, "4 inference pods")
     j = _served_at_least(kube, namespace, name, last, timeout=START_TIMEOUT)
     _kubectl_wait_synced(cluster, namespace, name, 120)
-    j = job(kube, namespace, name)
+    j = _final_status(kube, namespace, name, last, 4)
     assert j["metadata"]["generation"] == j["status"]["observedGeneration"] >= 2
-    _final_status_is_correct(j, last, 4)
     pods = inference_pods(kube, namespace, name)
     assert sorted(pods) == [f"{name}-inference-{r}-0" for r in range(4)]
     for n in (f"{name}-inference-2-0", f"{name}-inference-3-0"):
