@@ -63,7 +63,7 @@ def kwok_node_manifest(spec: GpuNodeSpec) -> dict[str, Any]:
 
 def create_nodes(api: kubernetes.client.ApiClient, specs: Sequence[GpuNodeSpec], workers: int = 8) -> float:
     """Create the kwok nodes of SPECS concurrently (existing ones are left as they are); returns seconds."""
-    core = kubernetes.client.CoreV1Api(api)
+    core: Any = kubernetes.client.CoreV1Api(api)  # Any: raw (_preload_content=False) answers
     api.configuration.connection_pool_maxsize = max(workers, api.configuration.connection_pool_maxsize or 0)
 
     def create(spec: GpuNodeSpec) -> None:
@@ -103,8 +103,8 @@ def ready_node_count(api: kubernetes.client.ApiClient, label_selector: str = f"{
 
 
 def delete_nodes(api: kubernetes.client.ApiClient, label_selector: str = f"{LABEL_KWOK_NODE}=true") -> None:
-    resp = kubernetes.client.CoreV1Api(api).delete_collection_node(label_selector=label_selector,
-                                                                    _preload_content=False)
+    core: Any = kubernetes.client.CoreV1Api(api)
+    resp = core.delete_collection_node(label_selector=label_selector, _preload_content=False)
     resp.read()  # raw: the answer lists every deleted node, too many to build models for
     resp.release_conn()
 
