@@ -280,3 +280,45 @@ def test_scale_inference_from_2_to_4_while_versions_flow(cluster, kube, namespac
         commits = [v for e, v in demo.engine_events(pods[n]) if e == "commit"]
         assert commits and commits[-1] == last and commits[0] > 1, f"{n} caught up from a later version: {commits}"
     assert_bit_exact(kube, namespace, name, last, 4)
+
+
+# --- a replica behind by more than maxStaleness leaves readiness -----------------------------------------------
+def test_stale_replica_is_not_ready_and_leaves_the_endpoints(cluster, kube, namespace, operator, demo_job,
+                                                             process_runtime):
+    _needs_runtime(process_runtime)
+    operator()
+    body = demo_job("separated", versions=40, interval=1.0)
+    name = body["metadata"]["name"]
+    _served_at_least(kube, namespace, name, 2)
+    stale = sorted(inference_pods(kube, namespace, name))[1]
+    pid = demo.container_pid(inference_pods(kube, namespace, name)[stale], "engine")
+    assert pid is not None
+    os.killpg(pid, signal.SIGSTOP)  # a hung engine: its replica cannot load anything any more
+    try:
+        def not_ready() -> dict[str, Any] | None:
+            p = inference_pods(kube, namespace, name)[stale]
+            return p if demo.pod_condition(p, "Ready") == "False" else None
+
+        pod = wait(not_ready, 60, f"{stale} NotReady once more than maxStaleness=1 versions behind")
+        assert demo.pod_condition(pod, contract.POD_CONDITION_SYNCED) == "False"
+        j = wait(lambda: (x := job(kube, namespace, name)) and cond(x, contract.COND_DEGRADED) == "True" and x,
+                 30, "Degraded=True")
+        assert demo.condition(j, contract.COND_DEGRADED)["reason"] == "ReplicasStale"
+
+        def endpoints_without_stale() -> bool:
+            slices = kube.api.call_api(*kube.api.param_serialize(
+                "GET", f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+                query_params=[("labelSelector", f"kubernetes.io/service-name={name}")],
+                auth_settings=["BearerToken"]))
+            slices.read()
+            import json
+            items = json.loads(slices.data)["items"]
+            eps = [e for s in items for e in s.get("endpoints") or []]
+            mine = [e for e in eps if (e.get("targetRef") or {}).get("name") == stale]
+            return bool(eps) and all(not (e.get("conditions") or {}).get("ready") for e in mine)
+
+        wait(endpoints_without_stale, 30, f"{stale} not ready in the Service's EndpointSlices")
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+    wait(lambda: demo.pod_condition(inference_pods(kube, namespace, name)[stale], "Ready") == "True", 90,
+         f"{stale} Ready again after catching up")
