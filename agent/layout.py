@@ -182,11 +182,9 @@ def shard_from_local(
 def shard_from_dtensor(name: str, t: Any) -> tuple[TensorShard, torch.Tensor]:
     """(shard, local tensor) of a DTensor (e.g. FSDP2 Shard(0)): global shape and the global offset
     of this rank's local chunk. Plain tensors come back whole."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        DTensor = None  # noqa: N806
-    if DTensor is None or not isinstance(t, DTensor):
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
         return TensorShard.full(name, t.dtype, tuple(t.shape)), t
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

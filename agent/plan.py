@@ -33,6 +33,7 @@ from .buckets import (
     DEFAULT_ALIGNMENT,
     BucketEntry,
     BucketLayout,
+    align_up,
     dtype_name,
     entry_offset,
     itemsize,
@@ -280,6 +281,35 @@ class TransferPlan:
     def delivered_bytes(self) -> int:
         """Bytes that arrive at destinations (a broadcast bucket counts once per destination)."""
         return sum(sum(e.piece.nbytes for e in b.entries) * len(b.dsts) for b in self.buckets)
+
+    def arena(self, role: str, rank: int) -> BucketLayout:
+        """A layout for ONE buffer holding every tensor of source rank `rank` (role "src": its shards)
+        or destination rank `rank` (role "dst": its needs), in which each bucket made of whole tensors
+        is one contiguous byte range laid out exactly like the bucket. A sender whose tensors live in
+        such a buffer (e.g. the trainer's staging) sends those buckets without packing; a receiver
+        given such tensors as `into` receives them without unpacking. Tensors that travel in parts
+        follow at the end (they are packed / copied as usual)."""
+        if role not in ("src", "dst"):
+            raise PlanError(f"role must be 'src' or 'dst', got {role!r}")
+        shards = {s.name: s for s in (self.sources[rank] if role == "src" else self.needs[rank])}
+        buckets = self.buckets_from(rank) if role == "src" else self.buckets_to(rank)
+        placed: dict[str, int] = {}
+        cursor = 0
+        for b in buckets:
+            names = [e.piece.name for e in b.entries]
+            if any(n in placed or e.piece.box != shards[n].box for n, e in zip(names, b.entries, strict=True)):
+                continue
+            base = align_up(cursor, self.alignment)
+            for e in b.entries:
+                placed[e.piece.name] = base + e.offset
+            cursor = base + b.nbytes
+        for name in sorted(shards):
+            if name not in placed:
+                placed[name] = entry_offset(cursor, shards[name].nbytes, self.alignment)
+                cursor = placed[name] + shards[name].nbytes
+        entries = sorted((BucketEntry(n, shards[n].dtype, shards[n].box.shape, off) for n, off in placed.items()),
+                         key=lambda e: e.offset)
+        return BucketLayout(tuple(entries), cursor, self.alignment)
 
     def summary(self) -> dict[str, Any]:
         return {"hash": self.hash, "buckets": len(self.buckets), "bucket_bytes": self.bucket_bytes,

@@ -47,6 +47,8 @@ from .transports.base import (
 log = logging.getLogger(__name__)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+#: Receives straight into destination memory need no buffer; this bounds how far ahead they are posted.
+MAX_DIRECT_INFLIGHT = 16
 #: Receives complete (name, tensor) pairs of one bucket. The tensors are views into reusable buffers:
 #: copy (load) them before returning; they are invalid afterwards.
 OnBucket = Callable[[NamedTensors], None]
@@ -107,10 +109,31 @@ class SyncStats:
     wait_seconds: float = 0.0
     load_seconds: float = 0.0
     tensors: int = 0
+    direct_buckets: int = 0  # buckets moved without a pack (sender) or unpack copy (receiver)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
+
+
+def in_place(bucket: BucketPlan, regions: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A uint8 view of the memory the bucket's regions occupy, if they already sit exactly like the
+    bucket (contiguous, one storage, at the bucket's relative offsets), else None. Then the bytes can
+    be sent from, or received into, that memory directly."""
+    if not regions:
+        return None
+    first = regions[0]
+    storage = first.untyped_storage()
+    sp = storage.data_ptr()
+    base = first.data_ptr() - bucket.entries[0].offset
+    if base < sp or base - sp + bucket.nbytes > storage.nbytes():
+        return None
+    for e, r in zip(bucket.entries, regions, strict=True):
+        if not r.is_contiguous() or r.data_ptr() != base + e.offset or r.untyped_storage().data_ptr() != sp:
+            return None
+        if r.device != first.device:
+            return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, base - sp, (bucket.nbytes,), (1,))
 
 
 def _mailboxes(peers: Mapping[int, Mailbox | Link]) -> dict[int, Mailbox]:
@@ -251,39 +274,65 @@ class WeightSender(_Endpoint):
             self.peers[d].send("sync.go", version=version)
 
     def _send_buckets(self, version: int, tensors: Mapping[str, torch.Tensor], stats: SyncStats) -> None:
+        """Issue every bucket in plan order. A bucket whose bytes already sit in place is sent from
+        there (no slot, no wait); others are packed into slot buffers, reused round-robin once the
+        bucket that last used them completed (double buffering with num_slots=2)."""
         n = self.transport.num_slots
-        inflight: list[Pending[None] | None] = [None] * n
-        for k, bucket in enumerate(self.buckets):
-            slot = k % n
-            prev = inflight[slot]
-            if prev is not None:
-                tw = time.perf_counter()
-                prev.wait(self.timeout)
-                stats.wait_seconds += time.perf_counter() - tw
+        slots: list[Pending[None] | None] = [None] * n
+        direct: list[Pending[None]] = []
+        next_slot = 0
+        for bucket in self.buckets:
             for d in self.dsts:
                 reason = self.peers[d].aborted
                 if reason is not None:
                     raise RemoteAbort(f"destination rank {d} aborted: {reason}")
             tp = time.perf_counter()
+            regions = [tensors[e.piece.name][e.piece.box.slices_within(e.piece.src_box)] for e in bucket.entries]
+            data = in_place(bucket, regions)  # the tensors already sit like the bucket: no pack
+            if data is not None and self.transport.supports_direct_send(data):
+                del regions
+                meta = self.hooks.on_send_bucket(version, bucket, data)
+                self._send_meta(version, bucket, meta)
+                pending = self.transport.start_send_from(bucket, data)
+                if pending is not None:
+                    direct.append(pending)
+                    stats.direct_buckets += 1
+                    stats.pack_seconds += time.perf_counter() - tp
+                    self._count(stats, bucket)
+                    continue
+                raise SyncError(f"transport {self.transport.name} declined a direct send it said it supports")
+            slot, next_slot = next_slot, (next_slot + 1) % n
+            prev = slots[slot]
+            if prev is not None:
+                tw = time.perf_counter()
+                prev.wait(self.timeout)
+                stats.wait_seconds += time.perf_counter() - tw
+                tp = time.perf_counter()
             buf = self.transport.send_buffer(slot)
-            for e in bucket.entries:
-                p = e.piece
-                region = tensors[p.name][p.box.slices_within(p.src_box)]
+            for e, region in zip(bucket.entries, regions, strict=True):
                 entry_view(buf, e.bucket_entry).copy_(region)
+            del regions
             meta = self.hooks.on_send_bucket(version, bucket, buf[: bucket.nbytes])
             stats.pack_seconds += time.perf_counter() - tp
-            if self.hooks.sends_bucket_meta:
-                for d in bucket.dsts:
-                    self.peers[d].send("sync.bucket", version=version, index=bucket.index, meta=meta)
-            inflight[slot] = self.transport.start_send(bucket, slot)
-            stats.buckets += 1
-            stats.bytes += bucket.nbytes
-            stats.tensors += len(bucket.entries)
+            self._send_meta(version, bucket, meta)
+            slots[slot] = self.transport.start_send(bucket, slot)
+            self._count(stats, bucket)
         tw = time.perf_counter()
-        for pend in inflight:
+        for pend in [*direct, *slots]:
             if pend is not None:
                 pend.wait(self.timeout)
         stats.wait_seconds += time.perf_counter() - tw
+
+    def _send_meta(self, version: int, bucket: BucketPlan, meta: dict[str, Any] | None) -> None:
+        if self.hooks.sends_bucket_meta:
+            for d in bucket.dsts:
+                self.peers[d].send("sync.bucket", version=version, index=bucket.index, meta=meta)
+
+    @staticmethod
+    def _count(stats: SyncStats, bucket: BucketPlan) -> None:
+        stats.buckets += 1
+        stats.bytes += bucket.nbytes
+        stats.tensors += len(bucket.entries)
 
 
 class WeightReceiver(_Endpoint):
@@ -328,22 +377,48 @@ class WeightReceiver(_Endpoint):
             self._assembly[name] = buf
         return buf
 
-    def receive_version(self, on_bucket: OnBucket, *, expected_version: int | None = None) -> SyncStats:
+    def check_into(self, into: Mapping[str, torch.Tensor]) -> None:
+        """Raise SyncError unless `into` has a tensor of the needed shape and dtype for every need."""
+        problems = []
+        for name, s in sorted(self.needs.items()):
+            t = into.get(name)
+            if t is None:
+                problems.append(f"{name!r} is missing")
+            elif tuple(t.shape) != s.box.shape or dtype_name(t.dtype) != s.dtype:
+                problems.append(f"{name!r} is {dtype_name(t.dtype)}{list(t.shape)}, need {s.dtype}{list(s.box.shape)}")
+        if problems:
+            raise SyncError(f"destination rank {self.rank}: `into` does not match the plan: {'; '.join(problems[:5])}")
+
+    def receive_version(
+        self,
+        on_bucket: OnBucket | None = None,
+        *,
+        expected_version: int | None = None,
+        into: Mapping[str, torch.Tensor] | None = None,
+    ) -> SyncStats:
         """Receive the next version the sources begin. Returns only when every needed tensor arrived,
         was handed to `on_bucket` and every source confirmed it was done; the caller commits then.
-        Raises PlanMismatch (nothing moved) or PeerFailed/SyncError (do not commit)."""
+        Raises PlanMismatch (nothing moved) or PeerFailed/SyncError (do not commit).
+
+        `into` (optional): destination tensors by name (shape = this rank's box). The bytes are then
+        written into them (straight off the wire when they sit like the bucket, see TransferPlan.arena)
+        and `on_bucket` gets (name, into[name]) once a tensor is complete. Without `into`, `on_bucket`
+        gets views of reusable buffers that must be copied before it returns."""
         stats = SyncStats(-1, str(self.me), self.plan.hash)
         t0 = time.perf_counter()
-        where = "agreeing on the plan"
+        where = "checking the destination tensors"
         version = -1
         try:
+            if into is not None:
+                self.check_into(into)
+            where = "agreeing on the plan"
             version, bucket_meta = self._handshake(expected_version)
             stats.version = version
             stats.handshake_seconds = time.perf_counter() - t0
             where = "binding the transport"
             self.transport.bind(self._ctx("src"))
             where = "receiving buckets"
-            self._recv_buckets(version, on_bucket, bucket_meta, stats)
+            self._recv_buckets(version, on_bucket, bucket_meta, stats, into)
             where = "finishing"
             metas: dict[int, dict[str, Any] | None] = {}
             for s in self.srcs:
@@ -394,17 +469,50 @@ class WeightReceiver(_Endpoint):
             self.peers[s].get("sync.go", timeout=self.timeout, match={"version": version})
         return version, any(bool(h.get("bucket_meta")) for h in begins.values())
 
-    def _recv_buckets(self, version: int, on_bucket: OnBucket, bucket_meta: bool, stats: SyncStats) -> None:
-        n = self.transport.num_slots
-        remaining = dict(self._pieces)
+    def _recv_buckets(
+        self,
+        version: int,
+        on_bucket: OnBucket | None,
+        bucket_meta: bool,
+        stats: SyncStats,
+        into: Mapping[str, torch.Tensor] | None,
+    ) -> None:
+        """Post receives in plan order, ahead of consumption: buckets received straight into `into`
+        need no slot (up to MAX_DIRECT_INFLIGHT ahead); others take one of num_slots slot buffers, so
+        bucket k+1 moves while bucket k is unpacked and handed on."""
         buckets = self.buckets
-        inflight: dict[int, Pending[torch.Tensor]] = {}
-        for k in range(min(n, len(buckets))):
-            inflight[k] = self.transport.start_recv(buckets[k], k % n)
+        remaining = dict(self._pieces)
+        free = list(range(self.transport.num_slots))
+        inflight: dict[int, tuple[Pending[torch.Tensor], int]] = {}
+        next_post = 0
+
+        def post() -> None:
+            nonlocal next_post
+            while next_post < len(buckets) and len(inflight) < MAX_DIRECT_INFLIGHT:
+                bucket = buckets[next_post]
+                if into is not None:
+                    regions = [into[e.piece.name][e.piece.box.slices_within(self.needs[e.piece.name].box)]
+                               for e in bucket.entries]
+                    target = in_place(bucket, regions)
+                    del regions
+                    if target is not None:
+                        pending = self.transport.start_recv_into(bucket, -1, target)
+                        if pending is not None:
+                            inflight[next_post] = (pending, -1)
+                            next_post += 1
+                            continue
+                if not free:
+                    return
+                slot = free.pop(0)
+                inflight[next_post] = (self.transport.start_recv(bucket, slot), slot)
+                next_post += 1
+
         for k, bucket in enumerate(buckets):
-            slot = k % n
+            post()
             tw = time.perf_counter()
-            data = inflight.pop(k).wait(self.timeout)
+            pending, slot = inflight.pop(k)
+            data = pending.wait(self.timeout)
+            del pending
             meta = None
             if bucket_meta:
                 h, _ = self.peers[bucket.src].get("sync.bucket", timeout=self.timeout,
@@ -412,13 +520,14 @@ class WeightReceiver(_Endpoint):
                 meta = h.get("meta")
             stats.wait_seconds += time.perf_counter() - tw
             tl = time.perf_counter()
-            self._consume(version, bucket, data, meta, remaining, on_bucket)
+            self._consume(version, bucket, data, meta, remaining, on_bucket, into, slot < 0)
             del data  # every view of the bucket must be gone before the transport releases it
             stats.load_seconds += time.perf_counter() - tl
             self.transport.release_recv(bucket, slot)
-            if k + n < len(buckets):
-                inflight[k + n] = self.transport.start_recv(buckets[k + n], slot)
+            if slot >= 0:
+                free.append(slot)
             stats.buckets += 1
+            stats.direct_buckets += int(slot < 0)
             stats.bytes += bucket.nbytes
             stats.tensors += len(bucket.entries)
         incomplete = [name for name, left in remaining.items() if left]
@@ -432,16 +541,24 @@ class WeightReceiver(_Endpoint):
         data: torch.Tensor,
         meta: dict[str, Any] | None,
         remaining: dict[str, int],
-        on_bucket: OnBucket,
+        on_bucket: OnBucket | None,
+        into: Mapping[str, torch.Tensor] | None,
+        direct: bool,
     ) -> None:
         """Verify, unpack (views), assemble split tensors and hand complete ones to `on_bucket`."""
         self.hooks.on_recv_bucket(version, bucket, data, meta)
         ready: NamedTensors = []
         for e in bucket.entries:
             p = e.piece
-            view = entry_view(data, e.bucket_entry)
             need = self.needs[p.name]
             remaining[p.name] -= 1
+            if into is not None:
+                if not direct:
+                    into[p.name][p.box.slices_within(need.box)].copy_(entry_view(data, e.bucket_entry))
+                if remaining[p.name] == 0:
+                    ready.append((p.name, into[p.name]))
+                continue
+            view = entry_view(data, e.bucket_entry)
             if p.box == need.box:
                 ready.append((p.name, view))  # the whole tensor in one piece: hand the view itself
                 continue
@@ -449,5 +566,5 @@ class WeightReceiver(_Endpoint):
             asm[p.box.slices_within(need.box)].copy_(view)
             if remaining[p.name] == 0:
                 ready.append((p.name, asm))
-        if ready:
+        if ready and on_bucket is not None:
             on_bucket(ready)

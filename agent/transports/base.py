@@ -166,6 +166,24 @@ class Transport(ABC):
         """Receiver: done with the bucket's bytes (views into them must be dropped first). IPC closes
         its handle here and tells the owner the memory may be reused."""
 
+    def supports_direct_send(self, data: torch.Tensor) -> bool:
+        """Whether `start_send_from` can send from this memory (cheap check before the sender skips
+        packing)."""
+        return False
+
+    def start_send_from(self, bucket: BucketPlan, data: torch.Tensor) -> Pending[None] | None:
+        """Sender, zero-copy: `data` (1-d uint8, bucket.nbytes) already holds the bucket's bytes in
+        place (the source tensors are laid out exactly like the bucket, e.g. in a plan arena). Return
+        None when this transport cannot send from that memory; the caller then packs a slot. `data`
+        must stay unchanged until the Pending completes."""
+        return None
+
+    def start_recv_into(self, bucket: BucketPlan, slot: int, out: torch.Tensor) -> Pending[torch.Tensor] | None:
+        """Receiver, zero-copy: receive the bucket straight into `out` (1-d uint8, bucket.nbytes: the
+        destination tensors laid out exactly like the bucket). Return None when unsupported; the
+        caller then receives into a slot and copies. `release_recv` is still called afterwards."""
+        return None
+
     def abort(self, reason: str) -> None:  # noqa: B027 - optional hook
         """Best effort after a failure: unblock pending operations, release peer resources."""
 

@@ -3,10 +3,16 @@ path, so CI exercises the protocol the GPU path uses.
 
 The sender owns `num_slots` segments (reused across buckets and versions). For bucket k it packs slot
 k % num_slots and sends ONE handle for the whole flattened bucket over the control link; each
-destination opens the handle, reads the bucket in place (views, no copy), closes the handle and only
-then sends `ipc.release`. The sender reuses a slot only after every destination released it, so an
-owner never rewrites memory a reader still maps (Awex: close before the trainer reallocates, or get
-an illegal memory access).
+destination opens the handle, reads the bucket in place (views, no copy), drops every view and only
+then sends `ipc.release`. The sender repacks a slot only after every destination released it, so an
+owner never rewrites memory a reader still reads.
+
+Handle life: a reader keeps a segment mapped while the owner keeps reusing it (mapping 64 MiB costs
+about as much as copying it: measured 18 ms populate + 15-20 ms unmap vs 10-30 ms copy on the CI
+machine; torch caches CUDA IPC opens for the same reason). It closes the mapping before the owner
+frees or replaces the segment (the owner announces a new segment for that slot, or the transport is
+closed / aborted), which is the case that breaks (Awex: an illegal memory access follows the trainer's
+re-allocation). A release with a view still alive is refused, so a leaked view can never dangle.
 
 Messages (over the Mailbox of each src<->dst pair):
     src -> dst  ipc.bucket  {index, handle}
@@ -82,10 +88,11 @@ class _ShmSegment:
 def _cuda_handle(t: torch.Tensor) -> dict[str, Any]:
     """A JSON-able CUDA IPC handle for the whole storage of `t` (no pickle on the wire)."""
     storage = t.untyped_storage()
-    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
+    (device, handle, size, st_offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
     b64 = base64.b64encode
     return {"type": "cuda", "device": int(device), "handle": b64(handle).decode(), "size": int(size),
-            "offset": int(offset), "ref_handle": b64(ref_handle).decode(), "ref_offset": int(ref_offset),
+            "storage_offset": int(st_offset), "offset": t.data_ptr() - storage.data_ptr(),
+            "ref_handle": b64(ref_handle).decode(), "ref_offset": int(ref_offset),
             "event_handle": b64(event_handle).decode() if event_handle else "", "event_sync": bool(event_sync)}
 
 
@@ -96,7 +103,7 @@ def _open_cuda(h: dict[str, Any], nbytes: int, device: torch.device) -> torch.Te
     dev = device.index if device.index is not None else int(h["device"])
     return rebuild_cuda_tensor(
         torch.Tensor, (nbytes,), (1,), 0, torch.storage.UntypedStorage, torch.uint8, dev,
-        b64(h["handle"]), int(h["size"]), int(h["offset"]), False, b64(h["ref_handle"]), int(h["ref_offset"]),
+        b64(h["handle"]), int(h["size"]), int(h["storage_offset"]), False, b64(h["ref_handle"]), int(h["ref_offset"]),
         b64(h["event_handle"]) if h["event_handle"] else b"", bool(h["event_sync"]),
     )
 
@@ -141,12 +148,20 @@ class IpcTransport(Transport):
 
     name = "ipc"
 
-    def __init__(self, *, shm_dir: str = SHM_DIR, prefix: str = "weightsync") -> None:
+    def __init__(self, *, shm_dir: str = SHM_DIR, prefix: str = "weightsync",
+                 accept_prefixes: tuple[str, ...] = ()) -> None:
+        """`prefix`: name prefix of the segments this owner creates. A reader maps only files in `shm_dir`
+        whose names start with `prefix` or one of `accept_prefixes` (e.g. the agent's staging segments)."""
         self.shm_dir = shm_dir
         self.prefix = prefix
+        self.accept_prefixes = (prefix, *accept_prefixes)
         self._ctx: TransportContext | None = None
         self._send: list[_ShmSegment | torch.Tensor | None] = [None] * self.num_slots
-        self._open_segs: dict[int, _ShmSegment | torch.Tensor] = {}
+        self._shared: list[tuple[str, torch.Tensor]] = []  # owner: registered segments (path, mapping)
+        # reader: mappings by identity; which identity an owner slot currently uses; my slot -> identity
+        self._maps: dict[str, _ShmSegment | torch.Tensor] = {}
+        self._slot_ident: dict[tuple[int, int], str] = {}
+        self._lent: dict[int, str] = {}
         self.handles_opened = 0
 
     def _peer(self, ep: Endpoint) -> Any:
@@ -156,6 +171,7 @@ class IpcTransport(Transport):
         except KeyError:
             raise TransportError(f"no control link to {ep}") from None
 
+    # -- owner side ----------------------------------------------------------------------------------
     def bind(self, ctx: TransportContext) -> None:
         self._ctx = ctx
         if ctx.me.role != "src":
@@ -173,6 +189,11 @@ class IpcTransport(Transport):
                 path = os.path.join(self.shm_dir, f"{self.prefix}-{os.getpid()}-{secrets.token_hex(6)}-s{i}")
                 self._send[i] = _ShmSegment(path, need, create=True)
 
+    def register_shared(self, path: str, mapping: torch.Tensor) -> None:
+        """Declare that `mapping` (1-d uint8) is the whole of shared-memory file `path` (e.g. a staging
+        segment the trainer wrote into), so buckets laid out inside it are handed out without a pack."""
+        self._shared.append((path, mapping))
+
     def _free_send(self, i: int) -> None:
         seg = self._send[i]
         if isinstance(seg, _ShmSegment):
@@ -188,66 +209,122 @@ class IpcTransport(Transport):
         assert t is not None
         return t
 
+    def _announce(self, bucket: BucketPlan, handle: dict[str, Any]) -> Pending[None]:
+        for d in bucket.dsts:
+            self._peer(dst(d)).send("ipc.bucket", index=bucket.index, handle=handle)
+        return _ReleasePending(self, bucket)
+
     def start_send(self, bucket: BucketPlan, slot: int) -> Pending[None]:
         seg = self._send[slot]
         if isinstance(seg, _ShmSegment):
-            handle: dict[str, Any] = {"type": "shm", "path": seg.path}
+            handle: dict[str, Any] = {"type": "shm", "path": seg.path, "size": seg.nbytes, "offset": 0}
         elif isinstance(seg, torch.Tensor):
             torch.cuda.current_stream(seg.device).synchronize()  # the pack must land before readers look
             handle = _cuda_handle(seg)
         else:
             raise TransportError("transport used before bind()")
-        for d in bucket.dsts:
-            self._peer(dst(d)).send("ipc.bucket", index=bucket.index, handle=handle)
-        return _ReleasePending(self, bucket)
+        handle["slot"] = slot
+        return self._announce(bucket, handle)
 
+    def supports_direct_send(self, data: torch.Tensor) -> bool:
+        """CUDA: any device memory can be exported. CPU: only memory inside a registered segment."""
+        if data.device.type == "cuda":
+            return True
+        lo, n = data.data_ptr(), data.numel()
+        return any(m.data_ptr() <= lo and lo + n <= m.data_ptr() + m.numel() for _, m in self._shared)
+
+    def start_send_from(self, bucket: BucketPlan, data: torch.Tensor) -> Pending[None] | None:
+        if data.device.type == "cuda":
+            torch.cuda.current_stream(data.device).synchronize()
+            return self._announce(bucket, _cuda_handle(data))
+        lo = data.data_ptr()
+        for path, mapping in self._shared:
+            base = mapping.data_ptr()
+            if base <= lo and lo + bucket.nbytes <= base + mapping.numel():
+                return self._announce(bucket, {"type": "shm", "path": path, "size": mapping.numel(),
+                                               "offset": lo - base})
+        return None
+
+    # -- reader side -----------------------------------------------------------------------------------
     def _open(self, handle: dict[str, Any], bucket: BucketPlan, slot: int) -> torch.Tensor:
         assert self._ctx is not None
         kind = handle.get("type")
-        if kind == "shm":
-            path = str(handle.get("path", ""))
-            if os.path.dirname(path) != self.shm_dir or not os.path.basename(path).startswith(self.prefix):
-                raise TransportError(f"refusing shared memory path {path!r} outside {self.shm_dir}/{self.prefix}-*")
-            seg = _ShmSegment(path, bucket.nbytes, create=False)
-            self._open_segs[slot] = seg
-            assert seg.tensor is not None
-            t = seg.tensor[: bucket.nbytes]
-        elif kind == "cuda":
-            if self._ctx.device.type != "cuda":
-                raise TransportError("got a CUDA IPC handle but this receiver's device is CPU")
-            try:
-                full = _open_cuda(handle, int(handle["size"]), self._ctx.device)
-            except Exception as exc:
-                raise TransportError(f"cannot open the CUDA IPC handle of bucket {bucket.index}: {exc}") from exc
-            self._open_segs[slot] = full
-            t = full[: bucket.nbytes]
-        else:
-            raise TransportError(f"unknown IPC handle type {kind!r}")
-        self.handles_opened += 1
-        return t
+        ident = f"{kind}:{handle.get('path') or handle.get('handle')}"
+        if "slot" in handle:  # an owner slot now backed by another segment: unmap the one it replaced
+            key = (bucket.src, int(handle["slot"]))
+            old = self._slot_ident.get(key)
+            if old is not None and old != ident and old in self._maps:
+                self._close_map(self._maps.pop(old))
+            self._slot_ident[key] = ident
+        size = int(handle.get("size", bucket.nbytes))
+        offset = int(handle.get("offset", 0))
+        if offset < 0 or offset + bucket.nbytes > size:
+            raise TransportError(f"handle of bucket {bucket.index} does not cover its {bucket.nbytes} bytes")
+        mapped = self._maps.get(ident)
+        if mapped is None:
+            if kind == "shm":
+                path = str(handle.get("path", ""))
+                name = os.path.basename(path)
+                if os.path.dirname(path) != self.shm_dir or not name.startswith(self.accept_prefixes):
+                    raise TransportError(f"refusing shared memory path {path!r}: not {self.shm_dir}/"
+                                         f"{{{','.join(self.accept_prefixes)}}}-*")
+                mapped = _ShmSegment(path, size, create=False)
+            elif kind == "cuda":
+                if self._ctx.device.type != "cuda":
+                    raise TransportError("got a CUDA IPC handle but this receiver's device is CPU")
+                try:
+                    mapped = _open_cuda(handle, size, self._ctx.device)
+                except Exception as exc:
+                    raise TransportError(f"cannot open the CUDA IPC handle of bucket {bucket.index}: {exc}") from exc
+            else:
+                raise TransportError(f"unknown IPC handle type {kind!r}")
+            self.handles_opened += 1
+            self._maps[ident] = mapped
+        self._lent[slot] = ident
+        full = mapped.tensor if isinstance(mapped, _ShmSegment) else mapped
+        assert full is not None
+        return full[offset : offset + bucket.nbytes]
 
     def start_recv(self, bucket: BucketPlan, slot: int) -> Pending[torch.Tensor]:
         return _OpenPending(self, bucket, slot)
 
     def release_recv(self, bucket: BucketPlan, slot: int) -> None:
-        seg = self._open_segs.pop(slot, None)
-        if isinstance(seg, _ShmSegment):
-            seg.close()
-        elif isinstance(seg, torch.Tensor):
-            torch.cuda.current_stream(seg.device).synchronize()  # consumers' copies must be done
-            del seg
-            torch.cuda.ipc_collect()
+        ident = self._lent.pop(slot, None)
+        mapped = self._maps.get(ident) if ident is not None else None
+        if isinstance(mapped, _ShmSegment) and mapped.tensor is not None:
+            storage = mapped.tensor.untyped_storage()
+            users = torch._C._storage_Use_Count(storage._cdata)  # the mapping's tensor + `storage`
+            del storage
+            if users > 2:
+                raise TransportError(
+                    f"bucket {bucket.index}: {users - 2} view(s) of the shared memory are still alive after "
+                    "on_bucket returned; copy (load) tensors inside the callback instead of keeping them"
+                )
+        elif isinstance(mapped, torch.Tensor):
+            torch.cuda.current_stream(mapped.device).synchronize()  # consumers' copies must be done
         self._peer(src(bucket.src)).send("ipc.release", index=bucket.index)
 
+    def _close_map(self, mapped: _ShmSegment | torch.Tensor) -> None:
+        if isinstance(mapped, _ShmSegment):
+            with contextlib.suppress(TransportError):
+                mapped.close()
+
+    def _close_maps(self) -> None:
+        cuda = any(isinstance(m, torch.Tensor) for m in self._maps.values())
+        for mapped in self._maps.values():
+            self._close_map(mapped)
+        self._maps.clear()
+        self._slot_ident.clear()
+        self._lent.clear()
+        if cuda:
+            torch.cuda.ipc_collect()
+
     def abort(self, reason: str) -> None:
-        for slot in list(self._open_segs):
-            seg = self._open_segs.pop(slot)
-            if isinstance(seg, _ShmSegment):
-                with contextlib.suppress(TransportError):
-                    seg.close()
+        self._close_maps()
 
     def close(self) -> None:
-        self.abort("closed")
+        """Unmap everything this reader mapped and unlink the segments this owner created."""
+        self._close_maps()
         for i in range(len(self._send)):
             self._free_send(i)
 

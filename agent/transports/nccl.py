@@ -154,11 +154,12 @@ class NcclTransport(Transport):
             raise TransportError("transport used before bind()")
         return buf
 
-    def _start(self, bucket: BucketPlan, slot: int, sending: bool) -> _WorkPending:
+    def _start(self, bucket: BucketPlan, slot: int, sending: bool, buf: torch.Tensor | None = None) -> _WorkPending:
         assert self._ctx is not None
         key = (bucket.src, bucket.dsts)
         pg = self._groups[key]
-        buf = self._slot(slot, bucket.nbytes)
+        if buf is None:
+            buf = self._slot(slot, bucket.nbytes)
         what = f"{'send' if sending else 'recv'} of bucket {bucket.index} (src{bucket.src}->dst{list(bucket.dsts)}, " \
                f"{bucket.nbytes} bytes)"
         try:
@@ -182,6 +183,21 @@ class NcclTransport(Transport):
 
     def start_recv(self, bucket: BucketPlan, slot: int) -> Pending[torch.Tensor]:
         return self._start(bucket, slot, sending=False)
+
+    def supports_direct_send(self, data: torch.Tensor) -> bool:
+        return self._ctx is not None and data.device == self._ctx.device
+
+    def start_send_from(self, bucket: BucketPlan, data: torch.Tensor) -> Pending[None] | None:
+        """Any memory on the group's device can be sent from: no pack."""
+        if data.device != (self._ctx.device if self._ctx else data.device):
+            return None
+        return self._start(bucket, -1, sending=True, buf=data)
+
+    def start_recv_into(self, bucket: BucketPlan, slot: int, out: torch.Tensor) -> Pending[torch.Tensor] | None:
+        """Receive straight into the destination tensors' memory: no unpack copy."""
+        if out.device != (self._ctx.device if self._ctx else out.device):
+            return None
+        return self._start(bucket, slot, sending=False, buf=out)
 
     def release_recv(self, bucket: BucketPlan, slot: int) -> None:
         """Nothing to do: the slot buffer is simply reused by the next receive."""
