@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -69,8 +70,9 @@ class Environment:
     def api_client(self) -> kubernetes.client.ApiClient:
         return self.access.api_client()
 
-    def kubectl(self, *args: str, **kwargs: Any) -> Any:
-        return self.access.kubectl(*args, **kwargs)
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+                timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+        return self.access.kubectl(*args, check=check, input=input, timeout=timeout)
 
     @property
     def node_names(self) -> list[str]:
