@@ -322,3 +322,18 @@ def test_stale_replica_is_not_ready_and_leaves_the_endpoints(cluster, kube, name
         os.killpg(pid, signal.SIGCONT)
     wait(lambda: demo.pod_condition(inference_pods(kube, namespace, name)[stale], "Ready") == "True", 90,
          f"{stale} Ready again after catching up")
+
+
+# --- Colocated with several pods: each engine loads from the trainer ranks of its own pod --------------------
+def test_colocated_two_pods_each_engine_loads_from_its_own_pod(cluster, kube, namespace, operator, demo_job):
+    operator()
+    body = demo.load_example("colocated", name_override="col2")
+    spec = body["spec"]
+    spec["trainer"]["replicas"] = 2
+    spec["trainer"]["parallelism"]["data"] = 2   # two data-parallel trainer ranks: each holds every tensor
+    spec["inference"]["replicas"] = 2            # one engine per pod, fed through that pod's shared memory
+    demo.apply(cluster, body, namespace)
+    last = demo.trainer_versions(body)
+    _served_at_least(kube, namespace, "col2", last)
+    _final_status(kube, namespace, "col2", last, 2)
+    assert_bit_exact(kube, namespace, "col2", last, 2)
