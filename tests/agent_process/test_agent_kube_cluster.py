@@ -1,0 +1,71 @@
+"""A real inference agent process with its Kubernetes side on, against a real kube-apiserver: it reports
+served version, last sync and the synced condition on its own Pod, and pauses / resumes its engine when
+the pod's paused annotation flips (what the operator writes for spec.paused)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from podprocs import Cluster, engine_version, get_json, wait_for
+from weightsync.crds import contract
+
+
+def _gated_pod(name: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "annotations": {contract.ANN_PAUSED: "false"}},
+            "spec": {"schedulingGates": [{"name": "weightsync.io/test-hold"}],
+                     "containers": [{"name": "engine", "image": "example.invalid/engine:1"}]}}
+
+
+def test_agent_reports_on_its_pod_and_follows_pause(cluster: Any, kube: Any, namespace: str, tmp_path: Path,
+                                                     clusters: list[Cluster]) -> None:
+    c = Cluster(tmp_path, mode="NCCL")
+    clusters.append(c)
+    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
+    c.write_topology()
+    kube.core.create_namespaced_pod(namespace, _gated_pod(i.name))
+    c.start_agent(t)
+    c.start_agent(i, **{contract.ENV_KUBE_ENABLED: "true", "KUBECONFIG": str(cluster.kubeconfig),
+                        contract.ENV_NAMESPACE: namespace, contract.ENV_MAX_STALENESS: "0"})
+    c.start_engine(i)
+    c.start_trainer(t, "--versions", "3", "--interval", "0.5")
+
+    def pod() -> Any:
+        return kube.core.read_namespaced_pod(i.name, namespace)
+
+    def synced(p: Any) -> str | None:
+        return next((x.status for x in (p.status.conditions or []) if x.type == contract.POD_CONDITION_SYNCED), None)
+
+    wait_for(lambda: engine_version(i) == 3, 90, "engine at v3", c)
+    wait_for(lambda: (pod().metadata.annotations or {}).get(contract.ANN_SERVED_VERSION) == "3", 30,
+             "served-version annotation 3", c)
+    p = pod()
+    last = json.loads(p.metadata.annotations[contract.ANN_LAST_SYNC])
+    assert last["version"] == 3 and last["mode"] == "NCCL" and last["bytes"] > 0 and last["durationSeconds"] > 0
+    assert synced(p) == "True"
+    assert contract.ANN_SYNC_ERROR not in p.metadata.annotations
+
+    # spec.paused -> the operator's annotation -> the engine pauses, and the pod says so
+    kube.core.patch_namespaced_pod(i.name, namespace, {"metadata": {"annotations": {contract.ANN_PAUSED: "true"}}},
+                                   _content_type="application/merge-patch+json")
+    wait_for(lambda: get_json(f"{i.demo_url}/version")[1]["paused"] is True, 30, "engine paused", c)
+    wait_for(lambda: pod().metadata.annotations.get(contract.ANN_ENGINE_PAUSED) == "true", 30,
+             "engine-paused annotation", c)
+    code, _ = get_json(f"{i.demo_url}/predict?x=1")
+    assert code == 503
+    kube.core.patch_namespaced_pod(i.name, namespace, {"metadata": {"annotations": {contract.ANN_PAUSED: "false"}}},
+                                   _content_type="application/merge-patch+json")
+    wait_for(lambda: get_json(f"{i.demo_url}/version")[1]["paused"] is False, 30, "engine resumed", c)
+    wait_for(lambda: pod().metadata.annotations.get(contract.ANN_ENGINE_PAUSED) == "false", 30,
+             "engine-paused annotation cleared", c)
+    assert get_json(f"{i.demo_url}/predict?x=1")[0] == 200
+
+    # a target beyond anything published: the replica is stale (maxStaleness 0) and says why
+    kube.core.patch_namespaced_pod(i.name, namespace, {"metadata": {"annotations": {contract.ANN_TARGET_VERSION: "9"}}},
+                                   _content_type="application/merge-patch+json")
+    wait_for(lambda: synced(pod()) == "False", 30, "synced=False for a stale replica", c)
+    cond = next(x for x in pod().status.conditions if x.type == contract.POD_CONDITION_SYNCED)
+    assert cond.reason == "Stale" and "6 versions behind" in cond.message
+    assert engine_version(i) == 3  # nothing newer exists: it keeps serving what it has
