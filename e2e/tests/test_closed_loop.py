@@ -325,9 +325,10 @@ def test_stale_replica_is_not_ready_and_leaves_the_endpoints(cluster, kube, name
 
 
 # --- Colocated with several pods: each engine loads from the trainer ranks of its own pod --------------------
-def test_colocated_two_pods_each_engine_loads_from_its_own_pod(cluster, kube, namespace, operator, demo_job):
+def test_colocated_two_pods_each_engine_loads_from_its_own_pod(cluster, kube, namespace, operator,
+                                                               process_runtime):
     operator()
-    body = demo.load_example("colocated", name_override="col2")
+    body = demo.load_example("colocated", name_override="col2", process_nodes=process_runtime is not None)
     spec = body["spec"]
     spec["trainer"]["replicas"] = 2
     spec["trainer"]["parallelism"]["data"] = 2   # two data-parallel trainer ranks: each holds every tensor
