@@ -75,6 +75,12 @@ class Kube:
                    c.CoordinationV1Api(api), c.CustomObjectsApi(api), c.BatchV1Api(api))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here too, so the plugin works outside this repository's pytest configuration.
+    config.addinivalue_line("markers", "cluster: needs a Kubernetes control plane (local or WEIGHTSYNC_KUBECONFIG)")
+    config.addinivalue_line("markers", "slow: long-running")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test that uses a cluster fixture `cluster` (before `-m` deselects)."""
@@ -84,16 +90,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cluster)
 
 
+_SUMMARY = pytest.StashKey[list[str]]()
+
+
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[Environment]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[Environment]:
     environment = start_environment()
-    if environment.local is not None:
-        log.info("test cluster ready start_seconds=%.2f server=%s logs=%s", environment.local.start_seconds or -1,
-                 environment.server, environment.local.log_dir)
+    summary = request.config.stash.setdefault(_SUMMARY, [])
+    local = environment.local
+    if local is not None:
+        log.info("test cluster ready start_seconds=%.2f server=%s logs=%s", local.start_seconds or -1,
+                 environment.server, local.log_dir)
+        summary.append(f"local control plane: ready in {local.start_seconds or 0:.1f} s "
+                       f"(phases {', '.join(f'{k}={v:.1f}' for k, v in local.phase_seconds.items())})")
+    else:
+        summary.append(f"existing cluster: {environment.server}")
     try:
         yield environment
     finally:
+        if local is not None and request.session.testsfailed:
+            local.keep_work_dir = True  # failures: keep the component logs for the post-mortem
+            summary.append(f"tests failed: control-plane logs kept in {local.log_dir}")
         environment.stop()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    for line in config.stash.get(_SUMMARY, []):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
