@@ -93,11 +93,17 @@ def aggregate(
         nonlocal conds
         conds = set_condition(conds, type_, status, reason, message, generation, now)
 
-    paused_msg = "spec.paused is set: generation is paused on every inference replica"
     states = states if states is not None else replica_states(plan, pods)
-    if spec.paused:
-        confirmed = sum(1 for s in states if s.paused_confirmed)
-        put(contract.COND_PAUSED, "True", "PausedBySpec", f"{paused_msg} ({confirmed}/{len(states)} confirmed by the engines)")
+    # Paused reports what the engines confirmed, not what was asked: True only once every replica's engine
+    # said it stopped generating (a replica that cannot answer keeps the job at Pausing).
+    confirmed = sum(1 for s in states if s.paused_confirmed)
+    if spec.paused and confirmed == len(states):
+        put(contract.COND_PAUSED, "True", "Paused", f"generation is paused on all {len(states)} inference replicas")
+    elif spec.paused:
+        put(contract.COND_PAUSED, "False", "Pausing",
+            f"spec.paused is set; {confirmed}/{len(states)} replicas confirmed the pause")
+    elif any(podstate.engine_paused(p) for n, p in pods.items() if podstate.is_live(p) and n in plan.names):
+        put(contract.COND_PAUSED, "False", "Resuming", "spec.paused was unset; engines are resuming generation")
     else:
         put(contract.COND_PAUSED, "False", "NotPaused", "inference replicas generate normally")
 

@@ -120,8 +120,15 @@ def test_versions_flow_from_agents_to_status_and_rollout_respects_max_unavailabl
     wait_until(lambda: all((p["metadata"].get("annotations") or {}).get(contract.ANN_PAUSED) == "true"
                            for n, p in live_pods(kube, namespace, "loop").items() if "inference" in n),
                what="paused annotations")
+    c = wait_until(lambda: (x := condition(get_job(kube, namespace, "loop"), "Paused")) and x["reason"] == "Pausing"
+                   and x, what="Paused=False/Pausing until the engines confirm")
+    assert c["status"] == "False" and "0/2" in c["message"]
+    agent.annotate(inf[0], contract.ANN_ENGINE_PAUSED, "true")
+    wait_until(lambda: "1/2" in condition(get_job(kube, namespace, "loop"), "Paused")["message"], what="1/2 confirmed")
+    assert condition(get_job(kube, namespace, "loop"), "Paused")["status"] == "False"
+    agent.annotate(inf[1], contract.ANN_ENGINE_PAUSED, "true")
     wait_until(lambda: (condition(get_job(kube, namespace, "loop"), "Paused") or {}).get("status") == "True",
-               what="Paused=True")
+               what="Paused=True once every engine confirmed")
 
 
 def test_metrics_and_health_endpoints(kube, namespace, operator):

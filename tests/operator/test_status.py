@@ -102,13 +102,21 @@ def test_behind_stale_and_degraded(separated):
     assert cond(aggregate(spec, 1, p, pods, None, 1, now=T0), "Degraded").reason == "PodFailed"
 
 
-def test_paused_reports_engine_confirmation(separated):
+def test_paused_only_once_every_engine_confirmed(separated):
     spec = separated(paused=True)
     p = plan("demo", spec)
     pods = {n: pod(n, **{contract.ANN_ENGINE_PAUSED: "true"}) for n in p.names}
     pods["demo-inference-1-0"]["metadata"]["annotations"].pop(contract.ANN_ENGINE_PAUSED)
     c = cond(aggregate(spec, 1, p, pods, None, 1, now=T0), "Paused")
-    assert c.status == "True" and c.reason == "PausedBySpec" and "1/2 confirmed" in c.message
+    assert c.status == "False" and c.reason == "Pausing" and "1/2" in c.message
+    pods["demo-inference-1-0"]["metadata"]["annotations"][contract.ANN_ENGINE_PAUSED] = "true"
+    c = cond(aggregate(spec, 1, p, pods, None, 1, now=T0), "Paused")
+    assert c.status == "True" and c.reason == "Paused"
+    # Unpaused in the spec while engines still report paused: Resuming, then NotPaused.
+    unpaused = separated(paused=False)
+    assert cond(aggregate(unpaused, 2, p, pods, None, 1, now=T0), "Paused").reason == "Resuming"
+    clean = {n: pod(n) for n in p.names}
+    assert cond(aggregate(unpaused, 2, p, clean, None, 1, now=T0), "Paused").reason == "NotPaused"
 
 
 def test_last_transition_time_moves_only_on_flips(separated):
