@@ -252,6 +252,7 @@ class InferenceSession:
         self.rank = int(os.environ.get(contract.ENV_RANK, "0")) if rank is None else rank
         self.served_version = served_version
         self.paused = False
+        self.loading: int | None = None  # version begun and not yet committed or aborted
         self.connected = threading.Event()
         self._segments: dict[str, staging.Segment] = {}
         self._stop = threading.Event()
@@ -269,13 +270,14 @@ class InferenceSession:
             try:
                 self._conn = local.connect(self.socket_path, timeout=3600)
                 self._conn.request({"op": "hello", "kind": "inference", "rank": self.rank, "pid": os.getpid(),
-                                    "served_version": self.served_version})
+                                    "served_version": self.served_version, "paused": self.paused})
                 self.connected.set()
                 self._serve(self._conn)
             except (ConnectionError, OSError, local.LocalProtocolError) as exc:
                 if self._stop.is_set():
                     return
                 log.warning("agent connection lost, reconnecting: %s", exc)
+                self._drop_partial("the agent disconnected in the middle of the load")
                 time.sleep(0.2)
             finally:
                 self.connected.clear()
@@ -307,10 +309,13 @@ class InferenceSession:
         elif op == "begin":
             if self.on_begin:
                 self.on_begin(int(h["version"]))
+            self.loading = int(h["version"])
         elif op == "commit":
             self.on_commit(int(h["version"]))
             self.served_version = int(h["version"])
+            self.loading = None
         elif op == "abort":
+            self.loading = None
             if self.on_abort:
                 self.on_abort(int(h["version"]), str(h.get("reason", "")))
         elif op == "pause":
@@ -326,6 +331,16 @@ class InferenceSession:
         elif op != "served":
             raise ValueError(f"unknown op {op!r}")
         return {"version": self.served_version}
+
+    def _drop_partial(self, reason: str) -> None:
+        """A load the agent began but never finished is aborted here, so the engine never keeps half of it
+        (the agent that began it is gone; a new agent starts the version again from its first bucket)."""
+        version, self.loading = self.loading, None
+        if version is not None and self.on_abort:
+            try:
+                self.on_abort(version, reason)
+            except Exception:
+                log.exception("engine abort callback failed")
 
     def _segment(self, handle: dict[str, Any]) -> staging.Segment:
         name = str(handle["name"])

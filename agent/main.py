@@ -210,7 +210,9 @@ class Agent:
             if engine_served != self.served:
                 log.info("engine reports served=%s (agent had %s)", engine_served, self.served)
             self.served = engine_served if self.served is None or engine_served is None else min(self.served, engine_served)
-            self.user_paused = False
+            # An engine left paused by a dead agent (killed mid-load) counts as paused; the loop then resumes
+            # it unless spec.paused wants it paused.
+            self.user_paused = hello.get("paused") is True
             self.registry.add(rank, conn, served if isinstance(served, int) else None)
             log.info("engine connected rank=%s served=%s", rank, served)
             self._wake.set()

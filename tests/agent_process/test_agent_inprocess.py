@@ -232,3 +232,42 @@ def test_pod_status_rules() -> None:
     assert ann[contract.ANN_SERVED_VERSION] == "3" and ann[contract.ANN_SYNC_ERROR] is None
     assert annotation_patch(ann, dict(ann)) == {}
     assert condition_for(Observed(), __import__("datetime").datetime.now()) is None
+
+
+def test_agent_dying_mid_load_aborts_the_partial_version(tmp_path: Path) -> None:
+    """The agent that began a load dies: the engine drops the partial version and tells the next agent
+    it is still paused (so that agent resumes it)."""
+    import queue
+    import threading
+
+
+
+    hellos: queue.Queue[dict[str, Any]] = queue.Queue()
+    first = threading.Event()
+
+    def handler(conn: Any) -> None:
+        h, _ = conn.recv()
+        hellos.put(h)
+        conn.reply_ok()
+        if not first.is_set():
+            first.set()
+            conn.request({"op": "pause"})
+            conn.request({"op": "begin", "version": 5})
+            return  # the LocalServer closes the connection: the agent "died" mid-load
+        time.sleep(5)
+
+    server = LocalServer(tmp_path / "agent.sock", handler).start()
+    aborted: list[tuple[int, str]] = []
+    sess = InferenceSession(lambda v, t: None, lambda v: None, on_abort=lambda v, r: aborted.append((v, r)),
+                            socket_path=tmp_path / "agent.sock", rank=0, served_version=4)
+    sess.start()
+    try:
+        assert hellos.get(timeout=10)["paused"] is False
+        second = hellos.get(timeout=10)
+        assert second["paused"] is True and second["served_version"] == 4
+        assert aborted and aborted[0][0] == 5 and "disconnected" in aborted[0][1]
+        assert sess.loading is None
+    finally:
+        sess.close()
+        server.close()
+
