@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -45,12 +46,13 @@ log = logging.getLogger("weightsync.bench.status_latency")
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of a non-empty list."""
     s = sorted(values)
-    k = max(0, min(len(s) - 1, round(q / 100.0 * len(s) + 0.5) - 1))
+    k = max(0, min(len(s) - 1, math.ceil(q / 100.0 * len(s)) - 1))
     return s[k]
 
 
-def apiserver_writes(api: kubernetes.client.ApiClient) -> dict[str, float]:
-    """apiserver_request_total for PATCH/PUT/POST by resource/subresource (all clients)."""
+def apiserver_requests(api: kubernetes.client.ApiClient, reads: bool = False) -> dict[str, float]:
+    """apiserver_request_total by resource/subresource (all clients): writes (PATCH/PUT/POST), or reads
+    (GET/LIST) when READS."""
     resp = api.call_api(*api.param_serialize("GET", "/metrics", auth_settings=["BearerToken"]))
     resp.read()
     out: dict[str, float] = {}
@@ -60,7 +62,8 @@ def apiserver_writes(api: kubernetes.client.ApiClient) -> dict[str, float]:
         labels_raw, value = line[len("apiserver_request_total{"):].rsplit("} ", 1)
         labels = dict(part.split("=", 1) for part in labels_raw.split(",") if "=" in part)
         labels = {k: v.strip('"') for k, v in labels.items()}
-        if labels.get("verb") not in ("PATCH", "PUT", "POST", "APPLY"):
+        verbs = ("GET", "LIST") if reads else ("PATCH", "PUT", "POST", "APPLY")
+        if labels.get("verb") not in verbs:
             continue
         key = f"{labels.get('resource')}/{labels.get('subresource') or '-'}"
         out[key] = out.get(key, 0.0) + float(value)
@@ -199,11 +202,13 @@ def run(versions: int, pods: int, warmup: int, work: Path) -> dict[str, Any]:
             latencies: list[float] = []
             end_to_end: list[float] = []
             before_writes: dict[str, float] = {}
+            before_reads: dict[str, float] = {}
             before_agent = 0
             t_start = 0.0
             for v in range(1, warmup + versions + 1):
                 if v == warmup + 1:
-                    before_writes = apiserver_writes(api)
+                    before_writes = apiserver_requests(api)
+                    before_reads = apiserver_requests(api, reads=True)
                     before_agent = sum(sum(x.link.stats.counts.values()) for x in links)
                     t_start = time.monotonic()
                 t_publish = time.monotonic()
@@ -221,7 +226,10 @@ def run(versions: int, pods: int, warmup: int, work: Path) -> dict[str, Any]:
                 x.link.flush(5.0)
             trainer.flush(5.0)
             time.sleep(1.0)  # let the operator's last status write land before counting
-            after_writes = apiserver_writes(api)
+            after_writes = apiserver_requests(api)
+            after_reads = apiserver_requests(api, reads=True)
+            reads = {k: after_reads.get(k, 0.0) - before_reads.get(k, 0.0) for k in after_reads}
+            reads = {k: v for k, v in reads.items() if v > 0}
             agent_writes = sum(sum(x.link.stats.counts.values()) for x in links) - before_agent
             delta = {k: after_writes.get(k, 0.0) - before_writes.get(k, 0.0) for k in after_writes}
             delta = {k: v for k, v in delta.items() if v > 0}
@@ -251,6 +259,7 @@ def run(versions: int, pods: int, warmup: int, work: Path) -> dict[str, Any]:
                     "all_clients_pods": round(pod_writes / versions / pods, 3),
                 },
                 "api_writes_per_version": {k: round(v / versions, 3) for k, v in sorted(delta.items())},
+                "api_reads_per_version": {k: round(v / versions, 3) for k, v in sorted(reads.items())},
                 "versions_per_second": round(versions / elapsed, 2),
                 "cpus": os.cpu_count(),
                 "load_average_1m": round(os.getloadavg()[0], 2),
