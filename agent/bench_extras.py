@@ -80,7 +80,8 @@ def _run(cfg: BenchConfig, role: str, rank: int, port: int) -> dict[str, Any]:
     plan = build_plan(sources, needs, cfg.bucket_mb * MiB)
     pattern = bench._pattern()
     mine = sources[rank] if role == "src" else needs[rank]
-    flat, views = bench._flat_views(mine, cfg.device)
+    # the trainer's staging and the inference destination both in the plan's arena layout (zero-copy)
+    flat, _owner, views = bench._arena(plan.arena(role, rank), cfg.device)
     if role == "src":
         for s in mine:
             full = bench.synth_full(pattern, s.name, s.dtype, s.global_shape)
@@ -120,7 +121,10 @@ def _run(cfg: BenchConfig, role: str, rank: int, port: int) -> dict[str, Any]:
                 flat.zero_()
             bench._barrier(store, f"agent{v}", world)
             t0 = time.time()
-            st = receiver.receive_version(load, expected_version=v)
+            if cfg.load == "into":
+                st = receiver.receive_version(None, expected_version=v, into=views)
+            else:
+                st = receiver.receive_version(load, expected_version=v)
             times.append((t0, time.time()))
             stats.append(st.to_dict())
             counters.append(dict(transport.stats.to_dict()))
@@ -301,6 +305,9 @@ def run_gdr(cfg: BenchConfig) -> dict[str, Any]:
         "bucket_mb": cfg.bucket_mb,
         "buckets": len(plan.buckets),
         "prefetch": int(cfg.extra.get("prefetch", 2)),
+        "load": cfg.load,
+        "direct_buckets_sender": sum(r["agent_stats"].get("direct_buckets", 0) for r in results if r["role"] == "src"),
+        "direct_buckets_receiver": sum(r["agent_stats"].get("direct_buckets", 0) for r in dsts),
         "iters": cfg.iters,
         "agent_seconds": agent,
         "raw_seconds": raw,

@@ -8,11 +8,17 @@ on a CPU-only machine, which is how CI runs this same code).
 
 Protocol on the authenticated control link (H5's Mailbox), per bind (= per version):
 
-    src -> dst  gdr.hello {agent, gen, mem, slots, dslots} + payload: NIXL agent metadata
-    per bucket k (sender packed it into slot s):
-    src -> dst  gdr.ready {gen, index, slot, nbytes, id, delta: {base, nbytes} | null}
-    dst         NIXL READ of slot s (or of the encoded delta in dslot s), verified by the sync hooks
-    dst -> src  gdr.done  {gen, index}         (slot s may be packed again once every dst said done)
+    src -> dst  gdr.hello {agent, gen, md_gen, mem, slots, dslots} + payload: NIXL agent metadata
+    per bucket k (packed into a slot, or in place in the trainer's staged arena: zero-copy):
+    src -> dst  gdr.md    {gen, md_gen} + payload: new metadata (only after a new registration)
+    src -> dst  gdr.ready {gen, index, md_gen, src: [addr, len, dev], nbytes, id,
+                           delta: {base, nbytes, src} | null}
+    dst         NIXL READ of those bytes (or of the encoded delta), verified by the sync hooks
+    dst -> src  gdr.done  {gen, index}         (the bytes may change once every dst said done)
+
+Zero-copy (H5's direct hooks): when the trainer's staged tensors already sit like a bucket (a plan
+arena), `start_send_from` registers that staging memory with NIXL once and receivers READ straight from
+it, no pack; `start_recv_into` READs straight into the destination tensors, no unpack copy.
 
 Descriptors travel as plain JSON (address, length, device) and are rebuilt locally, so nothing from the
 network is unpickled. The receiver runs a prefetch worker: up to `num_slots` (K) buckets are read ahead
@@ -87,6 +93,17 @@ class Backoff:
             return
         time.sleep(self.delay)
         self.delay = min(self.cap, self.delay * 2)
+
+
+def _triple(v: Any, nbytes: int, what: str) -> tuple[int, int, int]:
+    """A remote (address, length, device) from a control frame, checked to cover `nbytes`."""
+    try:
+        a, n, d = (int(x) for x in v)
+    except (TypeError, ValueError):
+        raise TransportError(f"{what}: malformed source descriptor {v!r}") from None
+    if n < nbytes or a <= 0:
+        raise TransportError(f"{what}: source descriptor {v!r} does not cover {nbytes} bytes")
+    return a, n, d
 
 
 def _mem_of(t: torch.Tensor) -> tuple[str, int]:
@@ -233,6 +250,7 @@ class _Remote:
 
     agent: str
     gen: int
+    md_gen: int
     mem: str
     slots: list[tuple[int, int, int]]
     dslots: list[tuple[int, int, int]]
@@ -242,6 +260,7 @@ class _Remote:
 class _RecvJob:
     bucket: BucketPlan
     slot: int
+    out: torch.Tensor | None = None  # zero-copy destination
     future: Future[torch.Tensor] = field(default_factory=Future)
 
 
@@ -333,7 +352,13 @@ class GdrTransport(Transport):
         self._rreg: Any = None
         self._rkey: tuple[str, str] | None = None
         self._pending_ids: dict[int, int | None] = {}
-        self._targets: dict[int, tuple[torch.Tensor, int, int]] = {}  # index -> (target, remote slot, src)
+        self._targets: dict[int, tuple[torch.Tensor, tuple[int, int, int]]] = {}  # index -> (target, remote)
+        self._remote_mem: dict[int, tuple[str, str]] = {}  # index -> (remote agent, remote mem type)
+        # zero-copy registrations (staging arena on the sender, destination tensors on the receiver):
+        # storage address -> (registration, address, bytes, storage kept alive while registered)
+        self._direct: dict[int, tuple[Any, int, int, Any]] = {}
+        self._md_gen = 0
+        self._md_known: dict[int, int] = {}  # dst rank -> md_gen it has
         self._jobs: queue.Queue[_RecvJob | None] = queue.Queue()
         self._worker: threading.Thread | None = None
 
@@ -386,8 +411,11 @@ class GdrTransport(Transport):
         if self._nx is not None:
             self._nx.deregister(self._slot_reg)
             self._nx.deregister(self._rreg)
+            for reg, *_ in self._direct.values():
+                self._nx.deregister(reg)
             if self._own_endpoint:
                 self._nx.close()
+        self._direct.clear()
         self._slot_reg = self._rreg = None
         self._slots, self._dslots, self._rslots, self._rdslots = [], [], [], []
         self._store = None
@@ -405,6 +433,7 @@ class GdrTransport(Transport):
                  for _ in range(self.num_slots)] if self.delta else []
             )
             self._slot_reg = self.nixl.register(self._slots + self._dslots)
+            self._md_gen += 1
         if plan_changed:
             self._base = deltamod.DeltaBase()
         self._gen += 1
@@ -412,28 +441,62 @@ class GdrTransport(Transport):
         mem, _ = _mem_of(self._slots[0])
         for ep in sorted(ctx.peers):
             self._mailbox(ep).send(
-                "gdr.hello", md, agent=self.nixl.name, gen=self._gen, mem=mem,
+                "gdr.hello", md, agent=self.nixl.name, gen=self._gen, md_gen=self._md_gen, mem=mem,
                 slots=[list(_desc(t)) for t in self._slots], dslots=[list(_desc(t)) for t in self._dslots],
             )
+            self._md_known[ep.rank] = self._md_gen
 
     def send_buffer(self, slot: int) -> torch.Tensor:
         return self._slots[slot]
 
     def start_send(self, bucket: BucketPlan, slot: int) -> Pending[None]:
+        return self._offer(bucket, self._slots[slot][: bucket.nbytes], self._dslots[slot] if self.delta else None)
+
+    def supports_direct_send(self, data: torch.Tensor) -> bool:
+        """Zero-copy send from the staged tensors: possible for any memory NIXL can register (the whole
+        storage is registered once and kept registered)."""
+        return self._ctx is not None and self._ctx.me.role == "src" and self.delta is None and \
+            self._register_storage(data)
+
+    def start_send_from(self, bucket: BucketPlan, data: torch.Tensor) -> Pending[None] | None:
+        if not self.supports_direct_send(data):
+            return None
+        return self._offer(bucket, data[: bucket.nbytes], None)
+
+    def _register_storage(self, data: torch.Tensor) -> bool:
+        """Make sure the memory of `data` is registered with NIXL (its whole storage, once)."""
+        start, end = int(data.data_ptr()), int(data.data_ptr()) + data.numel() * data.element_size()
+        for _reg, base, n, _ref in self._direct.values():
+            if base <= start and end <= base + n:
+                return True
+        storage = data.untyped_storage()
+        base, n = int(storage.data_ptr()), int(storage.nbytes())
+        whole = torch.empty(0, dtype=torch.uint8, device=data.device).set_(storage, 0, (n,), (1,))
+        try:
+            reg = self.nixl.register([whole])
+        except Exception as exc:
+            log.warning("gdr.register_failed bytes=%s error=%s: falling back to staging slots", n, exc)
+            return False
+        self._direct[base] = (reg, base, n, storage)
+        self._md_gen += 1
+        log.info("gdr.registered bytes=%s device=%s md_gen=%s", n, data.device, self._md_gen)
+        return True
+
+    def _offer(self, bucket: BucketPlan, buf: torch.Tensor, dslot: torch.Tensor | None) -> Pending[None]:
+        """Tell the bucket's destinations where its bytes (and, with delta sync, its encoding) are."""
         assert self._ctx is not None
-        buf = self._slots[slot][: bucket.nbytes]
-        dinfo: dict[str, int] | None = None
+        dinfo: dict[str, Any] | None = None
         new_id: int | None = None
         offered = bucket.nbytes
-        if self.delta is not None:
+        if self.delta is not None and dslot is not None:
             t0 = time.perf_counter()
             prev = self._base.buffer(bucket.index, bucket.nbytes, buf.device)
             base_id = self._base.id_of(bucket.index)
             if base_id is not None:
                 unit = deltamod.unit_for_dtypes(e.piece.dtype for e in bucket.entries)
-                enc = deltamod.encode(prev, buf, self._dslots[slot], self.delta, unit=unit)
+                enc = deltamod.encode(prev, buf, dslot, self.delta, unit=unit)
                 if enc.nbytes is not None:
-                    dinfo = {"base": base_id, "nbytes": enc.nbytes}
+                    dinfo = {"base": base_id, "nbytes": enc.nbytes, "src": list(_desc(dslot, enc.nbytes))}
                     offered = enc.nbytes
                     self.stats.delta_buckets += 1
             prev.copy_(buf)
@@ -443,11 +506,17 @@ class GdrTransport(Transport):
         self.stats.buckets += 1
         self.stats.full_bytes += bucket.nbytes
         self.stats.wire_bytes += offered
+        mem, _ = _mem_of(buf)
+        md: bytes | None = None
         mbs = []
         for d in bucket.dsts:
             mb = self._mailbox(Endpoint("dst", d))
-            mb.send("gdr.ready", gen=self._gen, index=bucket.index, slot=slot, nbytes=bucket.nbytes, id=new_id,
-                    delta=dinfo)
+            if self._md_known.get(d, -1) != self._md_gen:
+                md = md if md is not None else self.nixl.metadata()
+                mb.send("gdr.md", md, gen=self._gen, md_gen=self._md_gen)
+                self._md_known[d] = self._md_gen
+            mb.send("gdr.ready", gen=self._gen, index=bucket.index, md_gen=self._md_gen, mem=mem,
+                    src=list(_desc(buf, bucket.nbytes)), nbytes=bucket.nbytes, id=new_id, delta=dinfo)
             mbs.append((d, mb))
         return _SendPending(mbs, self._gen, bucket.index, self._aborted)
 
@@ -490,7 +559,7 @@ class GdrTransport(Transport):
             header, payload = self._get(self._mailbox(ep), "gdr.hello", None, ctx.timeout, f"hello from {ep}")
             name = self.nixl.load_remote(str(header["agent"]), bytes(payload))
             self._remotes[ep.rank] = _Remote(
-                name, int(header["gen"]), str(header["mem"]),
+                name, int(header["gen"]), int(header["md_gen"]), str(header["mem"]),
                 [(int(a), int(n), int(d)) for a, n, d in header["slots"]],
                 [(int(a), int(n), int(d)) for a, n, d in header["dslots"]],
             )
@@ -514,7 +583,17 @@ class GdrTransport(Transport):
                 continue
 
     def start_recv(self, bucket: BucketPlan, slot: int) -> Pending[torch.Tensor]:
-        job = _RecvJob(bucket, slot)
+        return self._post(_RecvJob(bucket, slot))
+
+    def start_recv_into(self, bucket: BucketPlan, slot: int, out: torch.Tensor) -> Pending[torch.Tensor] | None:
+        """Zero-copy receive: READ straight into the destination tensors (registered once). Not with
+        delta sync, whose base store must hold the previous bytes."""
+        if self.delta is not None or not self._register_storage(out):
+            return None
+        return self._post(_RecvJob(bucket, slot, out[: bucket.nbytes]))
+
+    def _post(self, job: _RecvJob) -> Pending[torch.Tensor]:
+        bucket = job.bucket
         if self._aborted.is_set():
             job.future.set_exception(TransportError(f"bucket {bucket.index}: transport aborted"))
         else:
@@ -529,34 +608,38 @@ class GdrTransport(Transport):
             if job.future.done():
                 continue
             try:
-                job.future.set_result(self._receive(job.bucket, job.slot))
+                job.future.set_result(self._receive(job.bucket, job.slot, job.out))
             except BaseException as exc:
                 err = exc if isinstance(exc, TransportError) else TransportError(
                     f"bucket {job.bucket.index} from source rank {job.bucket.src}: {type(exc).__name__}: {exc}")
                 if not job.future.done():
                     job.future.set_exception(err)
 
-    def _receive(self, bucket: BucketPlan, slot: int) -> torch.Tensor:
+    def _receive(self, bucket: BucketPlan, slot: int, out: torch.Tensor | None) -> torch.Tensor:
         assert self._ctx is not None
         remote = self._remotes.get(bucket.src)
         if remote is None:
             raise TransportError(f"bucket {bucket.index}: no GDR hello from source rank {bucket.src}")
         mb = self._mailbox(Endpoint("src", bucket.src))
-        header, _ = self._get(mb, "gdr.ready", {"gen": remote.gen, "index": bucket.index}, self._ctx.timeout,
-                              f"bucket {bucket.index} from source rank {bucket.src}")
+        what = f"bucket {bucket.index} from source rank {bucket.src}"
+        header, _ = self._get(mb, "gdr.ready", {"gen": remote.gen, "index": bucket.index}, self._ctx.timeout, what)
         nbytes = int(header["nbytes"])
         if nbytes != bucket.nbytes:
-            raise TransportError(f"bucket {bucket.index}: source rank {bucket.src} offers {nbytes} bytes, the "
-                                 f"plan says {bucket.nbytes}")
-        rslot = int(header["slot"])
-        if not 0 <= rslot < len(remote.slots) or remote.slots[rslot][1] < nbytes:
-            raise TransportError(f"bucket {bucket.index}: source rank {bucket.src} named an invalid slot {rslot}")
+            raise TransportError(f"{what}: the source offers {nbytes} bytes, the plan says {bucket.nbytes}")
+        md_gen = int(header["md_gen"])
+        if md_gen != remote.md_gen:  # the source registered more memory (zero-copy staging)
+            _h, payload = self._get(mb, "gdr.md", {"gen": remote.gen, "md_gen": md_gen}, self._ctx.timeout,
+                                   f"NIXL metadata {md_gen} of source rank {bucket.src}")
+            self.nixl.load_remote(remote.agent, bytes(payload))
+            remote.md_gen = md_gen
+        src = _triple(header["src"], nbytes, what)
+        mem = str(header.get("mem", remote.mem))
         t0 = time.perf_counter()
         self.stats.buckets += 1
         self.stats.full_bytes += nbytes
         if self.delta is None:
-            target = self._rslots[slot][:nbytes]
-            self._read(target, remote, rslot, remote.slots)
+            target = out if out is not None else self._rslots[slot][:nbytes]
+            self._read(target, remote.agent, src, mem)
             self.stats.wire_bytes += nbytes
         else:
             target = self._store_views[bucket.index]
@@ -565,43 +648,44 @@ class GdrTransport(Transport):
             self._base.invalidate(bucket.index)
             if dinfo is not None and have is not None and int(dinfo["base"]) == have:
                 enc_n = int(dinfo["nbytes"])
-                if enc_n > self._rdslots[slot].numel() or enc_n > remote.dslots[rslot][1]:
-                    raise TransportError(f"bucket {bucket.index}: delta of {enc_n} bytes does not fit a slot")
+                if enc_n > self._rdslots[slot].numel():
+                    raise TransportError(f"{what}: a delta of {enc_n} bytes does not fit a slot")
                 landing = self._rdslots[slot][:enc_n]
-                self._read(landing, remote, rslot, remote.dslots)
+                self._read(landing, remote.agent, _triple(dinfo["src"], enc_n, what), mem)
                 deltamod.apply(target, landing)
                 self.stats.wire_bytes += enc_n
                 self.stats.delta_buckets += 1
             else:
-                self._read(target, remote, rslot, remote.slots)
+                self._read(target, remote.agent, src, mem)
                 self.stats.wire_bytes += nbytes
             new_id = header.get("id")
             self._pending_ids[bucket.index] = int(new_id) if new_id is not None else None
-        self._targets[bucket.index] = (target, rslot, bucket.src)
+        self._targets[bucket.index] = (target, src)
+        self._remote_mem[bucket.index] = (remote.agent, mem)
         self.stats.read_seconds += time.perf_counter() - t0
         return target
 
-    def _read(self, local: torch.Tensor, remote: _Remote, rslot: int, table: list[tuple[int, int, int]]) -> None:
+    def _read(self, local: torch.Tensor, agent: str, src: tuple[int, int, int], mem: str) -> None:
         assert self._ctx is not None
-        self.nixl.read(local, table[rslot], remote.mem, remote.agent, timeout=self._ctx.timeout,
-                       aborted=self._aborted)
+        self.nixl.read(local, src, mem, agent, timeout=self._ctx.timeout, aborted=self._aborted)
 
     def refetch(self, bucket: BucketPlan) -> torch.Tensor:
         """Read bucket `bucket` again, in full, into the same memory (after a checksum mismatch). Valid
-        until `release_recv`; the sender keeps the slot until then."""
+        until `release_recv`; the source keeps the bytes unchanged until then."""
         got = self._targets.get(bucket.index)
-        remote = self._remotes.get(bucket.src)
-        if got is None or remote is None:
+        where = self._remote_mem.get(bucket.index)
+        if got is None or where is None:
             raise TransportError(f"bucket {bucket.index} was not received, nothing to fetch again")
-        target, rslot, _src = got
+        target, src = got
         self._base.invalidate(bucket.index)
-        self._read(target, remote, rslot, remote.slots)
+        self._read(target, where[0], src, where[1])
         self.stats.refetches += 1
         self.stats.wire_bytes += target.numel()
         return target
 
     def release_recv(self, bucket: BucketPlan, slot: int) -> None:
         self._targets.pop(bucket.index, None)
+        self._remote_mem.pop(bucket.index, None)
         if self.delta is not None and bucket.index in self._pending_ids:
             self._base.ids[bucket.index] = self._pending_ids.pop(bucket.index)
         remote = self._remotes.get(bucket.src)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch.distributed import TCPStore
-from weightsync.agent.buckets import itemsize, to_dtype
+from weightsync.agent.buckets import entry_view, itemsize, to_dtype
 from weightsync.agent.delta import DeltaConfig
 from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.link import LinkListener, Mailbox, connect
@@ -120,6 +120,7 @@ class GdrScenario:
     change: float = 1.0  # see full_tensor
     timeout: float = 60.0
     hold: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # replica -> (version, other, v)
+    arena: bool = False  # tensors live in plan arenas: zero-copy send from staging, receive into place
 
 
 def tp_sources(metas: list[TensorMeta], tp: int, *, fsdp: int = 1, tied: bool = False) -> list[list[TensorShard]]:
@@ -161,6 +162,18 @@ class CorruptingTransport(Transport):
 
     def start_recv(self, bucket: Any, slot: int) -> Pending[torch.Tensor]:
         inner = self.inner.start_recv(bucket, slot)
+        outer = self
+
+        class _P(Pending[torch.Tensor]):
+            def wait(self, timeout: float | None = None) -> torch.Tensor:
+                return outer._maybe_corrupt(inner.wait(timeout))
+
+        return _P()
+
+    def start_recv_into(self, bucket: Any, slot: int, out: torch.Tensor) -> Pending[torch.Tensor] | None:
+        inner = self.inner.start_recv_into(bucket, slot, out)
+        if inner is None:
+            return None
         outer = self
 
         class _P(Pending[torch.Tensor]):
@@ -223,16 +236,27 @@ def _source(scn: GdrScenario, rank: int, port: int, out: Any) -> None:
                 transport = GdrTransport(num_slots=scn.num_slots, delta=scn.delta)
                 sender = WeightSender(plan, rank, transport, peers, timeout=scn.timeout, hooks=_hooks(scn, None))
                 mine = {s.name: s for s in plan.sources[rank]} if rank < plan.num_src else {}
+                staged: dict[str, torch.Tensor] | None = None
+                if scn.arena:
+                    layout = plan.arena("src", rank)
+                    buf = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8)
+                    staged = {e.name: entry_view(buf, e) for e in layout.entries}
                 for v in rep.versions:
                     if i in scn.hold and scn.hold[i][0] == v:
                         _, other, ov = scn.hold[i]
                         store.wait([f"committed/{other}/{ov}"], timedelta(seconds=scn.timeout * 4))
                     tensors = {n: slice_of(full_tensor(n, s.dtype, s.global_shape, v, scn.change), s.box)
                                for n, s in mine.items()}
+                    if staged is not None:  # the trainer publishes into its staging arena
+                        for n, t in tensors.items():
+                            staged[n].copy_(t)
+                        tensors = staged
                     if not plan.dsts_of(rank):
                         continue
                     st = sender.send_version(v, tensors)
                     stats.append({**st.to_dict(), "transport": transport.describe()})
+                    res.setdefault("direct_buckets", 0)
+                    res["direct_buckets"] += st.direct_buckets
                 transport.close()
             except BaseException as exc:
                 errors.append(f"replica {i}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
@@ -277,6 +301,11 @@ def _destination(scn: GdrScenario, replica: int, rank: int, port: int, out: Any)
         receiver = WeightReceiver(plan, rank, transport, peers, timeout=scn.timeout, hooks=_hooks(scn, transport))
         needs = {s.name: s for s in plan.needs[rank]}
         engine: dict[str, torch.Tensor] = {}  # the committed weights (engine stand-in)
+        into: dict[str, torch.Tensor] | None = None
+        if scn.arena:  # the agent's destination arena, loaded into the engine after each version
+            layout = plan.arena("dst", rank)
+            dbuf = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8)
+            into = {e.name: entry_view(dbuf, e) for e in layout.entries}
         for v in rep.versions:
             if isinstance(transport, CorruptingTransport):
                 transport.armed = corrupt is not None and corrupt[0] == v
@@ -289,7 +318,7 @@ def _destination(scn: GdrScenario, replica: int, rank: int, port: int, out: Any)
                     staged[n] = t.clone()
 
             try:
-                st = receiver.receive_version(on_bucket, expected_version=v)
+                st = receiver.receive_version(on_bucket, expected_version=v, into=into)
             except Exception as exc:
                 res["failed"].append({"version": v, "error": f"{type(exc).__name__}: {exc}"})
                 break  # links are poisoned after an abort; the agent would reconnect

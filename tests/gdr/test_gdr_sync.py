@@ -156,3 +156,19 @@ def test_delta_late_joiner_reads_full_buckets() -> None:
     joiner = res[("dst1", 0)]
     assert joiner["committed"] == [2, 3] and joiner["serving_exact"]
     assert joiner["stats"][0]["transport"]["delta_buckets"] == 0  # no base yet: full buckets
+
+
+def test_zero_copy_from_staging_arena_into_destination() -> None:
+    """Trainer tensors in a plan arena are READ in place (registered once, no pack) straight into the
+    inference arena (no unpack copy); a corrupted direct read is fetched again by verify."""
+    metas = llama_metas()
+    scn = GdrScenario(tp_sources(metas, 2), [Replica(tp_needs(metas, 4), [1, 2, 3], corrupt={2: (2, 1)})],
+                      arena=True, verify=True)
+    res = run_gdr(scn)
+    assert_ok(res)
+    assert all(res[("src", r)]["direct_buckets"] > 0 for r in range(2))
+    for d in range(4):
+        r = res[("dst0", d)]
+        assert r["committed"] == [1, 2, 3] and r["serving_exact"]
+        assert all(s["direct_buckets"] > 0 for s in r["stats"])  # pieces of split tensors still use slots
+    assert res[("dst0", 2)]["stats"][-1]["transport"]["refetches"] == 1
