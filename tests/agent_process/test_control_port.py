@@ -62,7 +62,8 @@ def test_bad_peers_are_rejected_and_the_agent_keeps_serving(tmp_path: Path, clus
     link.close()
     # 6. authenticated transfer link whose plan inputs are not JSON
     link = connect(t.ip, contract.CONTROL_PORT, token, timeout=5)
-    link.send({"kind": P.TRANSFER, "version": 1, "src": 0, "dst": 0, "replica": 0, "group": {}, "plan_hash": "x"},
+    link.send({"kind": P.TRANSFER, "version": 1, "src": 0, "dst": 0, "replica": 0, "group": {}, "plan_hash": "x",
+               "proposal": "p"},
               b"{not json")
     h, _ = link.recv(timeout=5)
     assert h["kind"] == P.ERROR and "plan inputs" in h["message"]
