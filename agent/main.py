@@ -97,13 +97,39 @@ class _UserPauseGuard:
             setattr(self.inner, name, value)  # e.g. the destination rank of the next bucket
 
 
+MEMBERSHIP_WAIT = 180.0  # a new pod can start before the topology ConfigMap update reaches its volume
+
+
+def wait_for_membership(cfg: AgentConfig, timeout: float) -> TopologyWatcher:
+    """The topology, once it lists this pod in its role(s). A scaled-up or recreated pod may see the old
+    file for a while (ConfigMap volumes update lazily): wait for it rather than crash-looping."""
+    deadline = time.monotonic() + timeout
+    watcher: TopologyWatcher | None = None
+    while True:
+        try:
+            watcher = watcher or TopologyWatcher(cfg.topology_path)
+            watcher.poll()
+            topo = watcher.current
+            ok = (not cfg.is_trainer or trainer_member(topo, cfg.pod_name) is not None) and (
+                not cfg.is_inference or inference_slot(topo, cfg.pod_name) is not None)
+            if ok:
+                return watcher
+            problem = f"pod {cfg.pod_name} is not listed as {cfg.role} in {cfg.topology_path} (generation {topo.generation})"
+        except ConfigError as exc:
+            problem = str(exc)
+        if time.monotonic() >= deadline:
+            raise ConfigError(f"{problem}; gave up after {timeout:.0f}s")
+        log.info("waiting for the topology: %s", problem)
+        time.sleep(2.0)
+
+
 class Agent:
     """One agent process: wires config, local socket, server and/or client, health, and the pod link."""
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.token = cfg.read_token()
-        self.watcher = TopologyWatcher(cfg.topology_path)
+        self.watcher = wait_for_membership(cfg, MEMBERSHIP_WAIT)
         self.metrics = AgentMetrics()
         self.session = uuid.uuid4().hex[:12]
         self.prefix = f"weightsync-{cfg.job}-{cfg.pod_name}"

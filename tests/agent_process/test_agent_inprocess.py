@@ -271,3 +271,28 @@ def test_agent_dying_mid_load_aborts_the_partial_version(tmp_path: Path) -> None
         sess.close()
         server.close()
 
+
+
+def test_agent_waits_until_the_topology_lists_its_pod(tmp_path: Path) -> None:
+    import threading
+
+    from weightsync.agent.main import wait_for_membership
+
+    path = tmp_path / "topo.json"
+    topo = _topo(1)
+    topo.inference[0].pods[0].name = "someone-else"
+    path.write_text(topo.to_json())
+    cfg = AgentConfig.from_env(_env(tmp_path, **{contract.ENV_ROLE: "inference",
+                                                 contract.ENV_POD_NAME: "j-inference-0-0"}))
+    with pytest.raises(ConfigError, match="not listed as inference"):
+        wait_for_membership(cfg, 0.1)
+
+    def later() -> None:
+        time.sleep(1.0)
+        tmp = tmp_path / "t.tmp"
+        tmp.write_text(_topo(2).to_json())
+        os.replace(tmp, path)
+
+    threading.Thread(target=later, daemon=True).start()
+    watcher = wait_for_membership(cfg, 30)
+    assert watcher.current.generation == 2
