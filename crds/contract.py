@@ -148,3 +148,4 @@ LABEL_RACK: Final = f"topology.{GROUP}/rack"               # no upstream standar
 LABEL_NVLINK_DOMAIN: Final = "nvidia.com/gpu.clique"       # NVLink domain (GFD's clique label on MNNVL systems)
 TOPOLOGY_KEYS: Final = (LABEL_HOSTNAME, LABEL_NVLINK_DOMAIN, LABEL_RACK, LABEL_ZONE)
 ENV_AGENT_DEVICE: Final = "WEIGHTSYNC_AGENT_DEVICE"           # "cpu" (default) or "cuda[:N]": transport buffers
+ENV_TIMEOUT_SECONDS: Final = "WEIGHTSYNC_TIMEOUT_SECONDS"     # spec.transfer.timeoutSeconds: bound on one version's sync
