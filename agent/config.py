@@ -88,6 +88,7 @@ class AgentConfig:
     max_staleness: int = 1
     kube_enabled: bool = True
     device: str = "cpu"
+    timeout_seconds: float = 600.0
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -159,6 +160,7 @@ class AgentConfig:
             max_staleness=max(0, _int(env, contract.ENV_MAX_STALENESS, 1)),
             kube_enabled=_bool(env, contract.ENV_KUBE_ENABLED, True),
             device=_device(env.get(contract.ENV_AGENT_DEVICE) or "cpu"),
+            timeout_seconds=float(max(1, _int(env, contract.ENV_TIMEOUT_SECONDS, 600))),
         )
 
 

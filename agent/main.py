@@ -97,6 +97,7 @@ class _UserPauseGuard:
             setattr(self.inner, name, value)  # e.g. the destination rank of the next bucket
 
 
+TRANSPORT_TIMEOUT = 120.0  # upper bound for forming a group and for one bucket operation
 MEMBERSHIP_WAIT = 180.0  # a new pod can start before the topology ConfigMap update reaches its volume
 
 
@@ -148,7 +149,9 @@ class Agent:
         topo = self.watcher.current
         self.mode = topo.mode if cfg.transfer_mode == "Auto" else cfg.transfer_mode
         self.verify = "Checksum" in (cfg.verify, topo.verify)
-        self.cache = TransportCache(mode=self.mode, job=cfg.job, pod_ip=cfg.pod_ip, transport_port=cfg.transport_port)
+        # group formation and single bucket operations: a dead peer must not hold a trainer for 10 minutes
+        self.cache = TransportCache(mode=self.mode, job=cfg.job, pod_ip=cfg.pod_ip, transport_port=cfg.transport_port,
+                                    timeout=min(cfg.timeout_seconds, TRANSPORT_TIMEOUT))
         self.tmember = trainer_member(topo, cfg.pod_name) if cfg.is_trainer else None
         self.islot = inference_slot(topo, cfg.pod_name) if cfg.is_inference else None
         if cfg.is_trainer and self.tmember is None:
@@ -165,6 +168,7 @@ class Agent:
                 host=cfg.pod_ip, port=cfg.control_port, token=self.token, pod=cfg.pod_name, store=self.store,
                 transport_for=lambda g, p, role: self.cache.get(g, p, role=role), metrics=self.metrics, mode=self.mode,
                 generation=lambda: self.watcher.current.generation, verify=self.verify, device=cfg.device,
+                timeout=cfg.timeout_seconds,
             )
             if self.mode == "NCCL" and self.tmember.index == 0:
                 self.cache.host_store()
@@ -396,6 +400,7 @@ class Agent:
                 proposal=proposal_of(self.session, self._attempt, self.peers_sessions()),
                 pause_generation=self.cfg.pause_generation, port=self.cfg.control_port, token=self.token,
                 expand_aliases=self.cfg.engine_type == "Custom", verify=self.verify, device=self.cfg.device,
+                timeout=self.cfg.timeout_seconds,
             )
         except (FetchError, EngineError, StagingError) as exc:
             self._attempt += 1
