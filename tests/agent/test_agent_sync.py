@@ -7,10 +7,8 @@ to its own layout (see wsagent_helpers), and commits a version only after receiv
 from __future__ import annotations
 
 import pytest
-from wsagent_helpers import Scenario, run_scenario
-
 from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
-from weightsync.agent.plan import TensorShard
+from wsagent_helpers import Scenario, run_scenario
 
 KB = 1024
 
@@ -173,3 +171,67 @@ def test_peer_dies_mid_bucket(transport: str) -> None:
     err = results[("dst", 0)]["error"]
     assert results[("dst", 0)]["error_type"] == "PeerFailed", err
     assert "destination rank 0 failed to receive version 1" in err
+
+
+@pytest.mark.parametrize("transport", ["nccl", "ipc"])
+def test_receive_into_destination_tensors(transport: str) -> None:
+    # trainer tensors staged in the plan's arena, receivers writing into arena tensors: nccl moves
+    # whole-tensor buckets with no pack and no unpack copy; resharded pieces still arrive right.
+    scn = tp_scenario(llama_metas(), 2, 4, transport=transport, into=True, versions=[1, 2])
+    results = run_scenario(scn)
+    assert_all_ok(results, 4, [1, 2])
+    if transport == "nccl":
+        assert sum(s["direct_buckets"] for d in range(4) for s in results[("dst", d)]["stats"]) > 0
+        assert sum(s["direct_buckets"] for r in range(2) for s in results[("src", r)]["versions"]) > 0
+
+
+def test_hooks_metadata_travels_with_buckets() -> None:
+    scn = tp_scenario(llama_metas(), 1, 2, hooks=True)
+    assert_all_ok(run_scenario(scn), 2, [1])
+
+
+def test_truncated_frame_mid_version_commits_nothing() -> None:
+    import threading
+
+    from weightsync.agent.link import LinkListener, connect
+    from weightsync.agent.plan import TensorShard, build_plan
+    from weightsync.agent.sync import PeerFailed, WeightReceiver
+    from weightsync.agent.transports.ipc import IpcTransport
+
+    w = TensorShard.full("w", "float32", (64,))
+    plan = build_plan([[w]], [[w]], 1024)
+    seen: list[str] = []
+    errors: list[BaseException] = []
+    with LinkListener("127.0.0.1", 0, "tok") as lst:
+        link = connect("127.0.0.1", lst.port, "tok")
+        fake_sender = lst.accept(timeout=5)
+
+        def receive() -> None:
+            try:
+                WeightReceiver(plan, 0, IpcTransport(), {0: link}, timeout=10).receive_version(
+                    lambda items: seen.extend(n for n, _ in items))
+            except BaseException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=receive)
+        t.start()
+        fake_sender.send({"kind": "sync.begin", "version": 7, "plan_hash": plan.hash, "buckets": 1, "bytes": 256,
+                          "bucket_meta": False})
+        assert fake_sender.recv(timeout=5)[0]["kind"] == "sync.ready"
+        fake_sender.send({"kind": "sync.go", "version": 7})
+        # the bucket handle frame is cut off half-way and the peer vanishes
+        import hashlib
+        import hmac
+        import json
+        import struct
+
+        body = json.dumps({"kind": "ipc.bucket", "index": 0, "handle": {}}).encode()
+        prefix = struct.pack("!4sBBHIQQ", b"WSL1", 1, 0, 0, len(body), 0, 2)
+        mac = hmac.new(fake_sender._send_key, prefix + body, hashlib.sha256).digest()
+        fake_sender._sock.sendall((prefix + body + mac)[: len(prefix) + 10])
+        fake_sender.close()
+        t.join(15)
+    assert not t.is_alive()
+    assert seen == []
+    assert len(errors) == 1 and isinstance(errors[0], PeerFailed)
+    assert "truncated frame" in str(errors[0]) and "version 7" in str(errors[0])

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from weightsync.agent.buckets import itemsize, to_dtype
 from weightsync.agent.link import LinkListener, Mailbox, connect
 from weightsync.agent.plan import Box, TensorShard, build_plan
@@ -65,6 +64,26 @@ class Scenario:
     wrong_token: set[int] = field(default_factory=set)  # destination ranks that connect with a bad token
     die_at_bucket: tuple[int, int] | None = None  # (src rank, bucket k): that sender dies mid-bucket
     accept_timeout: float = 20.0
+    into: bool = False  # senders stage in the plan's arena, receivers receive into arena tensors
+    hooks: bool = False  # a checksum hook ships per-bucket metadata over the links
+
+
+class SumHooks(SyncHooks):
+    """A toy checksum: the byte sum of every bucket travels with it and is checked on arrival."""
+
+    def on_send_bucket(self, version: int, bucket: Any, data: torch.Tensor) -> dict[str, Any] | None:
+        return {"sum": int(data.to(torch.int64).sum())}
+
+    def on_recv_bucket(self, version: int, bucket: Any, data: torch.Tensor, meta: dict[str, Any] | None) -> None:
+        if meta is None or int(data.to(torch.int64).sum()) != meta["sum"]:
+            raise RuntimeError(f"bucket {bucket.index} checksum mismatch")
+
+
+def arena_tensors(layout: Any) -> dict[str, torch.Tensor]:
+    from weightsync.agent.buckets import allocate, entry_view
+
+    flat = allocate(max(layout.nbytes, 1))
+    return {e.name: entry_view(flat, e) for e in layout.entries}
 
 
 class DyingTransport(Transport):
@@ -119,11 +138,17 @@ def _sender(scn: Scenario, rank: int, port: int, out: Any) -> None:
         transport = _transport(scn.transport, store, scn.timeout)
         if scn.die_at_bucket is not None and scn.die_at_bucket[0] == rank:
             transport = DyingTransport(transport, scn.die_at_bucket[1])
-        sender = WeightSender(plan, rank, transport, peers, timeout=scn.timeout)
+        sender = WeightSender(plan, rank, transport, peers, timeout=scn.timeout,
+                              hooks=SumHooks() if scn.hooks else None)
         mine = {s.name: s for s in plan.sources[rank]}
         res["versions"] = []
+        staged = arena_tensors(plan.arena("src", rank)) if scn.into else None
         for v in scn.versions:
             tensors = {n: slice_of(full_tensor(n, s.dtype, s.global_shape, v), s.box) for n, s in mine.items()}
+            if staged is not None:
+                for n, t in tensors.items():
+                    staged[n].copy_(t)
+                tensors = staged
             stats = sender.send_version(v, tensors)
             res["versions"].append(stats.to_dict())
         res["ok"] = True
@@ -149,7 +174,9 @@ def _receiver(scn: Scenario, rank: int, port: int, out: Any) -> None:
             mb.send("hello", dst=rank)
             peers[s] = mb
         transport = _transport(scn.transport, store, scn.timeout)
-        receiver = WeightReceiver(plan, rank, transport, peers, timeout=scn.timeout)
+        receiver = WeightReceiver(plan, rank, transport, peers, timeout=scn.timeout,
+                                  hooks=SumHooks() if scn.hooks else None)
+        dest = arena_tensors(plan.arena("dst", rank)) if scn.into else None
         needs = {s.name: s for s in plan.needs[rank]}
         res["checked"] = 0
         res["mismatches"] = []
@@ -165,7 +192,11 @@ def _receiver(scn: Scenario, rank: int, port: int, out: Any) -> None:
                         dup.append(n)
                     got[n] = t.clone()
 
-            receiver.receive_version(on_bucket, expected_version=v)
+            if dest is not None:
+                for t in dest.values():
+                    t.zero_()
+            stats = receiver.receive_version(on_bucket, expected_version=v, into=dest)
+            res.setdefault("stats", []).append(stats.to_dict())
             # "commit": only after receive_version returned; verify every tensor bit for bit first.
             if dup:
                 res["mismatches"].append(f"handed twice: {dup[:5]}")
@@ -187,12 +218,21 @@ def _receiver(scn: Scenario, rank: int, port: int, out: Any) -> None:
     out.put(res)
 
 
+PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.device_mesh", "weightsync.agent.sync",
+           "weightsync.agent.layout", "wsagent_helpers"]
+
+
+def forkserver_context() -> Any:
+    """Children fork from a clean, single-threaded server that imported torch once (fast on a busy
+    2-core machine), not from the test process (whose OpenMP / store threads make a plain fork unsafe)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_scenario(scn: Scenario, deadline: float = 90.0) -> dict[tuple[str, int], dict[str, Any]]:
     """Run every source and destination rank of `scn` in its own process; return their reports."""
-    # forkserver: children fork from a clean, single-threaded server that imported torch once (fast),
-    # not from this process (whose OpenMP / store threads make a plain fork unsafe).
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "weightsync.agent.sync", "wsagent_helpers"])
+    ctx = forkserver_context()
     store = make_store(HOST, 0, is_master=True, timeout=scn.timeout)
     out = ctx.Queue()
     procs = []
@@ -232,5 +272,35 @@ def run_scenario(scn: Scenario, deadline: float = 90.0) -> dict[tuple[str, int],
     return results
 
 
-__all__ = ["HOST", "TOKEN", "DyingTransport", "Scenario", "SyncHooks", "full_tensor", "run_scenario",
-           "same_bits", "slice_of"]
+def dtensor_worker(rank: int, port: int, out: Any) -> None:
+    """One of 4 ranks: a real DTensor Shard(0) of a 10x3 tensor; report what shard_from_dtensor says."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from weightsync.agent.layout import shard_from_dtensor
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+        full = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3)
+        mesh = init_device_mesh("cpu", (4,))
+        dt = distribute_tensor(full, mesh, [Shard(0)])
+        shard, local = shard_from_dtensor("w", dt)
+        ok = torch.equal(local, full[shard.box.slices_within(Box.full((10, 3)))])
+        out.put((rank, shard.box.offset, shard.box.shape, shard.global_shape, ok))
+        dist.destroy_process_group()
+    except BaseException as exc:
+        out.put((rank, f"{type(exc).__name__}: {exc}", None, None, False))
+
+
+__all__ = [
+    "HOST",
+    "TOKEN",
+    "DyingTransport",
+    "Scenario",
+    "SyncHooks",
+    "forkserver_context",
+    "full_tensor",
+    "run_scenario",
+    "same_bits",
+    "slice_of",
+]
