@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ from weightsync.operator.status import (
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 REASON_OBJECT_CONFLICT = "ObjectConflict"
+CREATE_CONCURRENCY = 8
 
 # Fields of each owned kind the reconciler may patch in place (everything else is fixed at creation).
 PATCHABLE: dict[str, tuple[str, ...]] = {
@@ -132,6 +134,11 @@ class Reconciler:
             self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
             return out
 
+        if not prev_status.get("conditions"):
+            # Status from the very first pass, before the (possibly many) owned objects are created.
+            first = aggregate(spec, job.generation, plan, {}, None, None)
+            self._write_status(job, prev_status, ordered(first), out)
+            prev_status = out.status
         pods = self._owned_pods(job)
         try:
             # Supporting objects first: the pods' ServiceAccount must exist before a pod can be admitted.
@@ -245,18 +252,9 @@ class Reconciler:
             problem = self._dry_run(missing)
             if problem is not None:
                 return problem
-        for pod in missing:
-            name = pod["metadata"]["name"]
-            try:
-                self.kube.create(pod)
-            except KubeError as err:
-                if err.conflict:
-                    continue  # the old pod of that name is still terminating; its deletion event brings us back
-                if err.invalid:
-                    return Problem(REASON_INVALID_TEMPLATE, f"pod {name} was refused: {err.message}")
-                raise
-            out.created.append(f"Pod/{name}")
-            log.info("created kind=Pod name=%s/%s", job.namespace, name)
+        problem = self._create_pods(job, missing, out)
+        if problem is not None:
+            return problem
         for name, pod in observed.items():
             if podstate.is_terminating(pod):
                 continue
@@ -275,6 +273,33 @@ class Reconciler:
                 self.kube.patch("Pod", job.namespace, name, {"metadata": {"annotations": diff}})
                 out.patched.append(f"Pod/{name}")
         return None
+
+    def _create_pods(self, job: JobRef, missing: list[Obj], out: Outcome) -> Problem | None:
+        """Create pods concurrently (a 64-replica job is 65 POSTs); the first refusal is reported."""
+
+        def create(pod: Obj) -> tuple[str, KubeError | None]:
+            try:
+                self.kube.create(pod)
+            except KubeError as err:
+                return pod["metadata"]["name"], err
+            return pod["metadata"]["name"], None
+
+        if not missing:
+            return None
+        with ThreadPoolExecutor(max_workers=min(CREATE_CONCURRENCY, len(missing))) as pool:
+            results = list(pool.map(create, missing))
+        problem: Problem | None = None
+        for name, err in results:
+            if err is None:
+                out.created.append(f"Pod/{name}")
+                log.info("created kind=Pod name=%s/%s", job.namespace, name)
+            elif err.conflict:
+                continue  # the old pod of that name is still terminating; its deletion event brings us back
+            elif err.invalid:
+                problem = problem or Problem(REASON_INVALID_TEMPLATE, f"pod {name} was refused: {err.message}")
+            else:
+                raise err
+        return problem
 
     def _dry_run(self, missing: list[Obj]) -> Problem | None:
         """Server-side dry-run of one pod per role: a bad template is refused before any pod is created."""

@@ -77,8 +77,10 @@ def test_versions_flow_from_agents_to_status_and_rollout_respects_max_unavailabl
     # The trainer's agent publishes version 3: both replicas serve nothing yet, so both get it at once.
     agent.annotate("loop-trainer-0", contract.ANN_PUBLISHED_VERSION, "3")
     wait_until(lambda: _targets(kube, namespace, "loop") == {inf[0]: "3", inf[1]: "3"}, what="targets 3")
-    job = get_job(kube, namespace, "loop")
-    assert job["status"]["trainerVersion"] == 3 and condition(job, "Synced")["status"] == "False"
+    # The pods are patched before the status in a pass: wait for the status rather than read it once.
+    job = wait_until(lambda: (j := get_job(kube, namespace, "loop"))["status"].get("trainerVersion") == 3 and j,
+                     what="trainerVersion 3")
+    assert condition(job, "Synced")["status"] == "False"
 
     # The inference agents load it and report: served version + the synced condition (readiness gate).
     for pod in inf:
