@@ -15,7 +15,6 @@ Everything is configured from env (agent/config.py); `/healthz` and `/metrics` a
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import signal
@@ -28,13 +27,14 @@ from typing import Any
 
 from weightsync.agent import local
 from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
+from weightsync.agent.engines import factory
 from weightsync.agent.engines.base import EngineAdapter, EngineError
 from weightsync.agent.engines.custom import AppRegistry, CustomEngineAdapter
 from weightsync.agent.fetcher import FetchError, TrainerPeers, fetch_version
 from weightsync.agent.groups import TransportCache, group_for, proposal_of
 from weightsync.agent.health import HealthServer
 from weightsync.agent.metrics import AgentMetrics
-from weightsync.agent.plan import TransferPlan
+from weightsync.agent.plan import TensorShard, TransferPlan
 from weightsync.agent.podstatus import Desired, PodLink, synced_state
 from weightsync.agent.server import StagedVersion, StagingError, StagingStore, WeightServer
 from weightsync.agent.staging import cleanup_stale
@@ -60,16 +60,23 @@ def inference_slot(topo: Topology, pod: str) -> InferenceSlot | None:
     return slots[0] if slots else None
 
 
-def make_adapter(cfg: AgentConfig, registry: AppRegistry, ranks: list[int]) -> EngineAdapter:
-    """The engine adapter for cfg.engine_type. SGLang/vLLM modules expose `from_agent_config(cfg, ranks)`."""
+def make_adapter(cfg: AgentConfig, registry: AppRegistry, ranks: list[int], tp_size: int = 1) -> EngineAdapter:
+    """The engine adapter for cfg.engine_type (agent/engines/factory.py)."""
     if cfg.engine_type == "Custom":
-        return CustomEngineAdapter(registry, ranks, prefix=f"weightsync-{cfg.job}-{cfg.pod_name}", device=cfg.device)
-    module = importlib.import_module(f"weightsync.agent.engines.{cfg.engine_type.lower()}")
-    factory = getattr(module, "from_agent_config", None)
-    if factory is None:
-        raise ConfigError(f"engine module {module.__name__} has no from_agent_config(cfg, ranks)")
-    adapter: EngineAdapter = factory(cfg, ranks)
-    return adapter
+        return factory.make_adapter("Custom", registry=registry, ranks=ranks,
+                                    prefix=f"weightsync-{cfg.job}-{cfg.pod_name}", device=cfg.device)
+    options: dict[str, Any] = {"tp_size": tp_size} if cfg.engine_type == "SGLang" else {}
+    return factory.make_adapter(cfg.engine_type, url=cfg.engine_url, **options)
+
+
+def engine_takes_full_tensors(engine_type: str) -> bool:
+    """SGLang and vLLM load full (unsharded) HF tensors over HTTP and shard them inside the engine, so the
+    agent fetches one full copy per replica instead of per-rank TP slices."""
+    return engine_type in ("SGLang", "VLLM")
+
+
+def full_layout(names: dict[str, TensorShard], world: int, tp: int) -> list[list[TensorShard]]:
+    return [[TensorShard.full(n, s.dtype, s.global_shape) for n, s in sorted(names.items())]]
 
 
 class _UserPauseGuard:
@@ -175,7 +182,7 @@ class Agent:
         self.adapter: EngineAdapter | None = None
         self.peers: TrainerPeers | None = None
         if self.islot is not None:
-            self.adapter = make_adapter(cfg, self.registry, self.islot.member.ranks)
+            self.adapter = make_adapter(cfg, self.registry, self.islot.member.ranks, self.islot.replica.tensor)
             self.peers = TrainerPeers(topo, port=cfg.control_port, token=self.token, pod=cfg.pod_name,
                                       replica=self.islot.replica.replica, on_announce=self._wake.set)
         self.local = local.LocalServer(cfg.socket_path, self._local)
@@ -391,10 +398,15 @@ class Agent:
         def transport_for(gr: dict[str, Any], plan: TransferPlan, role: str) -> Any:
             return self.cache.get(gr, plan, role=role)
 
+        full = engine_takes_full_tensors(self.cfg.engine_type)
+        my_ranks = ([0] if 0 in self.islot.member.ranks else []) if full else self.islot.member.ranks
+        if not my_ranks:
+            return  # the engine's HTTP endpoint (replica rank 0's pod) loads the full tensors for all ranks
         t0 = time.perf_counter()
         try:
             res = fetch_version(
-                version, peers=self.peers, topo=topo, replica=rep.replica, my_ranks=self.islot.member.ranks,
+                version, peers=self.peers, topo=topo, replica=rep.replica, my_ranks=my_ranks,
+                layout_fn=full_layout if full else None,
                 adapter=_UserPauseGuard(self.adapter, self),
                 transport_for=transport_for, group=group, bucket_bytes=self.cfg.bucket_size_mb << 20,
                 proposal=proposal_of(self.session, self._attempt, self.peers_sessions()),
