@@ -116,9 +116,10 @@ def supervise(args: argparse.Namespace) -> int:
                     return 1
         return 0
     except Exception as exc:  # every failure must reach state.json, which `up` is waiting on
-        if not isinstance(exc, (ClusterError, BinaryNotFound)):
+        known = isinstance(exc, (ClusterError, BinaryNotFound))
+        if not known:
             log.exception("dev environment failed")
-        state.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+        state.update(status="failed", error=str(exc) if known else f"{type(exc).__name__}: {exc}", known_error=known)
         write_state(root, state)
         log.error("dev environment failed error=%s", exc)
         return 1
@@ -156,7 +157,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         if (state and state.get("status") == "failed") or proc.poll() is not None:
             proc.wait(timeout=60)
             error = (state or {}).get("error", "the supervisor exited")
-            print(f"dev-up failed: {error}\n--- {log_file} (last lines) ---\n{tail(log_file, 30)}", file=sys.stderr)
+            if (state or {}).get("known_error"):  # a missing binary, a busy port, ...: the line says it all
+                print(f"dev-up failed: {error}", file=sys.stderr)
+            else:
+                print(f"dev-up failed: {error}\n--- {log_file} (last lines) ---\n{tail(log_file, 30)}",
+                      file=sys.stderr)
             return 1
         time.sleep(0.2)
     print(f"dev-up: not ready after {args.timeout:.0f}s; see {log_file}; stop with `make dev-down`", file=sys.stderr)

@@ -28,6 +28,8 @@ from typing import Any, TypeVar
 import kubernetes
 import pytest
 from kubernetes.client.exceptions import ApiException
+from weightsync.e2e.binaries import BinaryNotFound
+from weightsync.e2e.cluster import ClusterError
 from weightsync.e2e.environment import Environment, runtime_wanted, start_environment
 
 log = logging.getLogger("weightsync.e2e.pytest")
@@ -93,9 +95,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _SUMMARY = pytest.StashKey[list[str]]()
 
 
+_START_ERROR = pytest.StashKey[str]()
+
+
 @pytest.fixture(scope="session")
 def cluster(request: pytest.FixtureRequest) -> Iterator[Environment]:
-    environment = start_environment()
+    # pytest retries a failed session fixture for every test that needs it: fail fast after the first.
+    if _START_ERROR in request.config.stash:
+        pytest.fail(request.config.stash[_START_ERROR], pytrace=False)
+    try:
+        environment = start_environment()
+    except (BinaryNotFound, ClusterError) as exc:
+        request.config.stash[_START_ERROR] = f"cannot start the test cluster: {exc}"
+        pytest.fail(request.config.stash[_START_ERROR], pytrace=False)
     summary = request.config.stash.setdefault(_SUMMARY, [])
     local = environment.local
     if local is not None:
