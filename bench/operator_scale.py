@@ -70,8 +70,8 @@ def job_spec(replicas: int) -> dict[str, Any]:
 def measure(env: Any, kube_api: Any, replicas: int, work: Path, resync: float, window: float) -> dict[str, Any]:
     import kubernetes
 
-    core = kubernetes.client.CoreV1Api(kube_api)
-    custom = kubernetes.client.CustomObjectsApi(kube_api)
+    core: Any = kubernetes.client.CoreV1Api(kube_api)
+    custom: Any = kubernetes.client.CustomObjectsApi(kube_api)
     ns = f"bench-{replicas}-{os.getpid()}"
     core.create_namespace({"metadata": {"name": ns}})
     deadline = time.monotonic() + 60

@@ -104,7 +104,7 @@ def test_versions_flow_from_agents_to_status_and_rollout_respects_max_unavailabl
     first = wait_until(lambda: [n for n, t in _targets(kube, namespace, "loop").items() if t == "4"] or None,
                        what="one replica targeted")
     assert len(first) == 1
-    assert sorted(_targets(kube, namespace, "loop").values()) == ["3", "4"]
+    assert sorted(str(v) for v in _targets(kube, namespace, "loop").values()) == ["3", "4"]
     agent.annotate(first[0], contract.ANN_SERVED_VERSION, "4")
     wait_until(lambda: _targets(kube, namespace, "loop") == {inf[0]: "4", inf[1]: "4"}, what="second replica")
     other = next(n for n in inf if n != first[0])
