@@ -81,7 +81,10 @@ def peer_closed(sock: socket.socket, timeout: float) -> bool:
         ready, _, _ = select.select([sock], [], [], timeout)
         if not ready:
             return False
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+            return True
+        time.sleep(0.05)  # a reply another thread is about to read: do not spin on it
+        return False
     except BlockingIOError:
         return False
     except (OSError, ValueError):
