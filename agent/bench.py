@@ -251,54 +251,64 @@ def _run_worker(cfg: BenchConfig, role: str, rank: int, port: int) -> dict[str, 
     if owner is not None and hasattr(transport, "register_shared"):
         transport.register_shared(owner.path, flat)  # the staged tensors are shareable: no pack
     hooks = cfg.hooks_factory() if cfg.hooks_factory else None
+    # The raw path is set up once, then agent and raw rounds alternate, so load drift on a shared
+    # machine hits both alike.
+    _barrier(store, "raw-setup", world)
+    raw_step, raw_close = _raw(cfg, plan, role, rank, store, flat, peers, world, owner)
     times: list[tuple[float, float]] = []
+    raw_times: list[tuple[float, float]] = []
     stats: list[dict[str, Any]] = []
+    result: dict[str, Any] = {}
+    last = cfg.warmup + cfg.iters - 1
     if role == "src":
         sender = WeightSender(plan, rank, transport, peers, device=cfg.device, timeout=cfg.timeout, hooks=hooks)
-        for v in range(cfg.warmup + cfg.iters):
-            _barrier(store, f"agent{v}", world)
-            t0 = time.time()
-            st = sender.send_version(v, views)
-            _sync_device(cfg.device)
-            times.append((t0, time.time()))
-            stats.append(st.to_dict())
     else:
         receiver = WeightReceiver(plan, rank, transport, peers, device=cfg.device, timeout=cfg.timeout, hooks=hooks)
 
-        def load(items: list[tuple[str, torch.Tensor]]) -> None:
-            for name, t in items:
-                views[name].copy_(t)
+    def load(items: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in items:
+            views[name].copy_(t)
 
-        for v in range(cfg.warmup + cfg.iters):
+    for v in range(cfg.warmup + cfg.iters):
+        if role == "dst":
             flat.zero_()
-            _barrier(store, f"agent{v}", world)
-            t0 = time.time()
-            if cfg.load == "into":
-                st = receiver.receive_version(None, expected_version=v, into=views)
-            else:
-                st = receiver.receive_version(load, expected_version=v)
-            _sync_device(cfg.device)
-            times.append((t0, time.time()))
-            stats.append(st.to_dict())
-    result: dict[str, Any] = {"agent_times": times[cfg.warmup :], "agent_stats": stats[-1]}
-    if role == "dst":
-        bad = []
-        for s in mine:
-            want = synth_full(pattern, s.name, s.dtype, s.global_shape)[s.box.slices_within(Box.full(s.global_shape))]
-            got = views[s.name]
-            if not torch.equal(got.contiguous().view(-1).view(torch.uint8).cpu(),
-                               want.contiguous().view(-1).view(torch.uint8)):
-                bad.append(s.name)
-        result["bit_exact"] = not bad
-        result["mismatched"] = bad[:5]
+        _barrier(store, f"agent{v}", world)
+        t0 = time.time()
+        if role == "src":
+            st = sender.send_version(v, views)
+        elif cfg.load == "into":
+            st = receiver.receive_version(None, expected_version=v, into=views)
+        else:
+            st = receiver.receive_version(load, expected_version=v)
+        _sync_device(cfg.device)
+        times.append((t0, time.time()))
+        stats.append(st.to_dict())
+        if role == "dst" and v == last:
+            result.update(_verify(pattern, mine, views))
+        raw_times.append(raw_step(v))
+    result.update({"agent_times": times[cfg.warmup :], "agent_stats": stats[-1],
+                   "raw_times": raw_times[cfg.warmup :]})
+    raw_close()
     transport.close()
-    _barrier(store, "raw-setup", world)
-    result["raw_times"] = _raw(cfg, plan, role, rank, store, flat, peers, world, owner)
     if owner is not None:
         del views, flat
         owner.close()
         owner.unlink()
     return result
+
+
+def _verify(pattern: torch.Tensor, mine: list[TensorShard], views: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Every received tensor, bit for bit, against the trainer's full tensor sliced to this rank."""
+    bad = []
+    for s in mine:
+        want = synth_full(pattern, s.name, s.dtype, s.global_shape)[s.box.slices_within(Box.full(s.global_shape))]
+        got = views[s.name]
+        if not torch.equal(got.contiguous().view(-1).view(torch.uint8).cpu(), want.contiguous().view(-1).view(torch.uint8)):
+            bad.append(s.name)
+    return {"bit_exact": not bad, "mismatched": bad[:5], "verified_tensors": len(mine)}
+
+
+RawStep = Callable[[int], tuple[float, float]]
 
 
 def _streams(plan: TransferPlan) -> list[tuple[int, tuple[int, ...], int]]:
@@ -310,7 +320,8 @@ def _streams(plan: TransferPlan) -> list[tuple[int, tuple[int, ...], int]]:
 
 
 def _raw(cfg: BenchConfig, plan: TransferPlan, role: str, rank: int, store: Any, flat: torch.Tensor,
-         peers: dict[int, Mailbox], world: int, staging: Any = None) -> list[tuple[float, float]]:
+         peers: dict[int, Mailbox], world: int, staging: Any = None) -> tuple[RawStep, Callable[[], None]]:
+    """Set up the raw path; returns (one timed round for version v, cleanup)."""
     streams = [st for st in _streams(plan) if (st[0] == rank if role == "src" else rank in st[1])]
     total = sum(n for _, _, n in streams)
     buf = flat if flat.numel() >= total else torch.empty(total, dtype=torch.uint8, device=cfg.device)
@@ -320,32 +331,30 @@ def _raw(cfg: BenchConfig, plan: TransferPlan, role: str, rank: int, store: Any,
 
 
 def _raw_dist(cfg: BenchConfig, role: str, rank: int, store: Any, buf: torch.Tensor,
-              streams: list[tuple[int, tuple[int, ...], int]], world: int) -> list[tuple[float, float]]:
+              streams: list[tuple[int, tuple[int, ...], int]], world: int) -> tuple[RawStep, Callable[[], None]]:
+    """torch.distributed send/recv (one destination) or broadcast (several) of each stream's bytes."""
     import datetime
 
     import torch.distributed as dist
 
     groups = []
-    for s, dsts, n in sorted(streams):
+    for s, dsts, n in streams:  # plan order everywhere: deadlock-free group creation
         prefix = dist.PrefixStore(f"raw/src{s}-dst{'.'.join(map(str, dsts))}/", store)
         me = 0 if role == "src" else 1 + dsts.index(rank)
         if cfg.device.startswith("cuda"):
-            opts = dist.ProcessGroupNCCL.Options()
-            pg: Any = dist.ProcessGroupNCCL(prefix, me, 1 + len(dsts), opts)
+            pg: Any = dist.ProcessGroupNCCL(prefix, me, 1 + len(dsts), dist.ProcessGroupNCCL.Options())
         else:
             gopts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             gopts._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
             gopts._timeout = datetime.timedelta(seconds=cfg.timeout)
             pg = dist.ProcessGroupGloo(prefix, me, 1 + len(dsts), gopts)
-        groups.append(((s, dsts, n), pg, me))
-    order = {key: i for i, key in enumerate(_streams_order(streams))}
-    groups.sort(key=lambda g: order[g[0]])
-    times = []
-    for v in range(cfg.warmup + cfg.iters):
+        groups.append((dsts, n, pg, me))
+
+    def step(v: int) -> tuple[float, float]:
         _barrier(store, f"raw{v}", world)
         t0 = time.time()
         works, off = [], 0
-        for (_s, dsts, n), pg, me in groups:
+        for dsts, n, pg, me in groups:
             view = buf[off : off + n]
             off += n
             if len(dsts) > 1:
@@ -359,42 +368,41 @@ def _raw_dist(cfg: BenchConfig, role: str, rank: int, store: Any, buf: torch.Ten
         for w in works:
             w.wait()
         _sync_device(cfg.device)
-        times.append((t0, time.time()))
-    return times[cfg.warmup :]
+        return t0, time.time()
 
-
-def _streams_order(streams: list[tuple[int, tuple[int, ...], int]]) -> list[tuple[int, tuple[int, ...], int]]:
-    return list(streams)
+    return step, lambda: None
 
 
 def _raw_ipc(cfg: BenchConfig, role: str, rank: int, store: Any, buf: torch.Tensor,
              streams: list[tuple[int, tuple[int, ...], int]], peers: dict[int, Mailbox],
-             world: int, staging: Any) -> list[tuple[float, float]]:
+             world: int, staging: Any) -> tuple[RawStep, Callable[[], None]]:
     """The bar for IPC: one memcpy of the same bytes from the trainer's (shared, pre-mapped) staging
     memory into the destination buffer, no protocol. On CUDA: a device-to-device copy."""
-    times = []
     if cfg.device.startswith("cuda"):
         other = torch.empty_like(buf)
-        for v in range(cfg.warmup + cfg.iters):
+
+        def cuda_step(v: int) -> tuple[float, float]:
             _barrier(store, f"raw{v}", world)
             torch.cuda.synchronize()
             t0 = time.time()
             if role == "dst":
                 other.copy_(buf)
             torch.cuda.synchronize()
-            times.append((t0, time.time()))
-        return times[cfg.warmup :]
+            return t0, time.time()
+
+        return cuda_step, lambda: None
     from .transports.ipc import _ShmSegment
 
     maps: dict[int, _ShmSegment] = {}
     if role == "src":
-        for d in {d for _, dsts, _ in streams for d in dsts}:
+        for d in sorted({d for _, dsts, _ in streams for d in dsts}):
             peers[d].send("raw.stage", path=staging.path, size=staging.nbytes)
     else:
         for s in sorted({s for s, _, _ in streams}):
             h, _ = peers[s].get("raw.stage", timeout=cfg.timeout)
             maps[s] = _ShmSegment(h["path"], int(h["size"]), create=False)
-    for v in range(cfg.warmup + cfg.iters):
+
+    def step(v: int) -> tuple[float, float]:
         _barrier(store, f"raw{v}", world)
         t0 = time.time()
         if role == "dst":
@@ -405,10 +413,13 @@ def _raw_ipc(cfg: BenchConfig, role: str, rank: int, store: Any, buf: torch.Tens
                 n = min(n, src_mem.numel())
                 buf[off : off + n].copy_(src_mem[:n])
                 off += n
-        times.append((t0, time.time()))
-    for m in maps.values():
-        m.close()
-    return times[cfg.warmup :]
+        return t0, time.time()
+
+    def close() -> None:
+        for m in maps.values():
+            m.close()
+
+    return step, close
 
 
 # -- the parent -------------------------------------------------------------------------------------

@@ -483,7 +483,7 @@ class WeightReceiver(_Endpoint):
         buckets = self.buckets
         remaining = dict(self._pieces)
         free = list(range(self.transport.num_slots))
-        inflight: dict[int, tuple[Pending[torch.Tensor], int]] = {}
+        inflight: dict[int, tuple[Pending[torch.Tensor], int, torch.Tensor | None]] = {}
         next_post = 0
 
         def post() -> None:
@@ -498,19 +498,22 @@ class WeightReceiver(_Endpoint):
                     if target is not None:
                         pending = self.transport.start_recv_into(bucket, -1, target)
                         if pending is not None:
-                            inflight[next_post] = (pending, -1)
+                            inflight[next_post] = (pending, -1, None)
                             next_post += 1
                             continue
+                else:
+                    target = None
                 if not free:
                     return
                 slot = free.pop(0)
-                inflight[next_post] = (self.transport.start_recv(bucket, slot), slot)
+                # `target`: the destination is laid out like the bucket, so one copy moves it all
+                inflight[next_post] = (self.transport.start_recv(bucket, slot), slot, target)
                 next_post += 1
 
         for k, bucket in enumerate(buckets):
             post()
             tw = time.perf_counter()
-            pending, slot = inflight.pop(k)
+            pending, slot, target = inflight.pop(k)
             data = pending.wait(self.timeout)
             del pending
             meta = None
@@ -520,8 +523,8 @@ class WeightReceiver(_Endpoint):
                 meta = h.get("meta")
             stats.wait_seconds += time.perf_counter() - tw
             tl = time.perf_counter()
-            self._consume(version, bucket, data, meta, remaining, on_bucket, into, slot < 0)
-            del data  # every view of the bucket must be gone before the transport releases it
+            self._consume(version, bucket, data, meta, remaining, on_bucket, into, slot < 0, target)
+            del data, target  # every view of the bucket must be gone before the transport releases it
             stats.load_seconds += time.perf_counter() - tl
             self.transport.release_recv(bucket, slot)
             if slot >= 0:
@@ -544,9 +547,13 @@ class WeightReceiver(_Endpoint):
         on_bucket: OnBucket | None,
         into: Mapping[str, torch.Tensor] | None,
         direct: bool,
+        target: torch.Tensor | None = None,
     ) -> None:
         """Verify, unpack (views), assemble split tensors and hand complete ones to `on_bucket`."""
         self.hooks.on_recv_bucket(version, bucket, data, meta)
+        if target is not None and not direct:
+            target.copy_(data)  # one memcpy for the whole bucket instead of one per tensor
+            direct = True
         ready: NamedTensors = []
         for e in bucket.entries:
             p = e.piece

@@ -66,6 +66,7 @@ class Scenario:
     accept_timeout: float = 20.0
     into: bool = False  # senders stage in the plan's arena, receivers receive into arena tensors
     hooks: bool = False  # a checksum hook ships per-bucket metadata over the links
+    device: str = "cpu"  # "cuda": CUDA IPC / NCCL (gpu-marked tests)
 
 
 class SumHooks(SyncHooks):
@@ -79,10 +80,10 @@ class SumHooks(SyncHooks):
             raise RuntimeError(f"bucket {bucket.index} checksum mismatch")
 
 
-def arena_tensors(layout: Any) -> dict[str, torch.Tensor]:
+def arena_tensors(layout: Any, device: str = "cpu") -> dict[str, torch.Tensor]:
     from weightsync.agent.buckets import allocate, entry_view
 
-    flat = allocate(max(layout.nbytes, 1))
+    flat = allocate(max(layout.nbytes, 1), device)
     return {e.name: entry_view(flat, e) for e in layout.entries}
 
 
@@ -138,13 +139,14 @@ def _sender(scn: Scenario, rank: int, port: int, out: Any) -> None:
         transport = _transport(scn.transport, store, scn.timeout)
         if scn.die_at_bucket is not None and scn.die_at_bucket[0] == rank:
             transport = DyingTransport(transport, scn.die_at_bucket[1])
-        sender = WeightSender(plan, rank, transport, peers, timeout=scn.timeout,
+        sender = WeightSender(plan, rank, transport, peers, timeout=scn.timeout, device=scn.device,
                               hooks=SumHooks() if scn.hooks else None)
         mine = {s.name: s for s in plan.sources[rank]}
         res["versions"] = []
-        staged = arena_tensors(plan.arena("src", rank)) if scn.into else None
+        staged = arena_tensors(plan.arena("src", rank), scn.device) if scn.into else None
         for v in scn.versions:
-            tensors = {n: slice_of(full_tensor(n, s.dtype, s.global_shape, v), s.box) for n, s in mine.items()}
+            tensors = {n: slice_of(full_tensor(n, s.dtype, s.global_shape, v), s.box).to(scn.device)
+                       for n, s in mine.items()}
             if staged is not None:
                 for n, t in tensors.items():
                     staged[n].copy_(t)
@@ -174,9 +176,9 @@ def _receiver(scn: Scenario, rank: int, port: int, out: Any) -> None:
             mb.send("hello", dst=rank)
             peers[s] = mb
         transport = _transport(scn.transport, store, scn.timeout)
-        receiver = WeightReceiver(plan, rank, transport, peers, timeout=scn.timeout,
+        receiver = WeightReceiver(plan, rank, transport, peers, timeout=scn.timeout, device=scn.device,
                                   hooks=SumHooks() if scn.hooks else None)
-        dest = arena_tensors(plan.arena("dst", rank)) if scn.into else None
+        dest = arena_tensors(plan.arena("dst", rank), scn.device) if scn.into else None
         needs = {s.name: s for s in plan.needs[rank]}
         res["checked"] = 0
         res["mismatches"] = []
@@ -190,7 +192,7 @@ def _receiver(scn: Scenario, rank: int, port: int, out: Any) -> None:
                 for n, t in items:
                     if n in got:
                         dup.append(n)
-                    got[n] = t.clone()
+                    got[n] = t.clone().cpu()
 
             if dest is not None:
                 for t in dest.values():
