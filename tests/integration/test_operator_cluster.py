@@ -125,10 +125,16 @@ def test_separated_job_builds_every_object_and_the_scheduler_places_the_pods(clu
     assert np["spec"]["podSelector"]["matchLabels"][contract.LABEL_JOB] == "sep"
     role = raw(kube, f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles/sep-agent")
     assert role["rules"][0]["resourceNames"] == sorted(pods)
-    cm = kube.core.read_namespaced_config_map("sep-topology", namespace)
-    topo = Topology.from_json(cm.data[contract.TOPOLOGY_FILE])
+    want_nodes = {pods[n]["spec"]["nodeName"] for n in ("sep-trainer-0", "sep-trainer-1")}
+
+    def topology() -> Topology:
+        cm = kube.core.read_namespaced_config_map("sep-topology", namespace)
+        return Topology.from_json(cm.data[contract.TOPOLOGY_FILE])
+
+    # The operator records the scheduler's choice in the topology on the pod events that follow binding.
+    topo = wait_until(lambda: (t := topology()) and {m.node for m in t.trainer.pods} == want_nodes and t,
+                      what="topology with the trainer nodes")
     assert topo.mode == "NCCL" and topo.trainer.world_size == 8 and len(topo.inference) == 2
-    assert {m.node for m in topo.trainer.pods} == {pods[n]["spec"]["nodeName"] for n in ("sep-trainer-0", "sep-trainer-1")}
 
     # The per-job ServiceAccount can do exactly what an agent needs, as the real authorizer sees it.
     sa = f"system:serviceaccount:{namespace}:sep-agent"
