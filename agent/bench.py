@@ -4,13 +4,18 @@
         [--trainer-tp A --inference-tp B] [--fsdp K] [--bucket-mb M] [--json]
 
 Every trainer and inference rank is a separate process (forkserver). The agent path is the real one:
-plan, WeightSender -> Transport -> WeightReceiver over authenticated links, the receiver's callback
-loading every tensor into preallocated destination tensors (what an engine does). The raw path moves
-the same bytes per (source, destinations) stream with no plan, packing or control traffic:
-torch.distributed send/recv or broadcast for nccl (gloo on CPU); for IPC a pipelined memcpy through
-pre-mapped shared memory with the same chunk size and double buffering as the agent (on CUDA: a
-device-to-device copy). Both are timed from a common barrier to the last rank's end; the agent's
-result is verified bit for bit against the trainer's tensors. One JSON object is printed.
+plan, WeightSender -> Transport -> WeightReceiver over authenticated links. Each trainer rank's
+tensors sit in one staging buffer laid out by `plan.arena` (what the trainer agent's staging holds;
+shared memory for IPC), and each inference rank receives into its destination tensors (`into=`, laid
+out the same way), or with `--load callback` gets views and copies them like an engine would.
+
+The raw path moves the same bytes per (source, destinations) stream with no plan, no packing and no
+control traffic: torch.distributed send/recv (one destination) or broadcast (several) for nccl, gloo
+on CPU; for IPC one memcpy from the trainer's pre-mapped shared staging into the destination (the
+physical floor: the agent also needs exactly one copy there); on CUDA a device-to-device copy. Agent
+and raw rounds alternate (after warm-up rounds that form groups and fault pages in) and each is timed
+from a common barrier to the last rank's end; medians are reported. The agent's result is verified
+bit for bit against the trainer's tensors. One JSON object is printed.
 
 Extensible: other modules register transports (`register_bench`) and options (`register_option`); any
 module `weightsync.agent.bench_*` is imported at start so it can do so (H7: gdr, --verify, delta).

@@ -18,6 +18,11 @@ caller commits only after `receive_version` returned).
 
 Double buffering: the sender packs bucket k+1 while bucket k moves; the receiver has bucket k+1 in
 flight while bucket k is unpacked and handed to `on_bucket`. Buffers are reused across versions.
+
+Zero copy: a bucket whose source tensors already sit exactly like it (TransferPlan.arena layout,
+e.g. the trainer agent's staging) is sent from there without a pack; a receiver given destination
+tensors (`into=`) in the arena layout gets whole buckets written straight into them (NCCL/gloo) or
+with one copy per bucket (IPC), without per-tensor unpacking.
 """
 
 from __future__ import annotations

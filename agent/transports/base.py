@@ -19,6 +19,11 @@ Life cycle, per endpoint (one source rank or one destination rank of a plan):
     t.release_recv(bucket, slot)           # data is invalid afterwards (IPC: handle closed)
     t.close()
 
+Zero copy (optional): when the sender's tensors already sit exactly like a bucket (see
+TransferPlan.arena), the sync layer calls `start_send_from(bucket, data)` instead of packing, and a
+receiver with destination tensors laid out like the bucket calls `start_recv_into(bucket, -1, out)`.
+A transport returns None where it cannot (IPC on CPU sends only from registered shared segments).
+
 Rules every transport keeps:
 * Buckets are processed by every endpoint in plan order (`plan.buckets_from(src)` /
   `plan.buckets_to(dst)`); transports may rely on it to match sends with receives.
