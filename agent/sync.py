@@ -14,7 +14,8 @@ Protocol per version, on every src<->dst link that carries at least one bucket:
 So the plan hash is compared by every pair before any byte moves, and a receiver reports success
 only when everything arrived. Any failure on either side sends `abort` with the reason to every peer
 of this endpoint and raises a SyncError; a receiver that raised must not commit the version (the
-caller commits only after `receive_version` returned).
+caller commits only after `receive_version` returned). An abort poisons the control mailboxes it
+crossed: after a failed version, reconnect the links (and, for NCCL, the groups are rebuilt).
 
 Double buffering: the sender packs bucket k+1 while bucket k moves; the receiver has bucket k+1 in
 flight while bucket k is unpacked and handed to `on_bucket`. Buffers are reused across versions.
@@ -166,9 +167,9 @@ class _Endpoint:
         self.hooks = hooks or SyncHooks()
         self.world = world
 
-    def _ctx(self, peer_role: str) -> TransportContext:
+    def _ctx(self, peer_role: str, version: int) -> TransportContext:
         peers = {Endpoint(peer_role, r): mb for r, mb in self.peers.items()}  # type: ignore[arg-type]
-        return TransportContext(self.plan, self.me, peers, self.device, self.timeout, self.world)
+        return TransportContext(self.plan, self.me, peers, self.device, self.timeout, self.world, version)
 
     def _abort_all(self, ranks: Sequence[int], reason: str) -> None:
         for r in ranks:
@@ -238,7 +239,7 @@ class WeightSender(_Endpoint):
             self._handshake(version)
             stats.handshake_seconds = time.perf_counter() - t0
             where = "binding the transport"
-            self.transport.bind(self._ctx("dst"))
+            self.transport.bind(self._ctx("dst", version))
             self._send_buckets(version, tensors, stats)
             where = "finishing"
             done_meta = self.hooks.on_send_done(version)
@@ -421,7 +422,7 @@ class WeightReceiver(_Endpoint):
             stats.version = version
             stats.handshake_seconds = time.perf_counter() - t0
             where = "binding the transport"
-            self.transport.bind(self._ctx("src"))
+            self.transport.bind(self._ctx("src", version))
             where = "receiving buckets"
             self._recv_buckets(version, on_bucket, bucket_meta, stats, into)
             where = "finishing"
@@ -452,8 +453,10 @@ class WeightReceiver(_Endpoint):
     def _handshake(self, expected_version: int | None) -> tuple[int, bool]:
         begins: dict[int, dict[str, Any]] = {}
         for s in self.srcs:
-            match = None if expected_version is None else {"version": expected_version}
-            h, _ = self.peers[s].get("sync.begin", timeout=self.timeout, match=match)
+            h, _ = self.peers[s].get("sync.begin", timeout=self.timeout)
+            if expected_version is not None and h.get("version") != expected_version:
+                raise PlanMismatch(f"source rank {s} began version {h.get('version')}, this destination expects "
+                                   f"version {expected_version}")
             begins[s] = h
         versions = {h.get("version") for h in begins.values()}
         if len(versions) != 1:

@@ -110,6 +110,9 @@ class TransportContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout: float = 600.0
     world: WorldMap | None = None
+    #: The version being moved; transports tag their control messages with it so that frames left
+    #: over from an aborted version can never be mistaken for the current one.
+    version: int = -1
 
     @property
     def world_map(self) -> WorldMap:

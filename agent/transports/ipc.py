@@ -15,8 +15,8 @@ closed / aborted), which is the case that breaks (Awex: an illegal memory access
 re-allocation). A release with a view still alive is refused, so a leaked view can never dangle.
 
 Messages (over the Mailbox of each src<->dst pair):
-    src -> dst  ipc.bucket  {index, handle}
-    dst -> src  ipc.release {index}
+    src -> dst  ipc.bucket  {index, version, handle}
+    dst -> src  ipc.release {index, version}
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ class _ReleasePending(Pending[None]):
         while self._left:
             d = self._left[0]
             try:
-                self._t._peer(dst(d)).get("ipc.release", timeout=timeout, match={"index": self._bucket.index})
+                self._t._peer(dst(d)).get("ipc.release", timeout=timeout,
+                                          match={"index": self._bucket.index, "version": self._t._version})
             except Exception as exc:
                 raise TransportError(f"destination rank {d} did not release bucket {self._bucket.index}: {exc}") from exc
             self._left.pop(0)
@@ -135,7 +136,8 @@ class _OpenPending(Pending[torch.Tensor]):
         if self._result is None:
             b = self._bucket
             try:
-                h, _ = self._t._peer(src(b.src)).get("ipc.bucket", timeout=timeout, match={"index": b.index})
+                h, _ = self._t._peer(src(b.src)).get("ipc.bucket", timeout=timeout,
+                                                     match={"index": b.index, "version": self._t._version})
             except Exception as exc:
                 raise TransportError(f"no handle for bucket {b.index} from source rank {b.src}: {exc}") from exc
             self._result = self._t._open(h["handle"], b, self._slot)
@@ -163,6 +165,10 @@ class IpcTransport(Transport):
         self._slot_ident: dict[tuple[int, int], str] = {}
         self._lent: dict[int, str] = {}
         self.handles_opened = 0
+
+    @property
+    def _version(self) -> int:
+        return self._ctx.version if self._ctx is not None else -1
 
     def _peer(self, ep: Endpoint) -> Any:
         assert self._ctx is not None
@@ -211,7 +217,7 @@ class IpcTransport(Transport):
 
     def _announce(self, bucket: BucketPlan, handle: dict[str, Any]) -> Pending[None]:
         for d in bucket.dsts:
-            self._peer(dst(d)).send("ipc.bucket", index=bucket.index, handle=handle)
+            self._peer(dst(d)).send("ipc.bucket", index=bucket.index, version=self._version, handle=handle)
         return _ReleasePending(self, bucket)
 
     def start_send(self, bucket: BucketPlan, slot: int) -> Pending[None]:
@@ -302,7 +308,7 @@ class IpcTransport(Transport):
                 )
         elif isinstance(mapped, torch.Tensor):
             torch.cuda.current_stream(mapped.device).synchronize()  # consumers' copies must be done
-        self._peer(src(bucket.src)).send("ipc.release", index=bucket.index)
+        self._peer(src(bucket.src)).send("ipc.release", index=bucket.index, version=self._version)
 
     def _close_map(self, mapped: _ShmSegment | torch.Tensor) -> None:
         if isinstance(mapped, _ShmSegment):
