@@ -22,7 +22,7 @@ NAMES = {
     "model.layers.0.self_attn.o_proj.weight": ((6, 8), torch.float32),      # row-parallel (dim 1)
     "model.layers.0.mlp.down_proj.weight": ((6, 4), torch.int8),            # row-parallel, int8
     "model.norm.weight": ((6,), torch.float32),                             # replicated
-    "model.big.weight": ((300, 7), torch.float32),                          # replicated, spans buckets
+    "model.big.weight": ((1200, 500), torch.float32),  # replicated; each FSDP half (1.2 MB) spans 1 MB buckets
 }
 
 
