@@ -267,6 +267,11 @@ class IpcTransport(Transport):
         if offset < 0 or offset + bucket.nbytes > size:
             raise TransportError(f"handle of bucket {bucket.index} does not cover its {bucket.nbytes} bytes")
         mapped = self._maps.get(ident)
+        if mapped is not None and kind == "cuda":
+            # Every export bumped a ref counter on the owner's side; release it as torch's own cache
+            # hit does, or the owner can never free the block.
+            torch.UntypedStorage._release_ipc_counter(
+                base64.b64decode(handle["ref_handle"]), int(handle["ref_offset"]), device=self._ctx.device)
         if mapped is None:
             if kind == "shm":
                 path = str(handle.get("path", ""))
