@@ -151,6 +151,7 @@ class Agent:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._attempt = 0
+        self._engine_known = False  # the engine reported its served version (hello or served_version())
         self.pod: PodLink | None = None
 
         topo = self.watcher.current
@@ -305,7 +306,9 @@ class Agent:
         if self.pod is None:
             return
         fields: dict[str, Any] = {"published_version": self.published}
-        if self.islot is not None:
+        # Until the engine said what it serves (a restarted agent knows nothing yet), the pod keeps its last
+        # report: reporting "stale" now would flap readiness for an engine that is in fact up to date.
+        if self.islot is not None and self._engine_known:
             ok, reason, msg = synced_state(latest, self.served, self.cfg.max_staleness)
             fields.update(served_version=self.served, engine_paused=self.user_paused, last_sync=self.last_sync,
                           sync_error=self.last_error, synced=ok, synced_reason=reason, synced_message=msg)
@@ -378,6 +381,14 @@ class Agent:
         if self.cfg.engine_type == "Custom" and not self.registry.connected():
             self._report()
             return
+        if not self._engine_known:
+            if self.cfg.engine_type != "Custom":
+                try:  # an HTTP engine that outlived a restarted agent already serves some version
+                    self.served = self.adapter.served_version()
+                except EngineError as exc:
+                    log.info("engine not reachable yet: %s", exc)
+                    return
+            self._engine_known = True
         self._apply_pause()
         target = self._target()
         self.metrics.target_version.set(target or self.served or 0)
