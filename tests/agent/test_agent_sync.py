@@ -88,13 +88,12 @@ def test_mixed_dtypes_bf16_fp32_int8() -> None:
         TensorMeta("model.layers.0.self_attn.q_proj.weight_scale", "float32", (16,)),
         TensorMeta("model.layers.0.mlp.down_proj.weight", "int8", (8, 16)),
         TensorMeta("model.layers.0.mlp.down_proj.weight_scale", "float32", (8, 1)),
-        TensorMeta("model.layers.0.mlp.up_proj.weight", "int8", (15, 8)),  # 15: odd byte sizes
+        TensorMeta("model.layers.0.mlp.up_proj.weight", "int8", (16, 8)),
+        TensorMeta("model.extra.odd", "int8", (7, 3)),  # 21 bytes: odd sizes keep later entries aligned
         TensorMeta("model.norm.weight", "float32", (8,)),
         TensorMeta("model.step", "int8", ()),  # a 0-d tensor
     ]
-    metas[4] = TensorMeta("model.layers.0.mlp.up_proj.weight", "int8", (16, 8))
-    odd = TensorMeta("model.extra.odd", "int8", (7, 3))
-    scn = tp_scenario([*metas, odd], 2, 4, bucket=100)
+    scn = tp_scenario(metas, 2, 4, bucket=100)  # tiny buckets: many split pieces of every dtype
     assert_all_ok(run_scenario(scn), 4, [1])
 
 
