@@ -69,6 +69,7 @@ class BenchConfig:
     iters: int = 3
     device: str = "cpu"
     load: str = "into"
+    staging: str = "arena"
     timeout: float = 600.0
     hooks_factory: Callable[[], SyncHooks] | None = None
     transport_factory: Callable[[BenchConfig, Any], Transport] | None = None
@@ -244,6 +245,8 @@ def _run_worker(cfg: BenchConfig, role: str, rank: int, port: int) -> dict[str, 
     if role == "src" and cfg.transport == "ipc" and not cfg.device.startswith("cuda"):
         shm_path = f"/dev/shm/weightsync-bench-stage-{os.getpid()}"
     flat, owner, views = _arena(plan.arena(role, rank), cfg.device, shm_path)
+    if cfg.staging == "separate":  # every tensor its own allocation: the sender packs, the receiver copies
+        views = {s.name: torch.empty(s.box.shape, dtype=to_dtype(s.dtype), device=cfg.device) for s in mine}
     if role == "src":
         for s in mine:
             full = synth_full(pattern, s.name, s.dtype, s.global_shape)
@@ -276,7 +279,8 @@ def _run_worker(cfg: BenchConfig, role: str, rank: int, port: int) -> dict[str, 
 
     for v in range(cfg.warmup + cfg.iters):
         if role == "dst":
-            flat.zero_()
+            for t in views.values():
+                t.zero_()
         _barrier(store, f"agent{v}", world)
         t0 = time.time()
         if role == "src":
@@ -505,6 +509,7 @@ def run_processes(cfg: BenchConfig) -> dict[str, Any]:
         "receiver_wait_seconds": max((s["wait_seconds"] for s in dst_stats), default=0.0),
         "receiver_load_seconds": max((s["load_seconds"] for s in dst_stats), default=0.0),
         "load": cfg.load,
+        "staging": cfg.staging,
         "sender_direct_buckets": sum(s.get("direct_buckets", 0) for s in src_stats),
         "receiver_direct_buckets": sum(s.get("direct_buckets", 0) for s in dst_stats),
         "handshake_seconds": max((s["handshake_seconds"] for s in dst_stats + src_stats), default=0.0),
@@ -531,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", choices=("into", "callback"), default="into",
                    help="receiver writes into the destination tensors (into) or hands views to a callback "
                         "that copies them (callback)")
+    p.add_argument("--staging", choices=("arena", "separate"), default="arena",
+                   help="trainer tensors and destination tensors in one buffer laid out by the plan (arena: "
+                        "zero-copy where possible) or each in its own allocation (separate: pack + copy)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     for add, _ in OPTIONS:
@@ -545,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown transport {args.transport!r}; available: {', '.join(sorted(BENCHES))}", file=sys.stderr)
         return 2
     cfg = BenchConfig(args.transport, args.size_mb, args.trainer_tp, args.inference_tp, args.fsdp, args.bucket_mb,
-                      args.warmup, args.iters, args.device, args.load, args.timeout)
+                      args.warmup, args.iters, args.device, args.load, args.staging, args.timeout)
     for _, apply in OPTIONS:
         apply(args, cfg)
     result = BENCHES[args.transport](cfg)
