@@ -14,8 +14,8 @@ import pydantic
 import pytest
 import torch
 from conftest import load_fixture
+from engine_schema import validate
 from recording_server import RecordingServer
-from schema import validate
 from weightsync.agent.engines import sglang, vllm
 from weightsync.agent.engines.base import load_version
 from weightsync.agent.engines.factory import make_adapter, normalize_engine_type

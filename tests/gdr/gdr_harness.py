@@ -367,7 +367,10 @@ def _child(target: Any, key: tuple[str, int], *args: Any) -> None:
 
 def run_gdr(scn: GdrScenario, deadline: float = 300.0) -> dict[tuple[str, int], dict[str, Any]]:
     """Run every source rank and every replica rank in its own process; return their reports."""
-    ctx = mp.get_context("fork")
+    # forkserver: children fork from a clean single-threaded server, never from the test process,
+    # whose threads (TCPStore servers, mailboxes of earlier tests) could hold locks across a fork
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "gdr_harness"])
     store = TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=deadline))
     out = ctx.Queue()
     procs: list[tuple[tuple[str, int], Any]] = []
