@@ -3,13 +3,15 @@ plane and the real operator process, namespace-scoped, started per test."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from op_helpers import CRD_FILE, OperatorProcess, force_delete_pods, start_operator
+from op_helpers import CRD_FILE, POOL, POOL_LABEL, OperatorProcess, force_delete_pods, start_operator
 from weightsync.crds import contract
+from weightsync.e2e.nodes import NodeSimulator, gpu_fleet
 from weightsync.e2e.pytest_plugin import wait_until
 
 
@@ -29,8 +31,23 @@ def wsj_crd(cluster: Any) -> str:
     return contract.CRD_NAME
 
 
+@pytest.fixture(scope="session")
+def op_nodes(cluster: Any) -> Iterator[list[str]]:
+    """Four 8-GPU simulated nodes (2 racks) for these tests only: labelled and tainted as the pool."""
+    specs = [
+        dataclasses.replace(s, extra_labels={POOL_LABEL: POOL},
+                            taints=[{"key": POOL_LABEL, "value": POOL, "effect": "NoSchedule"}])
+        for s in gpu_fleet(4, prefix="op-gpu", process=False)
+    ]
+    sim = NodeSimulator(cluster.api_client, specs).start()
+    try:
+        yield sim.node_names
+    finally:
+        sim.stop(delete=True)
+
+
 @pytest.fixture
-def operator(cluster: Any, kube: Any, namespace: str, wsj_crd: str, tmp_path: Path,
+def operator(cluster: Any, kube: Any, namespace: str, wsj_crd: str, op_nodes: list[str], tmp_path: Path,
              request: pytest.FixtureRequest) -> Iterator[Callable[..., OperatorProcess]]:
     """Start the operator for the test's namespace (call it again after stopping to restart). The pods
     are force-deleted at the end so the simulated GPUs are free for the next test."""

@@ -22,6 +22,27 @@ REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / f"{contract.GROUP}_{contract.PLURAL}.yaml"
 OPERATOR_BIN = Path(sys.executable).parent / "weightsync-operator"
 AGENT_IMAGE = "weightsync-agent:integration"
+# The operator tests get their own simulated GPU nodes (see conftest.op_nodes): not process nodes, so
+# their pods are only placed, never run, whether or not the session's process runtime is up; tainted, so
+# no other test's pods use their GPUs.
+POOL_LABEL = "weightsync.io/test-pool"
+POOL = "operator"
+POOL_SELECTOR = {POOL_LABEL: POOL}
+POOL_TOLERATION = {"key": POOL_LABEL, "operator": "Equal", "value": POOL, "effect": "NoSchedule"}
+
+
+def pin_to_pool(template: dict[str, Any]) -> dict[str, Any]:
+    """Add the pool's nodeSelector and toleration to a pod template (in place; returned for chaining)."""
+    spec = template.setdefault("spec", {})
+    spec.setdefault("nodeSelector", {}).update(POOL_SELECTOR)
+    spec["tolerations"] = [*(spec.get("tolerations") or []), POOL_TOLERATION]
+    return template
+
+
+def pin_job(spec: dict[str, Any]) -> dict[str, Any]:
+    pin_to_pool(spec["trainer"]["template"])
+    pin_to_pool(spec["inference"]["template"])
+    return spec
 
 
 def free_port() -> int:
@@ -121,8 +142,9 @@ def colocated_spec(pods: int = 1, gpus_per_pod: int = 8, replicas: int = 4, gpus
 
 
 def create_job(kube: Any, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Create a job whose pods go to the operator tests' node pool."""
     return kube.custom.create_namespaced_custom_object(
-        contract.GROUP, contract.VERSION, namespace, contract.PLURAL, job_body(name, spec)
+        contract.GROUP, contract.VERSION, namespace, contract.PLURAL, job_body(name, pin_job(spec))
     )
 
 

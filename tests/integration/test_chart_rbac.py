@@ -19,7 +19,7 @@ CHART = Path(__file__).resolve().parents[2] / "helm" / "weightsync-operator"
 
 
 def test_operator_runs_with_only_the_charts_namespaced_role(cluster: Any, kube: Any, namespace: str, wsj_crd: str,
-                                                            tmp_path: Path) -> None:
+                                                            op_nodes: list[str], tmp_path: Path) -> None:
     rendered = subprocess.run(
         [str(find_binary("helm")), "template", "ws", str(CHART), "-n", namespace, "--kube-version", "1.34.4",
          "--set", f"watchNamespaces={{{namespace}}}"],

@@ -13,6 +13,8 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 from op_helpers import (
     AGENT_IMAGE,
+    POOL,
+    POOL_LABEL,
     colocated_spec,
     condition,
     container,
@@ -113,7 +115,7 @@ def test_separated_job_builds_every_object_and_the_scheduler_places_the_pods(clu
     for pod in pods.values():
         per_node[pod["spec"]["nodeName"]] += _pod_gpus(pod)
     for node, used in per_node.items():
-        assert labels[node].get("nvidia.com/gpu.present") == "true"
+        assert labels[node].get("nvidia.com/gpu.present") == "true" and labels[node].get(POOL_LABEL) == POOL
         assert used <= int(labels[node][contract.LABEL_GPU_COUNT])
 
     # Supporting objects.

@@ -20,6 +20,7 @@ from op_helpers import (
     free_port,
     get_job,
     live_pods,
+    pin_job,
     raw,
     separated_spec,
     token_kubeconfig,
@@ -181,7 +182,8 @@ def test_examples_are_placed_by_the_scheduler(cluster, kube, namespace, operator
     operator()
     body = yaml.safe_load((REPO / "examples" / example).read_text())
     name = body["metadata"]["name"]
-    cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", str(REPO / "examples" / example))
+    pin_job(body["spec"])  # the example as shipped, plus the test pool's nodeSelector and toleration
+    cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
     placed = wait_until(lambda: (p := live_pods(kube, namespace, name)) and len(p) == pods
                         and all(x["spec"].get("nodeName") for x in p.values()) and p, timeout=90, what="placed")
     assert all(x["spec"]["initContainers"][0]["name"] == contract.AGENT_CONTAINER for x in placed.values())
@@ -192,6 +194,7 @@ def test_gdr_example_without_rdma_on_the_nodes_reports_unschedulable(cluster, ku
     operator()
     body = yaml.safe_load((REPO / "examples" / "separated-gdr.yaml").read_text())
     body["spec"]["placement"].pop("topologyKey", None)  # keep the test about the RDMA resource
+    pin_job(body["spec"])
     cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
     name = body["metadata"]["name"]
 
