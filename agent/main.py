@@ -444,7 +444,10 @@ class Agent:
         self.metrics.transfer_bytes.labels("received", self.mode).inc(res.bytes)
         self.metrics.verified_bytes.inc(res.verified_bytes)
         self.metrics.sync_seconds.labels(self.mode).observe(took)
-        log.info("version committed version=%s bytes=%s seconds=%.3f", version, res.bytes, took)
+        st = res.stats
+        log.info("version committed version=%s bytes=%s seconds=%.3f handshake=%.3f wait=%.3f engine_load=%.3f",
+                 version, res.bytes, took, sum(x.handshake_seconds for x in st), sum(x.wait_seconds for x in st),
+                 sum(x.load_seconds for x in st))
         self._report()
         self._wake.set()
 

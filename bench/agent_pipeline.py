@@ -110,7 +110,7 @@ def run(mode: str, size_mb: int, count: int, versions: int, bucket_mb: int) -> d
     commits, tlog = root / "commits.jsonl", root / "trainer.jsonl"
     try:
         for p in pods:
-            c.start_agent(p, WEIGHTSYNC_LOG_LEVEL="WARNING")
+            c.start_agent(p, WEIGHTSYNC_LOG_LEVEL=os.environ.get("WEIGHTSYNC_LOG_LEVEL", "WARNING"))
         c.spawn(i, "engine", [sys.executable, me, "engine", "--size-mb", str(size_mb), "--count", str(count),
                               "--versions", str(versions), "--out", str(commits)])
         c.spawn(t, "trainer", [sys.executable, me, "trainer", "--size-mb", str(size_mb), "--count", str(count),
