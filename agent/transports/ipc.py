@@ -42,7 +42,8 @@ SHM_DIR = "/dev/shm"
 class _ShmSegment:
     """A named POSIX shared-memory file mapped into this process, viewed as a uint8 tensor."""
 
-    def __init__(self, path: str, nbytes: int, *, create: bool) -> None:
+    def __init__(self, path: str, nbytes: int, *, create: bool, offset: int = 0) -> None:
+        """Create (owner) or open (reader) `path`; a reader may map only bytes [offset, offset+nbytes)."""
         self.path = path
         self.nbytes = nbytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -50,17 +51,20 @@ class _ShmSegment:
             fd = os.open(path, flags, 0o600)
         except OSError as exc:
             raise TransportError(f"cannot {'create' if create else 'open'} shared memory {path}: {exc}") from exc
+        delta = offset % mmap.ALLOCATIONGRANULARITY
         try:
             if create:
                 os.ftruncate(fd, max(nbytes, 1))
-            elif os.fstat(fd).st_size < nbytes:
-                raise TransportError(f"shared memory {path} holds {os.fstat(fd).st_size} bytes, need {nbytes}")
+            elif os.fstat(fd).st_size < offset + nbytes:
+                raise TransportError(f"shared memory {path} holds {os.fstat(fd).st_size} bytes, "
+                                     f"need {offset + nbytes}")
             # Readers prefault the mapping in one call (MAP_POPULATE): cheaper than a fault per page.
             mflags = mmap.MAP_SHARED | (0 if create else getattr(mmap, "MAP_POPULATE", 0))
-            self._mm: mmap.mmap | None = mmap.mmap(fd, max(nbytes, 1), flags=mflags)
+            self._mm: mmap.mmap | None = mmap.mmap(fd, max(delta + nbytes, 1), flags=mflags, offset=offset - delta)
         finally:
             os.close(fd)
-        self.tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8, count=max(nbytes, 1))
+        self.tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8, count=max(nbytes, 1),
+                                                            offset=delta)
 
     def close(self) -> None:
         """Unmap. Refuses (TransportError) while any view of the mapping is alive: torch.frombuffer does
@@ -151,9 +155,12 @@ class IpcTransport(Transport):
     name = "ipc"
 
     def __init__(self, *, shm_dir: str = SHM_DIR, prefix: str = "weightsync",
-                 accept_prefixes: tuple[str, ...] = ()) -> None:
+                 accept_prefixes: tuple[str, ...] = (), close_each_bucket: bool = False) -> None:
         """`prefix`: name prefix of the segments this owner creates. A reader maps only files in `shm_dir`
-        whose names start with `prefix` or one of `accept_prefixes` (e.g. the agent's staging segments)."""
+        whose names start with `prefix` or one of `accept_prefixes` (e.g. the agent's staging segments).
+        `close_each_bucket`: a reader unmaps every handle before releasing its bucket (strict, slower on
+        CPU) instead of keeping it mapped until the owner replaces or frees the segment."""
+        self.close_each_bucket = close_each_bucket
         self.shm_dir = shm_dir
         self.prefix = prefix
         self.accept_prefixes = (prefix, *accept_prefixes)
@@ -266,6 +273,12 @@ class IpcTransport(Transport):
         offset = int(handle.get("offset", 0))
         if offset < 0 or offset + bucket.nbytes > size:
             raise TransportError(f"handle of bucket {bucket.index} does not cover its {bucket.nbytes} bytes")
+        if self.close_each_bucket and kind == "shm":
+            # strict: map just this bucket's bytes, unmapped again at release
+            ident = f"{ident}@{offset}+{bucket.nbytes}"
+            size, map_offset, offset = bucket.nbytes, offset, 0
+        else:
+            map_offset = 0
         mapped = self._maps.get(ident)
         if mapped is not None and kind == "cuda":
             # Every export bumped a ref counter on the owner's side; release it as torch's own cache
@@ -279,7 +292,7 @@ class IpcTransport(Transport):
                 if os.path.dirname(path) != self.shm_dir or not name.startswith(self.accept_prefixes):
                     raise TransportError(f"refusing shared memory path {path!r}: not {self.shm_dir}/"
                                          f"{{{','.join(self.accept_prefixes)}}}-*")
-                mapped = _ShmSegment(path, size, create=False)
+                mapped = _ShmSegment(path, size, create=False, offset=map_offset)
             elif kind == "cuda":
                 if self._ctx.device.type != "cuda":
                     raise TransportError("got a CUDA IPC handle but this receiver's device is CPU")
@@ -313,6 +326,13 @@ class IpcTransport(Transport):
                 )
         elif isinstance(mapped, torch.Tensor):
             torch.cuda.current_stream(mapped.device).synchronize()  # consumers' copies must be done
+        if self.close_each_bucket and ident is not None and ident not in self._lent.values():
+            gone = self._maps.pop(ident, None)
+            if gone is not None:
+                self._close_map(gone)
+                if isinstance(gone, torch.Tensor):
+                    del gone
+                    torch.cuda.ipc_collect()
         self._peer(src(bucket.src)).send("ipc.release", index=bucket.index, version=self._version)
 
     def _close_map(self, mapped: _ShmSegment | torch.Tensor) -> None:

@@ -15,12 +15,13 @@ from weightsync.agent.sync import PeerFailed, SyncError, WeightReceiver, WeightS
 from weightsync.agent.transports.ipc import IpcTransport
 
 
-def _pair(plan: Any, prefix: str) -> tuple[WeightSender, WeightReceiver, IpcTransport, IpcTransport]:
+def _pair(plan: Any, prefix: str, strict: bool = False) -> tuple[WeightSender, WeightReceiver, IpcTransport,
+                                                                  IpcTransport]:
     lst = LinkListener("127.0.0.1", 0, "tok")
     client = connect("127.0.0.1", lst.port, "tok")
     server = lst.accept(timeout=5)
     lst.close()
-    ts, tr = IpcTransport(prefix=prefix), IpcTransport(prefix=prefix)
+    ts, tr = IpcTransport(prefix=prefix), IpcTransport(prefix=prefix, close_each_bucket=strict)
     return (WeightSender(plan, 0, ts, {0: server}, timeout=10), WeightReceiver(plan, 0, tr, {0: client}, timeout=10),
             ts, tr)
 
@@ -39,11 +40,12 @@ def _run(sender: WeightSender, version: int, tensors: dict[str, torch.Tensor]) -
     return errors
 
 
-def test_handles_are_mapped_once_and_segments_cleaned_up() -> None:
+@pytest.mark.parametrize("strict", [False, True])
+def test_handles_are_mapped_once_and_segments_cleaned_up(strict: bool) -> None:
     shards = [TensorShard.full(f"w{i}", "float32", (256,)) for i in range(8)]
     plan = build_plan([shards], [shards], 2048)  # 8 KiB of tensors in 2 KiB buckets: 4 buckets
-    prefix = f"weightsync-test-{os.getpid()}"
-    sender, receiver, ts, tr = _pair(plan, prefix)
+    prefix = f"weightsync-test-{os.getpid()}-{strict}"
+    sender, receiver, ts, tr = _pair(plan, prefix, strict)
     for v in (1, 2, 3):
         tensors = {s.name: torch.full((256,), float(v * 100 + i)) for i, s in enumerate(shards)}
         errors = _run(sender, v, tensors)
@@ -52,7 +54,9 @@ def test_handles_are_mapped_once_and_segments_cleaned_up() -> None:
                                  expected_version=v)
         assert all(torch.equal(got[n], tensors[n]) for n in tensors)
         assert not errors
-    assert tr.handles_opened == 2  # one mapping per owner slot, reused by 12 buckets over 3 versions
+    # one mapping per owner slot, reused by 12 buckets over 3 versions; strict: one per bucket
+    assert tr.handles_opened == (12 if strict else 2)
+    assert not tr._maps if strict else len(tr._maps) == 2
     ts.close()
     tr.close()
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
