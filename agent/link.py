@@ -193,13 +193,14 @@ class Link:
                 raise
 
     def _recv_frame(self, timeout: float | None) -> tuple[dict[str, Any], memoryview]:
-        if timeout is not None:
-            try:
-                ready, _, _ = select.select([self._sock], [], [], max(0.0, timeout))
-            except (OSError, ValueError) as exc:
-                raise PeerClosed(f"link to {self.peer} is unusable: {exc}") from exc
-            if not ready:
-                raise LinkTimeout(f"no frame from {self.peer} within {timeout:.1f}s")
+        # Wait for a frame to start without the socket's I/O timeout (an idle link is fine, a stalled
+        # frame is not): select, then read the frame under the I/O timeout.
+        try:
+            ready, _, _ = select.select([self._sock], [], [], None if timeout is None else max(0.0, timeout))
+        except (OSError, ValueError) as exc:
+            raise PeerClosed(f"link to {self.peer} is unusable: {exc}") from exc
+        if not ready:
+            raise LinkTimeout(f"no frame from {self.peer} within {timeout:.1f}s")
         prefix = _recv_exact(self._sock, _PREFIX.size, "a frame prefix", started=False)
         magic, version, _flags, _res, hlen, plen, seq = _PREFIX.unpack(prefix)
         if magic != MAGIC or version != _VERSION:

@@ -133,6 +133,16 @@ def test_oversized_and_malformed_frames(listener: LinkListener) -> None:
         c3.send({"kind": "x"}, b"z" * (c3.max_payload + 1))
 
 
+def test_an_idle_link_outlives_the_io_timeout() -> None:
+    with LinkListener("127.0.0.1", 0, TOKEN, io_timeout=0.2) as lst:
+        c = connect("127.0.0.1", lst.port, TOKEN, io_timeout=0.2)
+        s = lst.accept(timeout=5)
+        mb = Mailbox(s)
+        time.sleep(0.6)  # idle for 3x the I/O timeout: the reader keeps waiting, the link stays open
+        c.send({"kind": "late"})
+        assert mb.get("late", timeout=5)[0]["kind"] == "late"
+
+
 def test_peer_closed(listener: LinkListener) -> None:
     c, s = pair(listener)
     c.close()
