@@ -28,9 +28,10 @@ with one copy per bucket (IPC), without per-tensor unpacking.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +141,40 @@ def in_place(bucket: BucketPlan, regions: Sequence[torch.Tensor]) -> torch.Tenso
         if r.device != first.device:
             return None
     return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, base - sp, (bucket.nbytes,), (1,))
+
+
+def memory_spans(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    """Sorted, merged [start, end) address ranges the tensors occupy (device-agnostic pointers)."""
+    raw = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel())
+    merged: list[tuple[int, int]] = []
+    for lo, hi in raw:
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def gaps_are_free(bucket: BucketPlan, target: torch.Tensor, spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether writing the whole bucket into `target` leaves other memory alone: every padding gap
+    between its entries must lie outside every destination tensor (`spans`)."""
+    base = target.data_ptr()
+    cursor = 0
+    for e in bucket.entries:
+        if e.offset > cursor and _overlaps(spans, base + cursor, base + e.offset):
+            return False
+        cursor = e.offset + e.piece.nbytes
+    return True
+
+
+def _overlaps(spans: Sequence[tuple[int, int]], lo: int, hi: int) -> bool:
+    i = bisect.bisect_right(spans, (lo, float("inf"))) - 1
+    for start, end in spans[max(i, 0) :]:
+        if start >= hi:
+            return False
+        if end > lo:
+            return True
+    return False
 
 
 def _mailboxes(peers: Mapping[int, Mailbox | Link]) -> dict[int, Mailbox]:
@@ -493,6 +528,7 @@ class WeightReceiver(_Endpoint):
         free = list(range(self.transport.num_slots))
         inflight: dict[int, tuple[Pending[torch.Tensor], int, torch.Tensor | None]] = {}
         next_post = 0
+        spans = memory_spans(into.values()) if into is not None else []
 
         def post() -> None:
             nonlocal next_post
@@ -503,6 +539,8 @@ class WeightReceiver(_Endpoint):
                                for e in bucket.entries]
                     target = in_place(bucket, regions)
                     del regions
+                    if target is not None and not gaps_are_free(bucket, target, spans):
+                        target = None  # the padding would overwrite other destination memory
                     if target is not None:
                         pending = self.transport.start_recv_into(bucket, -1, target)
                         if pending is not None:

@@ -86,3 +86,44 @@ def test_sender_rejects_tensors_that_do_not_match_the_plan() -> None:
         receiver.receive_version(lambda items: None)
     ts.close()
     tr.close()
+
+
+def test_whole_bucket_copies_never_overwrite_tensors_in_padding_gaps() -> None:
+    # Source 1 sends z_a (16 B at offset 0) and z_b (400 B at offset 256): a 240-byte padding gap.
+    # The destination keeps y1 (from source 0, arriving first) inside that gap. Copying bucket z in
+    # one piece would overwrite y1 with padding; the receiver must notice and copy per tensor.
+    f = "float32"
+    x1, y1 = TensorShard.full("x1", f, (4,)), TensorShard.full("y1", f, (4,))
+    za, zb = TensorShard.full("z_a", f, (4,)), TensorShard.full("z_b", f, (100,))
+    plan = build_plan([[x1, y1], [za, zb]], [[x1, y1, za, zb]], 1 << 20)
+    assert [b.src for b in plan.buckets] == [0, 1]
+    zbucket = plan.buckets[1]
+    assert [e.offset for e in zbucket.entries] == [0, 256]
+    flat = torch.zeros(1024, dtype=torch.uint8)
+    into = {"z_a": flat[0:16].view(torch.float32), "y1": flat[64:80].view(torch.float32),
+            "z_b": flat[256:656].view(torch.float32), "x1": flat[704:720].view(torch.float32)}
+    from weightsync.agent.sync import gaps_are_free, in_place, memory_spans
+
+    target = in_place(zbucket, [into["z_a"], into["z_b"]])
+    assert target is not None  # laid out like the bucket...
+    assert not gaps_are_free(zbucket, target, memory_spans(into.values()))  # ...but y1 sits in the gap
+
+    prefix = f"weightsync-test-{os.getpid()}-gap"
+    listeners = [LinkListener("127.0.0.1", 0, "tok") for _ in range(2)]
+    clients = [connect("127.0.0.1", lst.port, "tok") for lst in listeners]
+    servers = [lst.accept(timeout=5) for lst in listeners]
+    transports = [IpcTransport(prefix=prefix) for _ in range(3)]
+    senders = [WeightSender(plan, r, transports[r], {0: servers[r]}, timeout=10) for r in range(2)]
+    receiver = WeightReceiver(plan, 0, transports[2], {0: clients[0], 1: clients[1]}, timeout=10)
+    want = {"x1": torch.full((4,), 1.0), "y1": torch.full((4,), 2.0), "z_a": torch.full((4,), 3.0),
+            "z_b": torch.full((100,), 4.0)}
+    errs = _run(senders[0], 1, {"x1": want["x1"], "y1": want["y1"]})
+    errs += _run(senders[1], 1, {"z_a": want["z_a"], "z_b": want["z_b"]})
+    receiver.receive_version(None, into=into)
+    for n, t in want.items():
+        assert torch.equal(into[n], t), n
+    for t in transports:
+        t.close()
+    for lst in listeners:
+        lst.close()
+    assert not errs
