@@ -444,7 +444,8 @@ def run_processes(cfg: BenchConfig) -> dict[str, Any]:
     sources, needs = layouts(cfg, metas)
     plan = build_plan(sources, needs, cfg.bucket_mb * MiB)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "weightsync.agent.bench"])
+    ctx.set_forkserver_preload(["torch", "weightsync.agent.sync", "weightsync.agent.layout",
+                                "weightsync.agent.transports.ipc", "weightsync.agent.transports.nccl"])
     store = make_store(HOST, 0, is_master=True, timeout=cfg.timeout)
     out = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(cfg, "src", r, store.port, out), daemon=True)
