@@ -127,6 +127,8 @@ class NixlEndpoint:
             raise TransportError(
                 "the GDR transport needs NIXL: pip install 'weightsync[gdr]' (PyPI nixl)"
             ) from exc
+        if "NIXL_LOG_LEVEL" not in os.environ:  # NIXL logs INFO lines to stdout; keep stdout for results
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         self.name = name or f"ws-{os.getpid()}-{uuid.uuid4().hex[:10]}"
         self._lock = threading.RLock()
         try:
