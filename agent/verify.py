@@ -208,3 +208,9 @@ def throughput(nbytes: int = 256 << 20, algorithm: str = XXH3, repeats: int = 3)
         checksum(data, algorithm)
         best = min(best, time.perf_counter() - t0)
     return {"algorithm": algorithm, "bytes": nbytes, "seconds": best, "gbps": nbytes / best / 1e9}
+
+
+def checksum_hooks(transport: object | None = None, *, retries: int = 2, algorithm: str | None = None) -> ChecksumHooks:
+    """ChecksumHooks wired to a transport: retries use its `refetch(bucket)` when it has one (GDR can
+    read a bucket again; push transports cannot, so a mismatch there fails the version at once)."""
+    return ChecksumHooks(algorithm=algorithm, policy=RetryPolicy(retries), refetch=getattr(transport, "refetch", None))

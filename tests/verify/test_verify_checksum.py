@@ -81,3 +81,13 @@ def test_hooks_sender_meta_and_receiver_check() -> None:
     assert healing.stats.retries == 1
     with pytest.raises(verify.ChecksumMismatch, match="no checksum"):
         receiver.on_recv_bucket(1, bucket, data, None)
+
+
+def test_checksum_hooks_use_a_transports_refetch() -> None:
+    class WithRefetch:
+        def refetch(self, bucket: object) -> torch.Tensor:
+            return torch.zeros(1, dtype=torch.uint8)
+
+    assert verify.checksum_hooks(WithRefetch(), retries=1).refetch is not None
+    assert verify.checksum_hooks(object()).refetch is None
+    assert verify.checksum_hooks(None, retries=0).policy.retries == 0
