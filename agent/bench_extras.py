@@ -261,7 +261,8 @@ def run_gdr(cfg: BenchConfig) -> dict[str, Any]:
     sources, needs = bench.layouts(cfg, metas)
     plan = build_plan(sources, needs, cfg.bucket_mb * MiB)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "weightsync.agent.bench_extras"])
+    ctx.set_forkserver_preload(["torch", "weightsync.agent.sync", "weightsync.agent.layout",
+                                "weightsync.agent.transports.gdr"])
     store = make_store(bench.HOST, 0, is_master=True, timeout=cfg.timeout)
     out = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(cfg, "src", r, store.port, out), daemon=True)
