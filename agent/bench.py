@@ -243,7 +243,8 @@ def _run_worker(cfg: BenchConfig, role: str, rank: int, port: int) -> dict[str, 
     mine = sources[rank] if role == "src" else needs[rank]
     shm_path = None
     if role == "src" and cfg.transport == "ipc" and not cfg.device.startswith("cuda"):
-        shm_path = f"/dev/shm/weightsync-bench-stage-{os.getpid()}"
+        # named like the transport's own segments so a crashed run's leftovers are cleaned up next time
+        shm_path = f"/dev/shm/weightsync-bench-{os.getpid()}-{os.urandom(4).hex()}-s9"
     flat, owner, views = _arena(plan.arena(role, rank), cfg.device, shm_path)
     if cfg.staging == "separate":  # every tensor its own allocation: the sender packs, the receiver copies
         views = {s.name: torch.empty(s.box.shape, dtype=to_dtype(s.dtype), device=cfg.device) for s in mine}

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import mmap
 import os
+import re
 import secrets
 from typing import Any
 
@@ -37,6 +38,38 @@ from .base import Endpoint, Pending, Transport, TransportContext, TransportError
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+
+
+def cleanup_stale(shm_dir: str = SHM_DIR, prefix: str = "weightsync") -> int:
+    """Unlink segments `<prefix>-<pid>-*` whose owner process is gone (an owner that crashed never
+    unlinked them). Returns how many were removed. Best effort: a pid reused by a live process keeps
+    its files."""
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)-[0-9a-f]+-s\d+$")
+    removed = 0
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return 0
+    for name in names:
+        m = pattern.match(name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # the owner is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, owned by someone else
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(shm_dir, name))
+            removed += 1
+    if removed:
+        log.info("ipc.cleanup_stale removed=%s dir=%s prefix=%s", removed, shm_dir, prefix)
+    return removed
 
 
 class _ShmSegment:
@@ -172,6 +205,7 @@ class IpcTransport(Transport):
         self._slot_ident: dict[tuple[int, int], str] = {}
         self._lent: dict[int, str] = {}
         self.handles_opened = 0
+        self._cleaned = False
 
     @property
     def _version(self) -> int:
@@ -189,6 +223,9 @@ class IpcTransport(Transport):
         self._ctx = ctx
         if ctx.me.role != "src":
             return
+        if not self._cleaned and ctx.device.type == "cpu":
+            cleanup_stale(self.shm_dir, self.prefix)  # segments of owners that crashed before unlinking
+            self._cleaned = True
         need = max(ctx.plan.max_bucket_nbytes(src=ctx.me.rank), 1)
         for i, seg in enumerate(self._send):
             if isinstance(seg, _ShmSegment) and seg.nbytes >= need and ctx.device.type == "cpu":

@@ -127,3 +127,29 @@ def test_whole_bucket_copies_never_overwrite_tensors_in_padding_gaps() -> None:
     for lst in listeners:
         lst.close()
     assert not errs
+
+
+def test_segments_of_crashed_owners_are_cleaned_up() -> None:
+    import subprocess
+    import sys
+
+    from weightsync.agent.transports.ipc import cleanup_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    prefix = f"weightsync-cleanup-{os.getpid()}"
+    stale = f"/dev/shm/{prefix}-{dead_pid}-abc123-s0"
+    live = f"/dev/shm/{prefix}-{os.getppid()}-abc123-s1"
+    other = f"/dev/shm/{prefix}-staging-{dead_pid}"
+    for path in (stale, live, other):
+        with open(path, "wb") as fh:
+            fh.write(b"x")
+    try:
+        assert cleanup_stale("/dev/shm", prefix) == 1
+        assert not os.path.exists(stale)
+        assert os.path.exists(live) and os.path.exists(other)
+    finally:
+        for path in (stale, live, other):
+            if os.path.exists(path):
+                os.unlink(path)

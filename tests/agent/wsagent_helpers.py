@@ -155,6 +155,7 @@ def _sender(scn: Scenario, rank: int, port: int, out: Any) -> None:
             res["versions"].append(stats.to_dict())
         res["ok"] = True
         res["rejected"] = listener.rejected
+        transport.close()
     except BaseException as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"
         res["error_type"] = type(exc).__name__
@@ -213,6 +214,7 @@ def _receiver(scn: Scenario, rank: int, port: int, out: Any) -> None:
                     res["checked"] += 1
             res["committed"].append(v)
         res["ok"] = True
+        transport.close()
     except BaseException as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"
         res["error_type"] = type(exc).__name__
