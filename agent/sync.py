@@ -493,6 +493,8 @@ class WeightReceiver(_Endpoint):
                 raise PlanMismatch(f"source rank {s} began version {h.get('version')}, this destination expects "
                                    f"version {expected_version}")
             begins[s] = h
+        if not begins:  # this rank needs nothing from anyone: an empty version
+            return (expected_version if expected_version is not None else -1), False
         versions = {h.get("version") for h in begins.values()}
         if len(versions) != 1:
             raise PlanMismatch(f"source ranks began different versions {sorted(map(str, versions))}")

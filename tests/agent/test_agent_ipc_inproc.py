@@ -153,3 +153,11 @@ def test_segments_of_crashed_owners_are_cleaned_up() -> None:
         for path in (stale, live, other):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_ranks_with_nothing_to_move_finish_at_once() -> None:
+    w = TensorShard.full("w", "float32", (4,))
+    idle_dst = WeightReceiver(build_plan([[w]], [[w], []], 64), 1, IpcTransport(), {})
+    assert idle_dst.receive_version(None, expected_version=3).buckets == 0
+    idle_src = WeightSender(build_plan([[w], []], [[w]], 64), 1, IpcTransport(), {})
+    assert idle_src.send_version(3, {}).buckets == 0
