@@ -190,6 +190,9 @@ class TransportCache:
             base = make_store(str(host), int(port), is_master=False, timeout=self.timeout)
             store = dist.PrefixStore(f"{self.job}/{key[0]}/g{key[1]}/{key[2]}/", base)
             return NcclTransport(store, generation=key[1], host=self.pod_ip, timeout=self.timeout)
+        if self.mode == "GDR":
+            # registers "gdr" in TRANSPORTS; imported only here so other modes never need NIXL installed
+            import weightsync.agent.transports.gdr  # noqa: F401
         factory = TRANSPORTS.get(self.mode.lower())
         if factory is None:
             raise ValueError(f"transfer mode {self.mode} has no transport (known: {sorted(TRANSPORTS)})")

@@ -1,0 +1,100 @@
+"""GDR (NIXL over UCX) in the real agent processes: demo trainer, agents and demo engines on loopback IPs.
+
+What is checked, bit for bit: every engine serves the sha256 checksums the trainer computed for the same
+version; a replica added to the topology after the trainer published pulls the current version over
+one-sided READs while the others keep serving (no re-fetch, no extra commit); `verify: Checksum` runs on
+the GDR path. On this CPU-only machine UCX moves DRAM over tcp/cma (the agent sets UCX_TLS itself).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from podprocs import Cluster, Pod, engine_version, get_json, get_text, metric_value, wait_for
+from test_demo_processes import commits, engine_sums, trainer_sums
+from weightsync.crds import contract
+
+pytest.importorskip("nixl", reason="the GDR transport needs NIXL (pip install 'weightsync[gdr]')")
+
+VERSIONS = 3
+
+
+def gdr_cluster(tmp_path: Path, clusters: list[Cluster], *, verify: str = "None") -> Cluster:
+    c = Cluster(tmp_path, mode="GDR", bucket_mb=1, verify=verify)
+    c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = "600"  # fc2 is 1.4 MB: a version spans several 1 MB buckets
+    clusters.append(c)
+    return c
+
+
+def assert_bit_exact(t: Pod, pods: list[Pod], version: int) -> None:
+    want = trainer_sums(t, version)
+    assert len(want) == 7
+    for p in pods:
+        served, got = engine_sums(p.demo_url)
+        assert served == version
+        assert got == want, f"{p.name} is not bit-exact with the trainer's version {version}"
+
+
+def test_gdr_two_replicas_and_a_late_replica_bit_exact(tmp_path: Path, clusters: list[Cluster]) -> None:
+    c = gdr_cluster(tmp_path, clusters)
+    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+    infs = [c.add_pod(f"demo-inference-{r}-0", contract.ROLE_INFERENCE, replica=r) for r in range(2)]
+    c.write_topology()
+    for p in (t, *infs):
+        c.start_agent(p)
+    for p in infs:
+        c.start_engine(p)
+    c.start_trainer(t, "--versions", str(VERSIONS), "--interval", "1.0")
+
+    for p in infs:
+        wait_for(lambda p=p: engine_version(p) == VERSIONS, 120, f"{p.name} serving version {VERSIONS}", c)
+    assert_bit_exact(t, infs, VERSIONS)
+    before = {p.name: commits(p.demo_url) for p in infs}
+    for p in infs:
+        seq = before[p.name]
+        assert seq == sorted(set(seq)) and seq[-1] == VERSIONS, f"{p.name}: commits out of order: {seq}"
+
+    # a third replica joins after the last version: the topology grows (new generation), it pulls v3
+    late = c.add_pod("demo-inference-2-0", contract.ROLE_INFERENCE, replica=2)
+    c.generation += 1
+    c.write_topology()
+    c.start_agent(late)
+    c.start_engine(late)
+    wait_for(lambda: engine_version(late) == VERSIONS, 120, f"late replica serving version {VERSIONS}", c)
+    assert_bit_exact(t, [*infs, late], VERSIONS)
+    assert commits(late.demo_url) == [VERSIONS], "the late replica should load only the current version"
+    for p in infs:  # the others were not disturbed: nothing re-fetched, nothing re-committed
+        assert commits(p.demo_url) == before[p.name], f"{p.name} committed again after the late join"
+
+    _, tm = get_text(f"{t.metrics_url}/metrics")
+    assert (metric_value(tm, "weightsync_agent_transfer_bytes_total", 'direction="sent",mode="GDR"') or 0) > 0
+    for p in (*infs, late):
+        _, im = get_text(f"{p.metrics_url}/metrics")
+        assert (metric_value(im, "weightsync_agent_transfer_bytes_total", 'direction="received",mode="GDR"')
+                or 0) > 0
+        code, health = get_json(f"{p.metrics_url}/healthz")
+        assert code == 200 and health["served"] == VERSIONS and health["mode"] == "GDR", health
+
+
+def test_gdr_with_checksum_verification_bit_exact(tmp_path: Path, clusters: list[Cluster]) -> None:
+    c = gdr_cluster(tmp_path, clusters, verify="Checksum")
+    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+    infs = [c.add_pod(f"demo-inference-{r}-0", contract.ROLE_INFERENCE, replica=r) for r in range(2)]
+    c.write_topology()
+    for p in (t, *infs):
+        c.start_agent(p)
+    for p in infs:
+        c.start_engine(p)
+    c.start_trainer(t, "--versions", str(VERSIONS), "--interval", "1.0")
+
+    for p in infs:
+        wait_for(lambda p=p: engine_version(p) == VERSIONS, 120, f"{p.name} serving version {VERSIONS}", c)
+    assert_bit_exact(t, infs, VERSIONS)
+    for p in infs:
+        code, health = get_json(f"{p.metrics_url}/healthz")
+        assert code == 200 and health["verify"] is True and health["mode"] == "GDR", health
+        _, im = get_text(f"{p.metrics_url}/metrics")
+        assert (metric_value(im, "weightsync_agent_verified_bytes_total") or 0) > 0  # checksums were checked
+        _, body = get_json(f"{p.demo_url}/events")
+        assert not [v for e, v in body["events"] if e == "abort"], f"{p.name} aborted a load: {body['events']}"
