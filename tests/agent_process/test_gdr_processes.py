@@ -98,3 +98,29 @@ def test_gdr_with_checksum_verification_bit_exact(tmp_path: Path, clusters: list
         assert (metric_value(im, "weightsync_agent_verified_bytes_total") or 0) > 0  # checksums were checked
         _, body = get_json(f"{p.demo_url}/events")
         assert not [v for e, v in body["events"] if e == "abort"], f"{p.name} aborted a load: {body['events']}"
+
+
+def test_gdr_recovers_after_a_failed_version(tmp_path: Path, clusters: list[Cluster]) -> None:
+    """A version that fails mid-transfer (the engine rejects its first load of v1) leaves GDR frames
+    unconsumed and the control links aborted; the retry must run on fresh links and transports (new
+    epoch) and every later version must be bit-exact."""
+    c = gdr_cluster(tmp_path, clusters)
+    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
+    c.write_topology()
+    c.start_agent(t)
+    c.start_agent(i)
+    c.start_engine(i, "--fail-versions", "1")
+    c.start_trainer(t, "--versions", str(VERSIONS), "--interval", "1.5")
+
+    wait_for(lambda: engine_version(i) == VERSIONS, 120, f"engine at v{VERSIONS} after a failed load", c)
+    _, body = get_json(f"{i.demo_url}/events")
+    events = [tuple(e) for e in body["events"]]
+    assert ("abort", 1) in events, events
+    first_commit = next(k for k, e in enumerate(events) if e[0] == "commit")
+    assert events.index(("abort", 1)) < first_commit, f"v1 should fail before anything commits: {events}"
+    seq = commits(i.demo_url)
+    assert seq == sorted(set(seq)) and seq[-1] == VERSIONS, f"commits out of order: {seq}"
+    assert_bit_exact(t, [i], VERSIONS)
+    _, im = get_text(f"{i.metrics_url}/metrics")
+    assert (metric_value(im, "weightsync_agent_versions_total", 'result="failed"') or 0) >= 1
