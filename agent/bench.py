@@ -64,7 +64,7 @@ class BenchConfig:
     trainer_tp: int = 1
     inference_tp: int = 1
     fsdp: int = 1
-    bucket_mb: int = 256
+    bucket_mb: int = 512
     warmup: int = 1
     iters: int = 5
     device: str = "cpu"
@@ -535,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-tp", type=int, default=1)
     p.add_argument("--inference-tp", type=int, default=1)
     p.add_argument("--fsdp", type=int, default=1, help="FSDP Shard(0) ranks per trainer TP rank")
-    p.add_argument("--bucket-mb", type=int, default=256, help="bucketSizeMB (default 256)")
+    p.add_argument("--bucket-mb", type=int, default=512, help="bucketSizeMB (default 512, the WeightSyncJob default)")
     p.add_argument("--warmup", type=int, default=1, help="untimed versions first (groups, page faults)")
     p.add_argument("--iters", type=int, default=5,
                    help="timed rounds (agent and raw alternate); medians are reported, ratio is the median of "
