@@ -374,6 +374,9 @@ def fetch_version(
                 t, _ = transport_for({**group, "epoch": str(h.get("epoch"))}, plan, f"dst{r}<-src{s}")
                 by_src[s] = t
             transport = RoutingTransport(by_src)
+            hook = hooks[r]
+            if hook is not None and transport.can_refetch:
+                hook.refetch = transport.refetch  # a checksum mismatch reads the bucket again before failing
             receivers[r] = WeightReceiver(plan, r, transport, links[r], timeout=timeout, device=device,
                                           hooks=hooks[r])
     except (LinkError, OSError) as exc:

@@ -69,7 +69,10 @@ class RoutingTransport(Transport):
     def bind(self, ctx: TransportContext) -> None:
         for s, t in self.by_src.items():
             sub = dataclasses.replace(ctx.plan, buckets=tuple(b for b in ctx.plan.buckets if b.src == s))
-            t.bind(dataclasses.replace(ctx, plan=sub))
+            # only its own source's link: a transport that greets every peer at bind (GDR reads a hello
+            # from each) would otherwise take the frames meant for the other sources' transports
+            peers = {ep: mb for ep, mb in ctx.peers.items() if ep.role != "src" or ep.rank == s}
+            t.bind(dataclasses.replace(ctx, plan=sub, peers=peers))
 
     def send_buffer(self, slot: int) -> torch.Tensor:
         raise TransportError("a routing transport only receives")
@@ -88,6 +91,20 @@ class RoutingTransport(Transport):
 
     def release_recv(self, bucket: BucketPlan, slot: int) -> None:
         self._of(bucket).release_recv(bucket, slot)
+
+    @property
+    def can_refetch(self) -> bool:
+        """Whether every source's transport can read a bucket again (GDR's one-sided READ can; push
+        transports cannot), so `verify: Checksum` retries a mismatch instead of failing the version."""
+        return bool(self.by_src) and all(callable(getattr(t, "refetch", None)) for t in self.by_src.values())
+
+    def refetch(self, bucket: BucketPlan) -> torch.Tensor:
+        """Read `bucket` again through its source's transport (after a checksum mismatch)."""
+        fn = getattr(self._of(bucket), "refetch", None)
+        if fn is None:
+            raise TransportError(f"the transport of source rank {bucket.src} cannot read bucket {bucket.index} again")
+        result: torch.Tensor = fn(bucket)
+        return result
 
     def abort(self, reason: str) -> None:
         for t in self.by_src.values():

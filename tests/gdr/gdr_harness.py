@@ -28,6 +28,7 @@ import torch
 from torch.distributed import TCPStore
 from weightsync.agent.buckets import entry_view, itemsize, to_dtype
 from weightsync.agent.delta import DeltaConfig
+from weightsync.agent.groups import RoutingTransport
 from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.link import LinkListener, Mailbox, connect
 from weightsync.agent.plan import Box, TensorShard, build_plan
@@ -121,6 +122,7 @@ class GdrScenario:
     timeout: float = 60.0
     hold: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # replica -> (version, other, v)
     arena: bool = False  # tensors live in plan arenas: zero-copy send from staging, receive into place
+    routed: bool = False  # as the agent process: one GdrTransport per source rank behind a RoutingTransport
 
 
 def tp_sources(metas: list[TensorMeta], tp: int, *, fsdp: int = 1, tied: bool = False) -> list[list[TensorShard]]:
@@ -293,7 +295,9 @@ def _destination(scn: GdrScenario, replica: int, rank: int, port: int, out: Any)
             mb = Mailbox(connect(HOST, sport, TOKEN, timeout=scn.timeout))
             mb.send("hello", replica=replica, dst=rank)
             peers[s] = mb
-        gdr = GdrTransport(num_slots=scn.num_slots, delta=scn.delta)
+        gdrs = {s: GdrTransport(num_slots=scn.num_slots, delta=scn.delta)
+                for s in (plan.srcs_of(rank) if scn.routed else [0])}
+        gdr: Transport = RoutingTransport(dict(gdrs)) if scn.routed else gdrs[0]
         transport: Transport = gdr
         corrupt = rep.corrupt.get(rank)
         if corrupt is not None:
@@ -324,7 +328,9 @@ def _destination(scn: GdrScenario, replica: int, rank: int, port: int, out: Any)
                 break  # links are poisoned after an abort; the agent would reconnect
             engine.update(staged)
             res["committed"].append(v)
-            res["stats"].append({**st.to_dict(), "transport": gdr.describe()})
+            moved = [g.describe() for g in gdrs.values()]
+            res["stats"].append({**st.to_dict(), "transport": {**moved[0], "refetches": sum(
+                int(d["refetches"]) for d in moved)}})
             for n, s in needs.items():
                 if not s.box.numel:
                     continue
@@ -346,7 +352,8 @@ def _destination(scn: GdrScenario, replica: int, rank: int, port: int, out: Any)
         if isinstance(transport, CorruptingTransport):
             res["corrupted"] = transport.corrupted
         res["ok"] = True
-        gdr.close()
+        for g in gdrs.values():
+            g.close()
     except BaseException as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"
         res["trace"] = traceback.format_exc()

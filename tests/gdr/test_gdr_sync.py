@@ -107,6 +107,19 @@ def test_verify_retries_a_corrupted_bucket_then_commits() -> None:
     assert r["stats"][-1]["transport"]["refetches"] == 1
 
 
+def test_verify_retries_through_the_agents_routing_transport() -> None:
+    """The agent process receives through a RoutingTransport (one GDR transport per source rank): a
+    checksum mismatch must still be read again from the right source rank, not fail the version."""
+    metas = llama_metas()
+    scn = GdrScenario(tp_sources(metas, 2), [Replica(tp_needs(metas, 1), [1, 2], corrupt={0: (2, 1)})],
+                      verify=True, routed=True)
+    res = run_gdr(scn)
+    assert_ok(res)
+    r = res[("dst0", 0)]
+    assert r["corrupted"] == 1 and r["committed"] == [1, 2] and r["serving_exact"]
+    assert r["stats"][-1]["transport"]["refetches"] == 1
+
+
 def test_verify_fails_the_version_cleanly_when_corruption_persists() -> None:
     metas = llama_metas()
     scn = GdrScenario(tp_sources(metas, 2), [Replica(tp_needs(metas, 2), [1, 2], corrupt={0: (2, 100)})],
