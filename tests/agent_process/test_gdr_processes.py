@@ -145,3 +145,36 @@ def test_gdr_fsdp2_trainer_pods_to_tp2_replica(tmp_path: Path, clusters: list[Cl
     wait_for(lambda: (out / f"v{VERSIONS}-rank0.pt").exists() and (out / f"v{VERSIONS}-rank1.pt").exists(), 120,
              f"both TP ranks committed version {VERSIONS}", c)
     check(out, VERSIONS, 2)
+
+
+def test_gdr_inference_agent_killed_mid_load_recovers(tmp_path: Path, clusters: list[Cluster]) -> None:
+    """The inference agent dies (SIGKILL) while reading a version: its NIXL agent and links vanish under the
+    trainer's GDR sender. The engine must drop the partial version, the trainer agent must keep serving,
+    and the restarted agent (new session, new epoch, new transports) must catch up bit-exactly."""
+    c = gdr_cluster(tmp_path, clusters)
+    c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = "2048"  # fc2 is 16 MiB: a load spans many buckets
+    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
+    c.write_topology()
+    c.start_agent(t)
+    c.start_agent(i)
+    c.start_engine(i)
+    c.start_trainer(t, "--versions", "4", "--interval", "3")
+
+    def mid_load() -> int | None:
+        _, body = get_json(f"{i.demo_url}/events", timeout=2)
+        ev = body["events"]
+        return ev[-1][1] if ev and ev[-1][0] == "begin" else None
+
+    killed = wait_for(mid_load, 90, "a load in progress", c, interval=0.01)
+    c.kill(i, "agent")
+    wait_for(lambda: ["abort", killed] in get_json(f"{i.demo_url}/events")[1]["events"], 30,
+             f"abort of v{killed} after the agent died", c)
+    assert engine_version(i) != killed
+    c.start_agent(i)
+    wait_for(lambda: engine_version(i) == 4, 120, "restarted agent caught up to v4", c)
+    assert_bit_exact(t, [i], 4)
+    _, body = get_json(f"{i.demo_url}/events")
+    events = [tuple(e) for e in body["events"]]
+    k = events.index(("abort", killed))
+    assert ("commit", killed) not in events[:k], events
