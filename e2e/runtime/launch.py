@@ -1,7 +1,7 @@
 """How a container becomes a host process (pure): mounts, the wrapper command line, executable lookup.
 
 Each container runs in its own mount namespace: `unshare --mount --propagation private` then a tiny
-shell binds each volume's host directory at its mountPath (so /var/run/secrets/..., /dev/shm and
+bash script binds each volume's host directory at its mountPath (so /var/run/secrets/..., /dev/shm and
 /var/run/weightsync are per pod) and execs the command. `setpriv --pdeathsig KILL` makes the kernel kill
 the process if the runtime thread that started it dies, so a crashed runtime leaves no orphans.
 """
@@ -31,18 +31,28 @@ def sort_mounts(mounts: Sequence[Mount]) -> list[Mount]:
 
 
 def mount_script(mounts: Sequence[Mount], workdir: str) -> str:
-    """The shell run inside the new mount namespace before exec."""
+    """The bash run inside the new mount namespace before exec.
+
+    Every volume source is opened first and bound through /proc/self/fd: a volume mounted over a parent
+    of the runtime's own volume directories (an emptyDir at /tmp, say) would otherwise hide the host
+    paths of the volumes bound after it.
+    """
+    ordered = sort_mounts(mounts)
     lines = ["set -e"]
-    for m in sort_mounts(mounts):
-        src, dst = shlex.quote(m.host_path), shlex.quote(m.container_path)
+    for i, m in enumerate(ordered):
+        lines.append(f"exec {{WS_FD{i}}}<{shlex.quote(m.host_path)}")
+    for i, m in enumerate(ordered):
+        dst = shlex.quote(m.container_path)
         if m.is_file:
             parent = shlex.quote(posixpath.dirname(m.container_path) or "/")
             lines.append(f"mkdir -p {parent}; [ -e {dst} ] || : > {dst}")
         else:
             lines.append(f"mkdir -p {dst}")
-        lines.append(f"mount --bind {src} {dst}")
+        lines.append(f"mount --bind --no-canonicalize /proc/self/fd/$WS_FD{i} {dst}  # {shlex.quote(m.host_path)}")
         if m.read_only:
             lines.append(f"mount -o remount,bind,ro {dst}")
+    for i in range(len(ordered)):
+        lines.append(f"exec {{WS_FD{i}}}<&-")
     lines.append(f"mkdir -p {shlex.quote(workdir)}; cd {shlex.quote(workdir)}")
     lines.append('exec "$@"')
     return "\n".join(lines)
@@ -53,7 +63,7 @@ def wrapper_argv(mounts: Sequence[Mount], workdir: str, argv: Sequence[str]) -> 
     return [
         "setpriv", "--pdeathsig", "KILL", "--",
         "unshare", "--mount", "--propagation", "private", "--",
-        "/bin/sh", "-c", mount_script(mounts, workdir), WRAPPER_NAME, *argv,
+        "/bin/bash", "-c", mount_script(mounts, workdir), WRAPPER_NAME, *argv,
     ]  # fmt: skip
 
 

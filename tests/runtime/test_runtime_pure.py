@@ -204,7 +204,9 @@ def test_mount_order_script_and_host_paths(tmp_path: Path) -> None:
     mounts = [Mount("/h/child", "/etc/a/b"), Mount("/h/parent", "/etc/a", read_only=True)]
     assert [m.container_path for m in sort_mounts(mounts)] == ["/etc/a", "/etc/a/b"]
     script = mount_script(mounts, "/w d")
-    assert script.index("mount --bind /h/parent /etc/a") < script.index("mount --bind /h/child /etc/a/b")
+    # Sources are opened before any mount (a mount may hide a later source's host path), parents first.
+    assert script.index("exec {WS_FD1}</h/child") < script.index("mount --bind")
+    assert script.index("$WS_FD0 /etc/a  # /h/parent") < script.index("$WS_FD1 /etc/a/b  # /h/child")
     assert "mount -o remount,bind,ro /etc/a" in script and "cd '/w d'" in script
     assert to_host_path("/etc/a/b/x", mounts) == "/h/child/x"
     assert to_host_path("/etc/a/y", mounts) == "/h/parent/y"
