@@ -83,6 +83,12 @@ def _controller_uid(obj: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _log_change(action: str, kind: str, job: JobRef, name: str) -> None:
+    """One line per write, as key=value text and as JSON fields (`--log-format json`)."""
+    log.info("%s kind=%s name=%s/%s", action, kind, job.namespace, name,
+             extra={"action": action, "kind": kind, "job": f"{job.namespace}/{job.name}", "object_name": name})
+
+
 def _desired_hash(desired: Mapping[str, Any]) -> str:
     body = {k: v for k, v in desired.items() if k not in ("metadata", "status")}
     meta = desired.get("metadata") or {}
@@ -210,7 +216,7 @@ class Reconciler:
                     return desired  # created concurrently (another pass or a namesake): look again next time
                 raise
             out.created.append(f"{kind}/{name}")
-            log.info("created kind=%s name=%s/%s", kind, job.namespace, name)
+            _log_change("created", kind, job, name)
             return created
         owner = _controller_uid(current)
         if owner != job.uid:
@@ -230,7 +236,7 @@ class Reconciler:
                 patch[f] = desired[f]
         patched = self.kube.patch(kind, job.namespace, name, patch)
         out.patched.append(f"{kind}/{name}")
-        log.info("patched kind=%s name=%s/%s", kind, job.namespace, name)
+        _log_change("patched", kind, job, name)
         return patched
 
     def _ensure_secret(self, job: JobRef, out: Outcome) -> None:
@@ -243,7 +249,7 @@ class Reconciler:
                 return
             raise
         out.created.append(f"Secret/{name}")
-        log.info("created kind=Secret name=%s/%s", job.namespace, name)
+        _log_change("created", "Secret", job, name)
 
     def _sync_pods(self, job: JobRef, desired: list[Obj], observed: dict[str, Obj], out: Outcome) -> Problem | None:
         wanted = {p["metadata"]["name"]: p for p in desired}
@@ -261,7 +267,7 @@ class Reconciler:
             if name not in wanted:
                 if self.kube.delete("Pod", job.namespace, name, uid=pod["metadata"].get("uid")):
                     out.deleted.append(f"Pod/{name}")
-                    log.info("deleted surplus kind=Pod name=%s/%s", job.namespace, name)
+                    _log_change("deleted surplus", "Pod", job, name)
                 continue
             want = {
                 k: v for k, v in (wanted[name]["metadata"].get("annotations") or {}).items()
@@ -292,7 +298,7 @@ class Reconciler:
         for name, err in results:
             if err is None:
                 out.created.append(f"Pod/{name}")
-                log.info("created kind=Pod name=%s/%s", job.namespace, name)
+                _log_change("created", "Pod", job, name)
             elif err.conflict:
                 continue  # the old pod of that name is still terminating; its deletion event brings us back
             elif err.invalid:
@@ -352,4 +358,4 @@ class Reconciler:
         if old_ready.get("reason") != problem.reason or old_ready.get("message") != problem.message:
             self.events.warning(job, problem.reason, problem.message)
         log.warning("job cannot run job=%s/%s reason=%s message=%s", job.namespace, job.name, problem.reason,
-                    problem.message)
+                    problem.message, extra={"job": f"{job.namespace}/{job.name}", "reason": problem.reason})

@@ -62,7 +62,8 @@ class WorkQueue:
                     n = self._failures.get(key, 0) + 1
                     self._failures[key] = n
                     delay = min(self.backoff_max, self.backoff_initial * 2 ** (n - 1))
-                    log.error("reconcile failed job=%s/%s attempt=%d retry_in=%.1fs error=%r", key[0], key[1], n, delay, err)
+                    log.error("reconcile failed job=%s/%s attempt=%d retry_in=%.1fs error=%r", key[0], key[1], n, delay,
+                              err, extra={"job": f"{key[0]}/{key[1]}", "attempt": n})
                     loop = asyncio.get_running_loop()
                     self._retry[key] = loop.call_later(delay, self._retry_fire, key)
                     return

@@ -43,10 +43,10 @@ def test_operator_runs_with_only_the_charts_namespaced_role(cluster: Any, kube: 
             assert kube.core.read_namespaced_secret(name, namespace)
         assert kube.core.read_namespaced_config_map("rbac-topology", namespace)
         assert kube.rbac.read_namespaced_role("rbac-agent", namespace)  # granting needs what it grants
-        assert any(e.reason == "Created" for e in kube.core.list_namespaced_event(namespace).items
-                   if e.involved_object.kind == contract.KIND)
+        wait_until(lambda: any(e.reason == "Created" for e in kube.core.list_namespaced_event(namespace).items
+                               if e.involved_object.kind == contract.KIND), what="Created event")
         log = op.log()
-        assert "Forbidden" not in log and " 403" not in log, log[-3000:]
+        assert "Forbidden" not in log and " 403" not in log and "reconcile failed" not in log, log[-3000:]
         assert op.alive()
     finally:
         op.stop()

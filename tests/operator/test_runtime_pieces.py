@@ -110,3 +110,17 @@ def test_owner_job_reads_the_controller_reference():
     ]}}
     assert owner_job(body) == "j1"
     assert owner_job({"metadata": {}}) is None
+
+
+def test_change_log_lines_carry_json_fields(caplog):
+    """The write log is emitted (no reserved LogRecord keys in `extra`) with its fields."""
+    import logging
+
+    from weightsync.operator.common import JobRef
+    from weightsync.operator.reconcile import _log_change
+
+    with caplog.at_level(logging.INFO, logger="weightsync.operator.reconcile"):
+        _log_change("created", "Pod", JobRef("j", "ns", "u"), "j-trainer-0")
+    (rec,) = caplog.records
+    assert rec.getMessage() == "created kind=Pod name=ns/j-trainer-0"
+    assert (rec.action, rec.kind, rec.job, rec.object_name) == ("created", "Pod", "ns/j", "j-trainer-0")
