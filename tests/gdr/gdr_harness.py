@@ -142,7 +142,7 @@ class CorruptingTransport(Transport):
         self.inner = inner
         self.times = times
         self.armed = False
-        self.name = inner.name  # type: ignore[misc]
+        self.name = inner.name
         self.num_slots = inner.num_slots
         self.corrupted = 0
 
