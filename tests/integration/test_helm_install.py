@@ -15,15 +15,9 @@ from weightsync.e2e.pytest_plugin import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
-# Known process-runtime limitation: the chart mounts an emptyDir at /tmp (readOnlyRootFilesystem needs a
-# writable /tmp); the runtime keeps its pod volumes under /tmp/weightsync-runtime-*/ and binds /tmp first,
-# so the later bind of the ServiceAccount token volume (a path under the host's /tmp) fails with
-# "special device ... does not exist". Reproduced with a bare pod that mounts an emptyDir at /tmp.
-RUNTIME_TMP_BUG = "process runtime: an emptyDir mounted at /tmp hides the runtime's own /tmp volume paths"
 CHART = Path(__file__).resolve().parents[2] / "helm" / "weightsync-operator"
 
 
-@pytest.mark.xfail(strict=True, reason=RUNTIME_TMP_BUG)
 def test_helm_install_runs_the_operator_that_serves_a_job(cluster: Any, kube: Any, namespace: str, wsj_crd: str,
                                                           op_nodes: list[str], process_runtime: Any) -> None:
     if process_runtime is None:
