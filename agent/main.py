@@ -185,7 +185,7 @@ class Agent:
         if self.islot is not None:
             self.adapter = make_adapter(cfg, self.registry, self.islot.member.ranks, self.islot.replica.tensor)
             self.peers = TrainerPeers(topo, port=cfg.control_port, token=self.token, pod=cfg.pod_name,
-                                      replica=self.islot.replica.replica, on_announce=self._wake.set)
+                                      replica=self.islot.replica.replica, on_announce=self._on_announce)
         self.local = local.LocalServer(cfg.socket_path, self._local)
         self.health = HealthServer(cfg.pod_ip, cfg.metrics_port, self.metrics.registry, self._health)
 
@@ -300,6 +300,14 @@ class Agent:
         self.desired = d
         log.info("desired state target=%s paused=%s", d.target_version, d.paused)
         self._wake.set()
+        self._report()
+
+    def _on_announce(self) -> None:
+        """A trainer announced a version. Staleness is re-evaluated here, not only in the loop: the loop may
+        be blocked inside a load (a hung engine), and a replica that falls more than maxStaleness behind
+        must still go NotReady. PodLink coalesces, so an unchanged report costs no API write."""
+        self._wake.set()
+        self._report()
 
     def _report(self) -> None:
         latest = self._latest_known()
