@@ -283,8 +283,10 @@ def test_scale_inference_from_2_to_4_while_versions_flow(cluster, kube, namespac
 
 
 # --- a replica behind by more than maxStaleness leaves readiness -----------------------------------------------
-def test_stale_replica_is_not_ready_and_leaves_the_endpoints(cluster, kube, namespace, operator, demo_job,
-                                                             process_runtime):
+def test_stale_replica_goes_not_ready_through_its_readiness_gate(cluster, kube, namespace, operator, demo_job,
+                                                                 process_runtime):
+    """Readiness is what Service endpoints follow. (The endpoints themselves cannot be checked here: the
+    process runtime's pods have loopback IPs, which the API server refuses in EndpointSlices.)"""
     _needs_runtime(process_runtime)
     operator()
     body = demo_job("separated", versions=40, interval=1.0)
@@ -301,23 +303,12 @@ def test_stale_replica_is_not_ready_and_leaves_the_endpoints(cluster, kube, name
 
         pod = wait(not_ready, 60, f"{stale} NotReady once more than maxStaleness=1 versions behind")
         assert demo.pod_condition(pod, contract.POD_CONDITION_SYNCED) == "False"
+        assert demo.pod_condition(pod, "ContainersReady") == "True", "NotReady by the readiness gate, not a crash"
         j = wait(lambda: (x := job(kube, namespace, name)) and cond(x, contract.COND_DEGRADED) == "True" and x,
                  30, "Degraded=True")
         assert demo.condition(j, contract.COND_DEGRADED)["reason"] == "ReplicasStale"
-
-        def endpoints_without_stale() -> bool:
-            slices = kube.api.call_api(*kube.api.param_serialize(
-                "GET", f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
-                query_params=[("labelSelector", f"kubernetes.io/service-name={name}")],
-                auth_settings=["BearerToken"]))
-            slices.read()
-            import json
-            items = json.loads(slices.data)["items"]
-            eps = [e for s in items for e in s.get("endpoints") or []]
-            mine = [e for e in eps if (e.get("targetRef") or {}).get("name") == stale]
-            return bool(eps) and all(not (e.get("conditions") or {}).get("ready") for e in mine)
-
-        wait(endpoints_without_stale, 30, f"{stale} not ready in the Service's EndpointSlices")
+        other = next(n for n in inference_pods(kube, namespace, name) if n != stale)
+        assert demo.pod_condition(inference_pods(kube, namespace, name)[other], "Ready") == "True"
     finally:
         os.killpg(pid, signal.SIGCONT)
     wait(lambda: demo.pod_condition(inference_pods(kube, namespace, name)[stale], "Ready") == "True", 90,
