@@ -36,11 +36,16 @@ e2e: setup
 demo: setup
 	$(VPY) -m weightsync.e2e.demo
 
+## bench: every benchmark, one JSON file each in bench/results/ (ratios against a raw reference in the same run).
 bench: setup
 	mkdir -p bench/results
 	$(VPY) -m weightsync.agent.bench --transport nccl --size-mb 1024 --json | tee bench/results/nccl.json
 	$(VPY) -m weightsync.agent.bench --transport ipc --size-mb 1024 --json | tee bench/results/ipc.json
+	$(VPY) -m weightsync.agent.bench --transport gdr --size-mb 1024 --json | tee bench/results/gdr.json
+	$(VPY) -m weightsync.agent.bench --transport gdr --size-mb 256 --iters 3 --verify --delta-fraction 0.05 --json | tee bench/results/gdr-verify-delta.json
 	$(VPY) bench/status_latency.py --versions 50 --pods 8 | tee bench/results/status-latency.json
+	$(VPY) bench/operator_scale.py --replicas 8 32 64 | tee bench/results/operator-scale.json
+	$(VPY) -m weightsync.e2e.runtime.bench --pods 8 | tee bench/results/process-runtime.json
 
 crds: $(STAMP)
 	$(VPY) -m weightsync.crds.generate
