@@ -305,6 +305,18 @@ class FetchResult:
     verified_bytes: int = 0
 
 
+def reachable_sources(topo: Topology, group_name: str) -> set[int] | None:
+    """The trainer ranks an IPC destination can read: those on the pods of its transport group. None for
+    the network transports (NCCL, GDR), which reach every rank."""
+    if topo.mode != "IPC":
+        return None
+    g = next((g for g in topo.groups if g.name == group_name), None)
+    if g is None:
+        return None
+    members = set(g.members)
+    return {r for m in topo.trainer.pods if m.name in members for r in m.ranks}
+
+
 TransportFor = Callable[[dict[str, Any], TransferPlan, str], tuple[Transport, WorldMap | None]]
 EPOCH_TIMEOUT = 90.0  # the trainer answers with the epoch once every destination of its rank joined
 
@@ -341,6 +353,11 @@ def fetch_version(
     if missing:
         raise FetchError(f"trainer ranks {missing} have not published version {version}")
     sources = [src_meta[r] for r in range(world_src)]
+    reachable = reachable_sources(topo, str(group.get("name", "")))
+    if reachable is not None:
+        # IPC moves bytes through the shared memory of this pod's group only: replicas of a shard held by
+        # trainer ranks elsewhere (data parallel across pods) must not be chosen as the source.
+        sources = [shards if r in reachable else [] for r, shards in enumerate(sources)]
     names: dict[str, TensorShard] = {}
     for shards in sources:
         for s in shards:
