@@ -240,8 +240,14 @@ class Reconciler:
         return patched
 
     def _ensure_secret(self, job: JobRef, out: Outcome) -> None:
-        """Create-only: the token is generated once and never rotated, read back or logged."""
+        """Create-only: the token is generated once and never rotated or logged.
+
+        Looked up first (metadata only matters, the value is never used) so a steady-state pass makes no
+        write: a blind POST would cost one refused API write per pass.
+        """
         name = contract.token_secret_name(job.name)
+        if self.kube.get_or_none("Secret", job.namespace, name) is not None:
+            return
         try:
             self.kube.create(secret.build_secret(job))
         except KubeError as err:
