@@ -193,6 +193,8 @@ class Reconciler:
         ]
         status = aggregate(spec, job.generation, plan, pods, prev_status, generation, states=states, outdated=outdated)
         self._write_status(job, prev_status, ordered(status), out)
+        if out.status_written:
+            self.events.transitions(job, prev_status, out.status)
         if out.created:
             self.events.normal(job, "Created", f"created {', '.join(sorted(out.created))}"[:1000])
         return out
