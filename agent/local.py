@@ -98,10 +98,18 @@ class LocalConn:
         self.sock = sock
         self._lock = threading.Lock()
 
-    def request(self, header: Header, payload: bytes = b"") -> Header:
+    def request(self, header: Header, payload: bytes = b"", timeout: float | None = None) -> Header:
+        """Send and wait for the reply; TimeoutError after `timeout` s (the connection is then unusable:
+        a late reply would be read as the answer to the next request, so the caller must drop it)."""
         with self._lock:
-            send_frame(self.sock, header, payload)
-            reply, _ = recv_frame(self.sock)
+            previous = self.sock.gettimeout()
+            self.sock.settimeout(timeout)
+            try:
+                send_frame(self.sock, header, payload)
+                reply, _ = recv_frame(self.sock)
+            finally:
+                with contextlib.suppress(OSError):
+                    self.sock.settimeout(previous)
         if reply.get("op") == "error":
             raise LocalProtocolError(f"{header.get('op')} failed: {reply.get('message', 'no message')}")
         return reply

@@ -64,7 +64,8 @@ def make_adapter(cfg: AgentConfig, registry: AppRegistry, ranks: list[int], tp_s
     """The engine adapter for cfg.engine_type (agent/engines/factory.py)."""
     if cfg.engine_type == "Custom":
         return factory.make_adapter("Custom", registry=registry, ranks=ranks,
-                                    prefix=f"weightsync-{cfg.job}-{cfg.pod_name}", device=cfg.device)
+                                    prefix=f"weightsync-{cfg.job}-{cfg.pod_name}", device=cfg.device,
+                                    request_timeout=cfg.timeout_seconds)
     options: dict[str, Any] = {"tp_size": tp_size} if cfg.engine_type == "SGLang" else {}
     return factory.make_adapter(cfg.engine_type, url=cfg.engine_url, **options)
 

@@ -66,12 +66,13 @@ class CustomEngineAdapter:
     """EngineAdapter for apps using weightsync.agent.client.InferenceSession."""
 
     def __init__(self, registry: AppRegistry, ranks: list[int], *, prefix: str, connect_timeout: float = 120.0,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", request_timeout: float = 600.0) -> None:
         self.registry = registry
         self.ranks = ranks
         self.rank = ranks[0]  # which rank's session receives the next buckets
         self.prefix = prefix
         self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout  # spec.transfer.timeoutSeconds: a hung engine fails the load
         self.device = device
         self._segment: staging.Segment | None = None
         self._version: int | None = None
@@ -79,7 +80,12 @@ class CustomEngineAdapter:
     def _request(self, rank: int, header: dict[str, Any]) -> dict[str, Any]:
         conn = self.registry.wait(rank, self.connect_timeout)
         try:
-            return conn.request(header)
+            return conn.request(header, timeout=self.request_timeout)
+        except TimeoutError:
+            self.registry.remove(conn)
+            conn.close()
+            raise EngineError(f"Custom engine rank {rank} did not answer {header['op']} within "
+                              f"{self.request_timeout:.0f}s (spec.transfer.timeoutSeconds); dropped its session") from None
         except local.LocalProtocolError as exc:
             raise EngineError(f"Custom engine rank {rank}: {exc}") from None
         except (ConnectionError, OSError) as exc:

@@ -296,3 +296,38 @@ def test_agent_waits_until_the_topology_lists_its_pod(tmp_path: Path) -> None:
     threading.Thread(target=later, daemon=True).start()
     watcher = wait_for_membership(cfg, 30)
     assert watcher.current.generation == 2
+
+
+def test_custom_engine_that_hangs_fails_the_load_after_the_timeout(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung engine must not hold the agent forever: the request times out (spec.transfer.timeoutSeconds),
+    the load fails without a commit, and the stuck session is dropped."""
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    registry = AppRegistry()
+
+    def handler(conn: Any) -> None:
+        h, _ = conn.recv()
+        conn.reply_ok()
+        registry.add(int(h["rank"]), conn, h.get("served_version"))
+        while registry.holds(int(h["rank"]), conn):
+            time.sleep(0.05)
+
+    server = LocalServer(tmp_path / "agent.sock", handler).start()
+    eng = _Engine()
+    release = time.monotonic() + 4.0
+
+    def hang(version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        while time.monotonic() < release:
+            time.sleep(0.05)
+
+    sess = InferenceSession(hang, eng.on_commit, socket_path=tmp_path / "agent.sock", rank=0)
+    sess.start()
+    adapter = CustomEngineAdapter(registry, [0], prefix="wstest", connect_timeout=10, request_timeout=1.0)
+    try:
+        with pytest.raises(EngineError, match=r"did not answer bucket within 1s"):
+            load_version(adapter, 1, [[("a", torch.randn(4))]], pause_generation=False)
+        assert "commit1" not in eng.events and adapter.served_version() is None
+    finally:
+        adapter.close()
+        sess.close()
+        server.close()
