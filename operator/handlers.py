@@ -127,6 +127,7 @@ async def job_event(event: kopf.RawEvent, name: str, namespace: str | None, **_:
     key = (namespace or "", name)
     if event.get("type") == "DELETED":
         _state().queue.forget(key)
+        metrics.forget_job(*key)
         return
     _state().queue.request(key)
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
@@ -23,6 +26,56 @@ RECONCILE_DURATION = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
 JOBS = Gauge("weightsync_operator_jobs", "WeightSyncJobs this operator instance currently tracks.")
+
+# --- per-job series, set from each aggregated status (what `kubectl get wsj` shows, as time series) ------
+JOB_LABELS = ("namespace", "job")
+JOB_TRAINER_VERSION = Gauge("weightsync_job_trainer_version", "Newest weight version every trainer pod published.",
+                            JOB_LABELS)
+JOB_SERVED_VERSION = Gauge("weightsync_job_served_version", "Oldest version served by a Ready inference replica.",
+                           JOB_LABELS)
+JOB_VERSION_LAG = Gauge("weightsync_job_version_lag", "trainer_version - served_version (versions behind).",
+                        JOB_LABELS)
+JOB_LAST_SYNC_DURATION = Gauge("weightsync_job_last_sync_duration_seconds", "Wall time of the newest completed sync.",
+                               JOB_LABELS)
+JOB_LAST_SYNC_BYTES = Gauge("weightsync_job_last_sync_bytes", "Bytes moved by the newest completed sync.", JOB_LABELS)
+JOB_REPLICAS = Gauge("weightsync_job_replicas",
+                     "Inference replicas by state (total: exist, ready: Ready, synced: serve the newest version).",
+                     (*JOB_LABELS, "state"))
+REPLICA_STATES = ("synced", "ready", "total")
+_JOB_GAUGES = (JOB_TRAINER_VERSION, JOB_SERVED_VERSION, JOB_VERSION_LAG, JOB_LAST_SYNC_DURATION, JOB_LAST_SYNC_BYTES)
+
+
+def _set_or_remove(gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
+    """An unknown value is an absent series, not a misleading 0."""
+    if value is None:
+        with contextlib.suppress(KeyError):
+            gauge.remove(*labels)
+    else:
+        gauge.labels(*labels).set(value)
+
+
+def record_job_status(namespace: str, job: str, status: Mapping[str, Any]) -> None:
+    """Export one job's aggregated status (the dict written to the API, camelCase keys)."""
+    key = (namespace, job)
+    tv, sv = status.get("trainerVersion"), status.get("servedVersion")
+    _set_or_remove(JOB_TRAINER_VERSION, key, tv)
+    _set_or_remove(JOB_SERVED_VERSION, key, sv)
+    _set_or_remove(JOB_VERSION_LAG, key, tv - sv if tv is not None and sv is not None else None)
+    last = status.get("lastSync") or {}
+    _set_or_remove(JOB_LAST_SYNC_DURATION, key, last.get("durationSeconds"))
+    _set_or_remove(JOB_LAST_SYNC_BYTES, key, last.get("bytes"))
+    counts = status.get("replicas") or {}
+    for state, field in zip(REPLICA_STATES, ("synced", "ready", "inference"), strict=True):
+        JOB_REPLICAS.labels(namespace, job, state).set(counts.get(field, 0))
+
+
+def forget_job(namespace: str, job: str) -> None:
+    """Drop a deleted job's series so dashboards do not show a ghost."""
+    for gauge in _JOB_GAUGES:
+        _set_or_remove(gauge, (namespace, job), None)
+    for state in REPLICA_STATES:
+        _set_or_remove(JOB_REPLICAS, (namespace, job, state), None)
+
 
 _started_port: int | None = None
 

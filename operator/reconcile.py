@@ -110,6 +110,7 @@ class Reconciler:
         """Reconcile by key; None when the job is gone or being deleted (garbage collection does the rest)."""
         body = self.kube.get_or_none(contract.KIND, namespace, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            m.forget_job(namespace, name)
             return None
         start = self.clock()
         try:
@@ -193,6 +194,7 @@ class Reconciler:
         ]
         status = aggregate(spec, job.generation, plan, pods, prev_status, generation, states=states, outdated=outdated)
         self._write_status(job, prev_status, ordered(status), out)
+        m.record_job_status(job.namespace, job.name, out.status)
         if out.status_written:
             self.events.transitions(job, prev_status, out.status)
         if out.created:
@@ -363,6 +365,7 @@ class Reconciler:
         status = ordered(st)
         old_ready: Obj = next((c for c in previous.get("conditions") or [] if c.get("type") == contract.COND_READY), {})
         self._write_status(job, previous, status, out)
+        m.record_job_status(job.namespace, job.name, status)
         if old_ready.get("reason") != problem.reason or old_ready.get("message") != problem.message:
             self.events.warning(job, problem.reason, problem.message)
         log.warning("job cannot run job=%s/%s reason=%s message=%s", job.namespace, job.name, problem.reason,
