@@ -171,7 +171,7 @@ class Reconciler:
 
         states = replica_states(plan, pods)
         tv = trainer_version(plan, pods, prev_status.get("trainerVersion"))
-        annotations = desired_annotations(spec, plan, states, tv, generation)
+        annotations = desired_annotations(spec, plan, states, tv, generation, pods)
         try:
             desired_pods = build_pods(job, spec, plan, self.cfg, annotations)
         except TemplateError as err:

@@ -4,28 +4,53 @@ Rollout rule: a replica that serves traffic and is behind the trainer may start 
 than maxUnavailable serving replicas are loading, so serving capacity stays. A replica that serves
 nothing yet (new, restarted, scaled up) takes the newest version at once: loading it costs no capacity.
 A replica already loading keeps its target until it is served (no retargeting mid-load).
+
+Only a loading replica that still serves traffic holds the budget: one that is NotReady (out of the
+Service endpoints, e.g. it fell beyond maxStaleness while a hung engine blocked its load) or whose agent
+reported a failed load (`contract.ANN_SYNC_ERROR`; the agent fails a hung engine's requests after
+spec.transfer.timeoutSeconds) costs no capacity, so one stuck engine cannot block the rollout to the others.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+from typing import Any
+
 from weightsync.crds import contract
 from weightsync.crds.models import WeightSyncJobSpec, max_unavailable_count
+from weightsync.operator import podstate
 from weightsync.operator.placement import Plan
 from weightsync.operator.replicas import ReplicaState
 
 
-def replica_targets(spec: WeightSyncJobSpec, states: list[ReplicaState], trainer_version: int | None) -> dict[int, int | None]:
-    """Replica index -> version it should load (None: nothing published yet)."""
+def failed_replicas(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]]) -> frozenset[int]:
+    """Replicas with a pod whose agent reports a failed load (they are not loading, they are stuck)."""
+    return frozenset(
+        s.replica for s in states
+        if any(podstate.sync_error(pods[n]) for n in s.pod_names if podstate.is_live(pods.get(n)))
+    )
+
+
+def holds_budget(s: ReplicaState, failed: Collection[int] = ()) -> bool:
+    """A load that takes serving capacity away: the replica is Ready, loading, and not known to be stuck."""
+    return s.serving and s.loading and s.ready and s.replica not in failed
+
+
+def replica_targets(
+    spec: WeightSyncJobSpec, states: list[ReplicaState], trainer_version: int | None, failed: Collection[int] = (),
+) -> dict[int, int | None]:
+    """Replica index -> version it should load (None: nothing published yet). `failed`: replicas whose
+    last load failed (see `failed_replicas`); they do not hold the maxUnavailable budget."""
     if trainer_version is None:
         return {s.replica: s.target for s in states}
     budget = max_unavailable_count(spec)
-    busy = sum(1 for s in states if s.serving and s.loading)
+    busy = sum(1 for s in states if holds_budget(s, failed))
     out: dict[int, int | None] = {}
     for s in states:
         if s.target == trainer_version or (s.serving and s.loading):
             out[s.replica] = s.target
-        elif not s.serving:
-            out[s.replica] = trainer_version
+        elif not s.serving or not s.ready:
+            out[s.replica] = trainer_version  # out of the endpoints already: loading costs no capacity
         elif s.served is not None and s.served >= trainer_version:
             out[s.replica] = s.served
         elif busy < budget:
@@ -42,9 +67,10 @@ def desired_annotations(
     states: list[ReplicaState],
     trainer_version: int | None,
     membership_generation: int,
+    pods: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, dict[str, str]]:
-    """Pod name -> the operator-owned annotations it should carry."""
-    targets = replica_targets(spec, states, trainer_version)
+    """Pod name -> the operator-owned annotations it should carry (`pods`: the observed pods, for sync errors)."""
+    targets = replica_targets(spec, states, trainer_version, failed_replicas(states, pods or {}))
     out: dict[str, dict[str, str]] = {}
     for p in plan.pods:
         ann = {contract.ANN_MEMBERSHIP_GENERATION: str(membership_generation)}
