@@ -104,6 +104,7 @@ class Reconciler:
         self.cfg = cfg
         self.events = events or EventRecorder(kube)
         self.clock = clock
+        self._tokens_present: set[tuple[str, str, str]] = set()  # (namespace, job, uid) with a token Secret
 
     # --- entry points ----------------------------------------------------------------------------------
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
@@ -244,22 +245,25 @@ class Reconciler:
         return patched
 
     def _ensure_secret(self, job: JobRef, out: Outcome) -> None:
-        """Create-only: the token is generated once and never rotated or logged.
+        """Create-only: the token is generated once and never rotated, logged or read back.
 
-        Looked up first (metadata only matters, the value is never used) so a steady-state pass makes no
-        write: a blind POST would cost one refused API write per pass.
+        The operator may not read Secrets (least privilege: the chart grants `create` only), so it
+        remembers per job uid that the token exists: one POST per job per operator process (201, or 409
+        when an earlier process made it), and no API write on later passes.
         """
-        name = contract.token_secret_name(job.name)
-        if self.kube.get_or_none("Secret", job.namespace, name) is not None:
+        key = (job.namespace, job.name, job.uid)
+        if key in self._tokens_present:
             return
+        name = contract.token_secret_name(job.name)
         try:
             self.kube.create(secret.build_secret(job))
         except KubeError as err:
-            if err.conflict:
-                return
-            raise
-        out.created.append(f"Secret/{name}")
-        _log_change("created", "Secret", job, name)
+            if not err.conflict:
+                raise
+        else:
+            out.created.append(f"Secret/{name}")
+            _log_change("created", "Secret", job, name)
+        self._tokens_present.add(key)
 
     def _sync_pods(self, job: JobRef, desired: list[Obj], observed: dict[str, Obj], out: Outcome) -> Problem | None:
         wanted = {p["metadata"]["name"]: p for p in desired}

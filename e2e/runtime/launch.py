@@ -30,6 +30,19 @@ def sort_mounts(mounts: Sequence[Mount]) -> list[Mount]:
     return sorted(mounts, key=lambda m: (posixpath.normpath(m.container_path).count("/"), m.container_path))
 
 
+def keep_visible(mounts: Sequence[Mount], host_paths: Sequence[str]) -> list[Mount]:
+    """Bind back the host paths the runtime's own environment needs (the Python env, the project source)
+    that a pod volume would hide, e.g. an emptyDir at /tmp when the checkout lives under /tmp. Deeper
+    than the volume that covers them, so `sort_mounts` puts them after it."""
+    def covered(path: str) -> bool:
+        return any(path == m.container_path.rstrip("/") or path.startswith(m.container_path.rstrip("/") + "/")
+                   for m in mounts)
+
+    roots = sorted({posixpath.normpath(p) for p in host_paths})
+    roots = [r for r in roots if not any(r != o and r.startswith(o + "/") for o in roots)]  # outermost only
+    return [*mounts, *(Mount(r, r) for r in roots if covered(r))]
+
+
 def mount_script(mounts: Sequence[Mount], workdir: str) -> str:
     """The bash run inside the new mount namespace before exec.
 

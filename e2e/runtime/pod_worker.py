@@ -19,7 +19,7 @@ from weightsync.e2e.runtime.containers import Backoff, ContainerRunner, rfc3339
 from weightsync.e2e.runtime.envvars import EnvError, Lookup, container_env, expand, service_env
 from weightsync.e2e.runtime.events import EventRecorder
 from weightsync.e2e.runtime.kube import ApiError, KubeClient, pod_path
-from weightsync.e2e.runtime.launch import find_executable, wrapper_argv
+from weightsync.e2e.runtime.launch import find_executable, keep_visible, wrapper_argv
 from weightsync.e2e.runtime.orphans import RUNTIME_ID_ENV
 from weightsync.e2e.runtime.pod_volumes import PodVolumes
 from weightsync.e2e.runtime.probes import ProbeState, run_probe
@@ -266,7 +266,7 @@ class PodWorker:
         spec = runner.spec
         try:
             env = self._env(pod, spec)
-            mounts = self.volumes.mounts_for(pod, spec)
+            mounts = keep_visible(self.volumes.mounts_for(pod, spec), self._host_env_paths())
         except (EnvError, VolumeError) as exc:
             reason = exc.reason if isinstance(exc, EnvError) else "CreateContainerConfigError"
             runner.set_waiting(reason, str(exc))
@@ -300,6 +300,12 @@ class PodWorker:
             "container started pod=%s container=%s kind=%s pid=%s restarts=%d argv=%s",
             self.key, runner.name, runner.kind, runner.pid, runner.restart_count, argv,
         )
+
+    def _host_env_paths(self) -> list[str]:
+        """What the host processes run from: the Python environment and the project's source tree."""
+        import weightsync
+
+        return [str(self.ctx.python_bin_dir.parent), str(Path(weightsync.__file__).resolve().parent.parent)]
 
     def _env(self, pod: JSON, spec: JSON) -> dict[str, str]:
         base = {

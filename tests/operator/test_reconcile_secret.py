@@ -1,4 +1,5 @@
-"""The token Secret is created once; later passes only read it (no refused POST per pass)."""
+"""The token Secret is created once; later passes make no API call for it (the operator may not read
+Secrets), and a new operator process makes one refused POST per job at most."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from weightsync.operator.kube import Kube
 from weightsync.operator.reconcile import Outcome, Reconciler
 
 
-def test_secret_is_created_once_and_then_only_read(job, cfg):
+def test_secret_is_created_once_and_then_left_alone(job, cfg):
     kube = FakeKube()
     rec = Reconciler(cast(Kube, kube), cfg, events=cast(Any, object()))
     first = Outcome()
@@ -22,5 +23,19 @@ def test_secret_is_created_once_and_then_only_read(job, cfg):
         again = Outcome()
         rec._ensure_secret(job, again)
         assert again.created == []
-    assert kube.writes() == []  # steady state: zero API writes
+    assert kube.writes() == [] and kube.calls == []  # steady state: no API call at all, no Secret read
     assert kube.objects[("Secret", "ns1", "demo-token")]["data"] == token  # never rotated
+
+
+def test_a_new_operator_process_never_reads_or_rotates_an_existing_token(job, cfg):
+    kube = FakeKube()
+    Reconciler(cast(Kube, kube), cfg, events=cast(Any, object()))._ensure_secret(job, Outcome())
+    token = kube.objects[("Secret", "ns1", "demo-token")]["data"]
+    kube.calls.clear()
+    restarted = Reconciler(cast(Kube, kube), cfg, events=cast(Any, object()))
+    out = Outcome()
+    restarted._ensure_secret(job, out)
+    restarted._ensure_secret(job, Outcome())
+    assert out.created == []  # 409: made by the earlier process
+    assert kube.calls == [("create", "Secret", "demo-token")]  # one POST, never a read (RBAC: create only)
+    assert kube.objects[("Secret", "ns1", "demo-token")]["data"] == token

@@ -349,3 +349,14 @@ def test_cli_bad_kubeconfig_gives_one_clear_line(tmp_path: Path, capsys: pytest.
     assert main(["--kubeconfig", str(tmp_path / "missing"), "--nodes", "n", "--state-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "make dev-up" in err[0] and "missing" in err[0]
+
+
+def test_runtime_env_paths_hidden_by_a_volume_are_bound_back() -> None:
+    """An emptyDir at /tmp must not hide the checkout and venv the host processes run from."""
+    from weightsync.e2e.runtime.launch import keep_visible
+
+    vols = [Mount("/state/pod/tmp", "/tmp"), Mount("/state/pod/sa", "/var/run/secrets/kubernetes.io/serviceaccount")]
+    out = keep_visible(vols, ["/tmp/ci/.venv", "/tmp/ci", "/work/other"])
+    assert out[:2] == vols and out[2:] == [Mount("/tmp/ci", "/tmp/ci")]  # outermost only, uncovered left alone
+    assert [m.container_path for m in sort_mounts(out)] == ["/tmp", "/tmp/ci", "/var/run/secrets/kubernetes.io/serviceaccount"]
+    assert keep_visible(vols[1:], ["/tmp/ci"]) == vols[1:]
