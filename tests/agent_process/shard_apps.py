@@ -77,7 +77,10 @@ def run_engine(ranks: list[int], out: Path) -> None:
                 got[n] = t.clone()
 
         def on_commit(version: int) -> None:
-            torch.save(dict(got), out / f"v{version}-rank{rank}.pt")
+            final = out / f"v{version}-rank{rank}.pt"
+            partial = final.with_suffix(".pt.partial")
+            torch.save(dict(got), partial)
+            partial.replace(final)  # atomic: the test polls for the file and must never read half of it
             print(f"committed version={version} rank={rank}", flush=True)
 
         return InferenceSession(on_bucket, on_commit, on_begin=on_begin, rank=rank).start()
