@@ -15,13 +15,14 @@ import logging
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import torch
 from weightsync.agent.client import TrainerSession, checksums
+from weightsync.agent.demo.jsonhttp import JsonHandler, serve_in_thread
 from weightsync.agent.demo.model import DemoModel, batch
 from weightsync.crds import contract
 
@@ -44,7 +45,7 @@ class TrainerState:
 
 
 def _serve(state: TrainerState, host: str, port: int) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(JsonHandler):
         def do_GET(self) -> None:
             url = urlparse(self.path)
             q = parse_qs(url.query)
@@ -60,20 +61,7 @@ def _serve(state: TrainerState, host: str, port: int) -> ThreadingHTTPServer:
             else:
                 self._json(404, {"error": f"unknown path {url.path}"})
 
-        def _json(self, code: int, obj: Any) -> None:
-            body = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    return serve_in_thread(host, port, Handler)
 
 
 def _write_checksums(path: Path, sums: dict[int, dict[str, str]]) -> None:
