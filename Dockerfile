@@ -1,22 +1,64 @@
-# One file, two targets:
-#   docker build --target operator -t weightsync-operator .   (slim: kopf, kubernetes, pydantic)
-#   docker build --target agent    -t weightsync-agent .      (adds torch and nixl for the transports)
-FROM python:3.11-slim AS base
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# weightsync images: one file, two targets (`make image` builds both).
+#   docker build --target operator -t ghcr.io/weightsync/weightsync-operator:0.1.0 .   kopf, kubernetes, pydantic: no torch
+#   docker build --target agent    -t ghcr.io/weightsync/weightsync-agent:0.1.0 .      + torch, numpy, xxhash, nixl
+# The wheel is built once (stage `builder`); each target installs it, the operator without extras and the
+# agent with `[agent,gdr]`. Both run as UID/GID 65532 (the chart's runAsUser) and start a console script.
+# Checked in CI without a Docker engine: hadolint and tests/docker/ (pinned bases, non-root, exec-form
+# entrypoints that are console scripts of pyproject.toml, COPY sources, no torch in the operator).
+#
+# The base is pinned to a full patch version and Debian release. To pin the digest as well (recommended
+# for releases), resolve it where a registry is reachable and pass it in, e.g.
+#   docker buildx imagetools inspect python:3.11.15-slim-bookworm      (or: crane digest python:3.11.15-slim-bookworm)
+#   make image PYTHON_IMAGE=python:3.11.15-slim-bookworm@sha256:<digest>
+ARG PYTHON_IMAGE=python:3.11.15-slim-bookworm
+
+# --- builder: the weightsync wheel, built once --------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS builder
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
+# Every folder of [tool.setuptools] package-dir (tests/docker checks that none is missing).
 COPY pyproject.toml README.md ./
 COPY weightsync ./weightsync
 COPY crds ./crds
 COPY operator ./operator
 COPY agent ./agent
 COPY e2e ./e2e
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+    && set -- /wheels/weightsync-*.whl && test "$#" = 1 && test -f "$1"
 
-FROM base AS operator
-RUN pip install . && useradd --uid 65532 --no-create-home weightsync
-USER 65532
+# --- runtime: what both targets share ---------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS runtime
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN groupadd --gid 65532 weightsync \
+    && useradd --uid 65532 --gid 65532 --create-home --home-dir /home/weightsync --shell /usr/sbin/nologin weightsync
+LABEL org.opencontainers.image.source="https://github.com/weightsync/weightsync" \
+      org.opencontainers.image.url="https://github.com/weightsync/weightsync" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.vendor="weightsync" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}"
+WORKDIR /home/weightsync
+
+# --- operator: slim, no torch -------------------------------------------------------------------------------
+FROM runtime AS operator
+LABEL org.opencontainers.image.title="weightsync-operator" \
+      org.opencontainers.image.description="The weightsync Kubernetes operator (WeightSyncJob)."
+COPY --from=builder /wheels /wheels
+# The wheel is this repository's own build (its dependencies are pinned by range in pyproject.toml).
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir /wheels/weightsync-*.whl && rm -rf /wheels
+USER 65532:65532
 ENTRYPOINT ["weightsync-operator"]
 
-FROM base AS agent
-RUN pip install '.[agent,gdr]' && useradd --uid 65532 --no-create-home weightsync
-USER 65532
+# --- agent: the sidecar (and the demo trainer / engine), with torch and nixl -------------------------------
+FROM runtime AS agent
+LABEL org.opencontainers.image.title="weightsync-agent" \
+      org.opencontainers.image.description="The weightsync agent sidecar: moves weights between trainer and inference pods."
+COPY --from=builder /wheels /wheels
+# hadolint ignore=DL3013
+RUN set -eu; wheel="$(echo /wheels/weightsync-*.whl)"; \
+    pip install --no-cache-dir "${wheel}[agent,gdr]" && rm -rf /wheels
+USER 65532:65532
 ENTRYPOINT ["weightsync-agent"]
