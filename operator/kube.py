@@ -73,6 +73,12 @@ class KubeError(Exception):
     def invalid(self) -> bool:
         return self.status in (400, 403, 422)
 
+    @property
+    def forbidden_by_rbac(self) -> bool:
+        """A 403 from the authorizer (`User "..." cannot VERB resource "R" ...`), not from admission
+        (PodSecurity and webhooks also answer 403, with another message): the operator lacks a permission."""
+        return self.status == 403 and " cannot " in self.message
+
 
 def _error(exc: ApiException) -> KubeError:
     body: Obj = {}

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from weightsync.crds import contract
-from weightsync.crds.models import WeightSyncJob, validation_messages
+from weightsync.crds.models import ReplicaCounts, WeightSyncJob, validation_messages
 from weightsync.operator import dra, networkpolicy, podstate, rbac, secret, service
 from weightsync.operator import metrics as m
 from weightsync.operator import topology as topo
@@ -33,6 +33,7 @@ from weightsync.operator.rollout import desired_annotations
 from weightsync.operator.status import (
     REASON_INVALID_SPEC,
     REASON_INVALID_TEMPLATE,
+    REASON_PERMISSION_DENIED,
     Problem,
     aggregate,
     ordered,
@@ -105,6 +106,7 @@ class Reconciler:
         self.events = events or EventRecorder(kube)
         self.clock = clock
         self._tokens_present: set[tuple[str, str, str]] = set()  # (namespace, job, uid) with a token Secret
+        self._denials_posted: dict[tuple[str, str], str] = {}  # last PermissionDenied Event per job (no spam)
 
     # --- entry points ----------------------------------------------------------------------------------
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
@@ -116,9 +118,11 @@ class Reconciler:
         start = self.clock()
         try:
             out = self.reconcile_body(body)
-        except Exception:
+        except Exception as err:
             m.RECONCILE_ERRORS.inc()
             m.RECONCILES.labels(result="error").inc()
+            if isinstance(err, KubeError) and err.forbidden_by_rbac:
+                self._report_forbidden(body, err)
             raise
         finally:
             m.RECONCILE_DURATION.observe(self.clock() - start)
@@ -315,6 +319,8 @@ class Reconciler:
                 _log_change("created", "Pod", job, name)
             elif err.conflict:
                 continue  # the old pod of that name is still terminating; its deletion event brings us back
+            elif err.forbidden_by_rbac:
+                raise err  # the operator's own permissions, not the template: reported as PermissionDenied
             elif err.invalid:
                 problem = problem or Problem(REASON_INVALID_TEMPLATE, f"pod {name} was refused: {err.message}")
             else:
@@ -332,6 +338,8 @@ class Reconciler:
             try:
                 self.kube.create(pod, dry_run=True)
             except KubeError as err:
+                if err.forbidden_by_rbac:
+                    raise  # the operator's own permissions, not the template: reported as PermissionDenied
                 if err.conflict:
                     continue
                 if err.invalid:
@@ -356,12 +364,36 @@ class Reconciler:
         self.kube.patch(contract.KIND, job.namespace, job.name, {"status": patch}, subresource="status")
         out.status_written = True
 
+    def _report_forbidden(self, body: Obj, err: KubeError) -> None:
+        """Fail loudly when the operator lacks a permission (a trimmed Role, a hand-made ClusterRole): an
+        error log line, Ready=False / Degraded=True with reason PermissionDenied naming the verb and resource,
+        and a Warning Event. The work queue retries with backoff, so granting the permission heals the job."""
+        job = JobRef.from_body(body)
+        message = permission_message(err)
+        log.error("permission denied job=%s/%s reason=%s message=%s", job.namespace, job.name, REASON_PERMISSION_DENIED,
+                  message, extra={"job": f"{job.namespace}/{job.name}", "reason": REASON_PERMISSION_DENIED})
+        previous: Obj = body.get("status") or {}
+        spec: Obj = body.get("spec") or {}
+        try:
+            self._finish_problem(job, body, previous, Problem(REASON_PERMISSION_DENIED, message), Outcome(),
+                                 paused=bool(spec.get("paused")), mode=previous.get("mode"), keep_replicas=True)
+        except KubeError as status_err:
+            # Even the status write is refused: the Event (and the log above) are all that is left.
+            log.error("cannot write the job's status job=%s/%s error=%s", job.namespace, job.name, status_err.message,
+                      extra={"job": f"{job.namespace}/{job.name}", "reason": REASON_PERMISSION_DENIED})
+            key = (job.namespace, job.name)
+            if self._denials_posted.get(key) != message:
+                self._denials_posted[key] = message
+                self.events.warning(job, REASON_PERMISSION_DENIED, message)
+
     def _finish_problem(
         self, job: JobRef, body: Obj, previous: Obj, problem: Problem, out: Outcome,
-        paused: bool = False, mode: str | None = None,
+        paused: bool = False, mode: str | None = None, keep_replicas: bool = False,
     ) -> None:
         out.problem = problem
         st = problem_status(job.generation, problem, previous, paused)
+        if keep_replicas and previous.get("replicas"):
+            st.replicas = ReplicaCounts.model_validate(previous["replicas"])  # the pods are still there
         if mode is not None:
             st.mode = mode
         if previous.get("membershipGeneration") is not None:
@@ -374,3 +406,12 @@ class Reconciler:
             self.events.warning(job, problem.reason, problem.message)
         log.warning("job cannot run job=%s/%s reason=%s message=%s", job.namespace, job.name, problem.reason,
                     problem.message, extra={"job": f"{job.namespace}/{job.name}", "reason": problem.reason})
+
+
+def permission_message(err: KubeError) -> str:
+    """What is missing and how to fix it, from the authorizer's 403 (which names user, verb and resource)."""
+    return (
+        f"the operator may not do what this job needs: {err.message}. Grant that permission to the operator's "
+        "ServiceAccount (the chart's RBAC has every permission the operator uses: `helm upgrade` with "
+        "rbac.create=true, or add the rule to your Role/ClusterRole); the operator retries on its own."
+    )[:1000]

@@ -28,6 +28,7 @@ from weightsync.operator.replicas import ReplicaState, replica_states, trainer_v
 
 REASON_INVALID_TEMPLATE = "InvalidTemplate"
 REASON_INVALID_SPEC = "InvalidSpec"
+REASON_PERMISSION_DENIED = "PermissionDenied"
 
 
 @dataclass(frozen=True)
