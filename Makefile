@@ -10,7 +10,7 @@ VPY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup binaries test test-unit e2e demo bench crds lint dev-up dev-down dev-status clean
+.PHONY: setup binaries test test-unit e2e demo bench crds docs lint dev-up dev-down dev-status clean
 
 setup: $(STAMP) binaries
 
@@ -52,6 +52,10 @@ bench: setup
 
 crds: $(STAMP)
 	$(VPY) -m weightsync.crds.generate
+
+## docs: regenerate docs/api-reference.md from the models (CI: python -m weightsync.crds.docs --check).
+docs: $(STAMP)
+	$(VPY) -m weightsync.crds.docs
 
 lint: $(STAMP)
 	$(VPY) -m ruff check .
