@@ -58,7 +58,10 @@ EngineType = Literal["SGLang", "VLLM", "Custom"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 
 HOSTNAME_TOPOLOGY_KEY = "kubernetes.io/hostname"
+# The operator's default RDMA resource (OperatorConfig.rdma_resource_name) when spec.transfer.rdmaResourceName
+# is unset; an extended resource name `<domain>/<name>`.
 DEFAULT_RDMA_RESOURCE = "rdma/hca_shared_devices_a"
+RDMA_RESOURCE_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 # Owned pods are named `<job>-inference-<replica>-<index>`; keeping the job name short keeps every owned
 # name a valid DNS label (63 characters) and a valid label value.
 MAX_JOB_NAME_LENGTH = 40
@@ -190,11 +193,14 @@ class DRAConfig(_Model):
     """Dynamic Resource Allocation for Colocated pods: one ResourceClaim shared by the trainer, inference
     and agent containers of a pod, so all three see the same GPUs."""
 
-    device_class_name: str = Field(
+    device_class_name: str | None = Field(
+        default=None,
         alias="deviceClassName",
         min_length=1,
         max_length=253,
-        description="DeviceClass (resource.k8s.io/v1) the per-pod ResourceClaim requests, e.g. gpu.nvidia.com.",
+        description="DeviceClass (resource.k8s.io/v1) the per-pod ResourceClaim requests, e.g. gpu.nvidia.com. "
+        "Unset: the operator's default (Helm chart value cluster.draDeviceClassName); a job with neither is "
+        "refused with a condition.",
     )
 
 
@@ -231,8 +237,8 @@ class Placement(_Model):
     )
     dra: DRAConfig | None = Field(
         default=None,
-        description="Colocated only: share the pod's GPUs through one DRA ResourceClaim instead of the device plugin. "
-        "Without DRA, Colocated is valid only for whole-node pods.",
+        description="Colocated only: share the pod's GPUs through one DRA ResourceClaim instead of the device plugin "
+        "(`dra: {}` uses the operator's default DeviceClass). Without DRA, Colocated is valid only for whole-node pods.",
     )
 
 
@@ -282,13 +288,15 @@ class TransferSpec(_Model):
         alias="deltaSync",
         description="Optional: send only changed tensors.",
     )
-    rdma_resource_name: str = Field(
-        default=DEFAULT_RDMA_RESOURCE,
+    rdma_resource_name: str | None = Field(
+        default=None,
         alias="rdmaResourceName",
         min_length=1,
         max_length=253,
-        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
-        description="Extended resource requested (1 per pod) for GDR, e.g. rdma/hca_shared_devices_a from the RDMA shared device plugin.",
+        pattern=RDMA_RESOURCE_PATTERN,
+        description="Extended resource requested (1 per pod) for GDR, e.g. rdma/hca_shared_devices_a from the RDMA "
+        "shared device plugin. Unset: the operator's default (Helm chart value cluster.rdmaResourceName, "
+        f"{DEFAULT_RDMA_RESOURCE} unless changed).",
     )
 
 
@@ -793,6 +801,7 @@ __all__ = [
     "HOSTNAME_TOPOLOGY_KEY",
     "MAX_JOB_NAME_LENGTH",
     "POD_TEMPLATE_SCHEMA",
+    "RDMA_RESOURCE_PATTERN",
     "Condition",
     "DRAConfig",
     "DeltaSync",

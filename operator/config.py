@@ -4,9 +4,12 @@ overridden by command-line flags, so builders take plain values and never read t
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from weightsync.crds.models import DEFAULT_RDMA_RESOURCE, RDMA_RESOURCE_PATTERN
 
 DEFAULT_AGENT_IMAGE = "ghcr.io/weightsync/weightsync-agent:0.1.0"
 
@@ -58,6 +61,11 @@ class OperatorConfig:
     gpu_node_selector: dict[str, str] = field(default_factory=lambda: {"nvidia.com/gpu.present": "true"})
     # Auto transfer mode resolves to GDR for Separated jobs only when the cluster has RDMA.
     rdma_available: bool = False
+    # The cluster's defaults for what a job may leave unset: the extended resource a GDR agent requests
+    # (spec.transfer.rdmaResourceName) and the DRA DeviceClass (spec.placement.dra.deviceClassName; "" = none,
+    # a Colocated job with `dra: {}` is then refused).
+    rdma_resource_name: str = DEFAULT_RDMA_RESOURCE
+    dra_device_class_name: str = ""
     # Periodic level-triggered resync of every known job (seconds); watch events trigger sooner.
     resync_seconds: float = 30.0
     # Ports of the operator process itself.
@@ -78,6 +86,8 @@ class OperatorConfig:
             gpu_resource=e.get("WEIGHTSYNC_GPU_RESOURCE") or "nvidia.com/gpu",
             gpu_node_selector=_selector(e.get("WEIGHTSYNC_GPU_NODE_SELECTOR", "nvidia.com/gpu.present=true")),
             rdma_available=_bool(e.get("WEIGHTSYNC_RDMA_AVAILABLE"), False),
+            rdma_resource_name=e.get("WEIGHTSYNC_RDMA_RESOURCE") or DEFAULT_RDMA_RESOURCE,
+            dra_device_class_name=(e.get("WEIGHTSYNC_DRA_DEVICE_CLASS") or "").strip(),
             resync_seconds=float(e.get("WEIGHTSYNC_RESYNC_SECONDS") or 30.0),
             metrics_port=_int(e, "WEIGHTSYNC_METRICS_PORT", 8080),
             health_port=_int(e, "WEIGHTSYNC_HEALTH_PORT", 8081),
@@ -85,4 +95,9 @@ class OperatorConfig:
         )
         if base.node_gpu_count < 1:
             raise ValueError("WEIGHTSYNC_NODE_GPU_COUNT must be >= 1 (the GPUs of one GPU node)")
+        if not re.match(RDMA_RESOURCE_PATTERN, base.rdma_resource_name):
+            raise ValueError(
+                f"WEIGHTSYNC_RDMA_RESOURCE={base.rdma_resource_name!r} is not an extended resource name "
+                "<domain>/<name> (e.g. rdma/hca_shared_devices_a); fix the chart value cluster.rdmaResourceName"
+            )
         return replace(base, **overrides) if overrides else base

@@ -18,6 +18,16 @@ from weightsync.crds.models import WeightSyncJobSpec, effective_transfer_mode
 # Reasons of the refusal conditions (CamelCase, as metav1.Condition wants).
 REASON_COLOCATED_NEEDS_DRA = "ColocatedNeedsWholeNodeOrDRA"
 REASON_TOO_MANY_GPUS = "GPUsExceedNode"
+REASON_DRA_DEVICE_CLASS_MISSING = "DRADeviceClassMissing"
+
+
+def dra_device_class(spec: WeightSyncJobSpec, default: str = "") -> str:
+    """The DeviceClass a job's ResourceClaims request: spec.placement.dra.deviceClassName, else the operator's
+    default (OperatorConfig.dra_device_class_name); "" when the job uses no DRA or neither is set."""
+    dra = spec.placement.dra
+    if dra is None:
+        return ""
+    return dra.device_class_name or default
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,7 @@ class Plan:
     mode: str                      # effective transfer mode (Auto resolved)
     pods: tuple[PodPlan, ...] = ()
     use_dra: bool = False
+    dra_device_class: str = ""     # resolved DeviceClass when use_dra
     refusal: Refusal | None = None
     inference_replicas: int = 0
     trainer_pods: tuple[str, ...] = field(default=())
@@ -116,8 +127,12 @@ def _inference_slots(spec: WeightSyncJobSpec) -> list[InferenceSlot]:
     return slots
 
 
-def plan(job: str, spec: WeightSyncJobSpec, node_gpu_count: int = 8, rdma_available: bool = False) -> Plan:
-    """Compute the job's pods, or a Refusal when the cluster cannot host the spec as written."""
+def plan(
+    job: str, spec: WeightSyncJobSpec, node_gpu_count: int = 8, rdma_available: bool = False,
+    dra_device_class_default: str = "",
+) -> Plan:
+    """Compute the job's pods, or a Refusal when the cluster cannot host the spec as written.
+    `dra_device_class_default` is the operator's DeviceClass for jobs whose `placement.dra` names none."""
     mode = effective_transfer_mode(spec, rdma_available=rdma_available)
     base = Plan(job=job, placement=spec.placement.mode, mode=mode, inference_replicas=spec.inference.replicas)
 
@@ -132,7 +147,19 @@ def plan(job: str, spec: WeightSyncJobSpec, node_gpu_count: int = 8, rdma_availa
                     f"Colocated without DRA shares GPUs through the device plugin, which only works for whole-node "
                     f"pods: spec.trainer.gpusPerPod is {g} but GPU nodes have {node_gpu_count}. Set "
                     f"spec.trainer.gpusPerPod={node_gpu_count} (and inference sizes to match), or set "
-                    f"spec.placement.dra.deviceClassName to share the GPUs through a ResourceClaim.",
+                    f"spec.placement.dra.deviceClassName (or `dra: {{}}` with the Helm chart value "
+                    f"cluster.draDeviceClassName) to share the GPUs through a ResourceClaim.",
+                ),
+            )
+        device_class = dra_device_class(spec, dra_device_class_default)
+        if g > 0 and use_dra and not device_class:
+            return Plan(
+                job=job, placement=base.placement, mode=mode, inference_replicas=base.inference_replicas,
+                refusal=Refusal(
+                    REASON_DRA_DEVICE_CLASS_MISSING,
+                    "spec.placement.dra names no DeviceClass and the operator has no default: set "
+                    "spec.placement.dra.deviceClassName (e.g. gpu.nvidia.com) or the Helm chart value "
+                    "cluster.draDeviceClassName.",
                 ),
             )
         if g > node_gpu_count:
@@ -146,7 +173,7 @@ def plan(job: str, spec: WeightSyncJobSpec, node_gpu_count: int = 8, rdma_availa
             placed.append(replace(p, slots=mine))
         return Plan(
             job=job, placement=base.placement, mode=mode, pods=tuple(placed), use_dra=use_dra,
-            inference_replicas=base.inference_replicas, trainer_pods=tuple(p.name for p in placed),
+            dra_device_class=device_class if use_dra else "", inference_replicas=base.inference_replicas, trainer_pods=tuple(p.name for p in placed),
         )
 
     # Separated

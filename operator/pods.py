@@ -216,7 +216,7 @@ def agent_container(
         },
     }
     if plan.mode == "GDR":
-        _set_resource(c, spec.transfer.rdma_resource_name, 1)
+        _set_resource(c, spec.transfer.rdma_resource_name or cfg.rdma_resource_name, 1)
         c["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
     return c
 

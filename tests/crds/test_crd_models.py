@@ -44,7 +44,7 @@ def test_defaults_of_a_minimal_job() -> None:
     assert spec.transfer.verify == "None"
     assert spec.transfer.timeout_seconds == 600
     assert spec.transfer.delta_sync is None
-    assert spec.transfer.rdma_resource_name == "rdma/hca_shared_devices_a"
+    assert spec.transfer.rdma_resource_name is None  # None: the operator's configured RDMA resource
     assert spec.trainer.parallelism.pipeline == 1
     assert spec.inference.pods_per_replica == 1
     assert spec.inference.engine.port == 30000

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 
 from weightsync.crds import contract
+from weightsync.operator.config import OperatorConfig
 from weightsync.operator.dra import build_resource_claim_template
 from weightsync.operator.networkpolicy import build_network_policy
 from weightsync.operator.rbac import build_role, build_role_binding, build_service_account
@@ -82,3 +83,20 @@ def test_dra_template_only_for_colocated_with_dra(job, colocated, separated):
     assert rct is not None and rct["apiVersion"] == "resource.k8s.io/v1" and _owned(rct, job)
     (req,) = rct["spec"]["spec"]["devices"]["requests"]
     assert req["exactly"] == {"deviceClassName": "gpu.example.com", "allocationMode": "ExactCount", "count": 4}
+    # The spec's DeviceClass wins over the operator's default.
+    rct = build_resource_claim_template(job, spec, OperatorConfig(dra_device_class_name="other.example.com"))
+    assert rct is not None and rct["spec"]["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] == (
+        "gpu.example.com")
+
+
+def test_dra_template_without_a_class_in_the_spec_uses_the_operators_default(job, colocated):
+    spec = colocated(
+        placement={"mode": "Colocated", "dra": {}},
+        trainer={"replicas": 2, "gpusPerPod": 4, "parallelism": {"tensor": 1, "pipeline": 1, "data": 8}},
+        inference={"replicas": 4, "gpusPerReplica": 2},
+    )
+    rct = build_resource_claim_template(job, spec, OperatorConfig(dra_device_class_name="gpu.nvidia.com"))
+    assert rct is not None
+    assert rct["spec"]["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] == "gpu.nvidia.com"
+    # Neither set: no template (the planner refuses the job with DRADeviceClassMissing).
+    assert build_resource_claim_template(job, spec, OperatorConfig()) is None

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 from weightsync.crds import contract
-from weightsync.operator.placement import REASON_COLOCATED_NEEDS_DRA, REASON_TOO_MANY_GPUS, plan
+from weightsync.operator.placement import (
+    REASON_COLOCATED_NEEDS_DRA,
+    REASON_DRA_DEVICE_CLASS_MISSING,
+    REASON_TOO_MANY_GPUS,
+    plan,
+)
 
 
 def test_separated_names_ranks_and_gpus(separated):
@@ -103,6 +108,39 @@ def test_colocated_partial_node_with_dra_is_planned(colocated):
     )
     p = plan("co", spec, node_gpu_count=8)
     assert p.refusal is None and p.use_dra and len(p.pods) == 2
+    assert p.dra_device_class == "gpu.nvidia.com"
+    # The spec's class wins over the operator's default.
+    assert plan("co", spec, node_gpu_count=8, dra_device_class_default="other.example.com").dra_device_class == (
+        "gpu.nvidia.com")
+
+
+def _partial_node_dra(colocated, dra):
+    return colocated(
+        placement={"mode": "Colocated", "dra": dra},
+        trainer={"replicas": 2, "gpusPerPod": 4, "parallelism": {"tensor": 1, "pipeline": 1, "data": 8}},
+        inference={"replicas": 4, "gpusPerReplica": 2},
+    )
+
+
+def test_dra_without_a_device_class_uses_the_operators_default(colocated):
+    p = plan("co", _partial_node_dra(colocated, {}), node_gpu_count=8, dra_device_class_default="gpu.nvidia.com")
+    assert p.refusal is None and p.use_dra and p.dra_device_class == "gpu.nvidia.com" and len(p.pods) == 2
+
+
+def test_dra_without_any_device_class_is_refused_with_both_ways_to_fix_it(colocated):
+    p = plan("co", _partial_node_dra(colocated, {}), node_gpu_count=8)
+    assert p.pods == () and p.refusal is not None and p.refusal.reason == REASON_DRA_DEVICE_CLASS_MISSING
+    assert "spec.placement.dra.deviceClassName" in p.refusal.message
+    assert "cluster.draDeviceClassName" in p.refusal.message
+
+
+def test_cpu_only_colocated_with_empty_dra_needs_no_device_class(colocated):
+    spec = colocated(
+        placement={"mode": "Colocated", "dra": {}},
+        trainer={"replicas": 2, "gpusPerPod": 0, "parallelism": {"tensor": 1, "pipeline": 1, "data": 2}},
+        inference={"replicas": 2, "gpusPerReplica": 0},
+    )
+    assert plan("co", spec).refusal is None
 
 
 def test_whole_node_follows_configured_node_size(colocated):

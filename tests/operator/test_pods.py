@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from weightsync.crds import contract
 from weightsync.operator.placement import plan
@@ -16,7 +18,7 @@ from weightsync.operator.pods import (
 
 
 def _pods(job, spec, cfg, **kw):
-    p = plan(job.name, spec, cfg.node_gpu_count, cfg.rdma_available)
+    p = plan(job.name, spec, cfg.node_gpu_count, cfg.rdma_available, cfg.dra_device_class_name)
     return {x["metadata"]["name"]: x for x in build_pods(job, spec, p, cfg, **kw)}
 
 
@@ -121,6 +123,19 @@ def test_gdr_adds_rdma_and_ipc_lock_to_the_agent(job, separated, cfg):
     assert "securityContext" not in _agent(nccl)
 
 
+def test_gdr_without_an_rdma_resource_in_the_spec_uses_the_operators(job, separated, cfg):
+    spec = separated(transfer={"mode": "GDR"})
+    assert spec.transfer.rdma_resource_name is None
+    for pod in _pods(job, spec, cfg).values():
+        assert _agent(pod)["resources"]["limits"] == {"rdma/hca_shared_devices_a": "1"}  # the config's default
+    site = replace(cfg, rdma_resource_name="example.com/roce")
+    for pod in _pods(job, spec, site).values():
+        assert _agent(pod)["resources"]["limits"] == {"example.com/roce": "1"}
+    # An explicit spec value still wins over the operator's.
+    explicit = separated(transfer={"mode": "GDR", "rdmaResourceName": "rdma/hca_a"})
+    assert _agent(_pods(job, explicit, site)["demo-trainer-0"])["resources"]["limits"] == {"rdma/hca_a": "1"}
+
+
 def test_node_affinity_and_topology_key_packing(job, separated, cfg):
     spec = separated(placement={"mode": "Separated", "topologyKey": "example.com/rack"})
     pod = _pods(job, spec, cfg)["demo-inference-0-0"]
@@ -204,6 +219,16 @@ def test_colocated_with_dra_shares_one_claim(job, colocated, cfg):
     for c in pod["spec"]["containers"] + [_agent(pod)]:
         assert c["resources"]["claims"] == [{"name": DRA_CLAIM}]
         assert "nvidia.com/gpu" not in str(c["resources"].get("limits", {}))
+
+
+def test_colocated_with_empty_dra_and_the_operators_device_class_shares_one_claim(job, colocated, cfg):
+    spec = colocated(
+        placement={"mode": "Colocated", "dra": {}},
+        trainer={"replicas": 2, "gpusPerPod": 4, "parallelism": {"tensor": 1, "pipeline": 1, "data": 8}},
+        inference={"replicas": 4, "gpusPerReplica": 2},
+    )
+    pod = _pods(job, spec, replace(cfg, dra_device_class_name="gpu.nvidia.com"))["demo-colocated-0"]
+    assert pod["spec"]["resourceClaims"] == [{"name": DRA_CLAIM, "resourceClaimTemplateName": resource_claim_template_name("demo")}]
 
 
 @pytest.mark.parametrize(

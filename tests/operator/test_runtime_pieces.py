@@ -97,6 +97,16 @@ def test_config_from_env():
         OperatorConfig.from_env({"WEIGHTSYNC_GPU_NODE_SELECTOR": "novalue"})
 
 
+def test_config_rdma_resource_and_dra_device_class_from_env():
+    default = OperatorConfig.from_env({})
+    assert (default.rdma_resource_name, default.dra_device_class_name) == ("rdma/hca_shared_devices_a", "")
+    cfg = OperatorConfig.from_env({"WEIGHTSYNC_RDMA_RESOURCE": "example.com/roce",
+                                   "WEIGHTSYNC_DRA_DEVICE_CLASS": "gpu.nvidia.com"})
+    assert (cfg.rdma_resource_name, cfg.dra_device_class_name) == ("example.com/roce", "gpu.nvidia.com")
+    with pytest.raises(ValueError, match="cluster.rdmaResourceName"):
+        OperatorConfig.from_env({"WEIGHTSYNC_RDMA_RESOURCE": "not a resource"})
+
+
 def test_cli_requires_a_scope(monkeypatch, capsys):
     monkeypatch.delenv("WEIGHTSYNC_WATCH_NAMESPACES", raising=False)
     assert operator_main([]) == 2
