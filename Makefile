@@ -10,7 +10,7 @@ VPY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup binaries test test-unit e2e demo bench crds docs lint dev-up dev-down dev-status clean
+.PHONY: setup binaries test test-unit e2e demo bench crds docs lint dev-up dev-down dev-status clean image image-lint docker-check
 
 setup: $(STAMP) binaries
 
@@ -24,11 +24,12 @@ binaries:
 	bash e2e/scripts/build-binaries.sh >/dev/null
 
 ## test: every CI test (unit, agent multi-process, control plane, e2e); GPU tests are deselected.
+## (`kind` tests need a kind GPU cluster: e2e/kind/run-e2e.sh runs them.)
 test: setup
-	$(VENV)/bin/pytest -m 'not gpu' $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m 'not gpu and not kind' $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
-	$(VENV)/bin/pytest -m 'not gpu and not cluster and not e2e' $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m 'not gpu and not cluster and not e2e and not kind' $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(VENV)/bin/pytest -m gpu $(PYTEST_ARGS)
@@ -36,8 +37,10 @@ test-gpu: $(STAMP)
 e2e: setup
 	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
 
+## demo: the README demo (helm-installed operator, live table of versions); DEMO_ARGS=--keep keeps it running.
+DEMO_ARGS ?=
 demo: setup
-	$(VPY) -m weightsync.e2e.demo
+	PYTHONUNBUFFERED=1 $(VPY) -m weightsync.e2e.demo $(DEMO_ARGS)
 
 ## bench: every benchmark, one JSON file each in bench/results/ (ratios against a raw reference in the same run).
 bench: setup
@@ -72,3 +75,31 @@ dev-status:
 
 clean:
 	rm -rf .dev build *.egg-info
+
+## image: both images from the one Dockerfile (`--target operator`, `--target agent`). Defaults: the chart's
+## image repositories and appVersion, so `helm install` finds them. DOCKER=podman works too.
+DOCKER ?= docker
+CHART_DIR := helm/weightsync-operator
+IMAGE_TAG ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$$/\1/p' $(CHART_DIR)/Chart.yaml)
+OPERATOR_IMAGE_REPO ?= ghcr.io/weightsync/weightsync-operator
+AGENT_IMAGE_REPO ?= ghcr.io/weightsync/weightsync-agent
+OPERATOR_IMAGE ?= $(OPERATOR_IMAGE_REPO):$(IMAGE_TAG)
+AGENT_IMAGE ?= $(AGENT_IMAGE_REPO):$(IMAGE_TAG)
+PYTHON_IMAGE ?=
+IMAGE_BUILD_ARGS ?=
+IMAGE_REVISION := $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+_image_args = --build-arg VERSION=$(IMAGE_TAG) --build-arg REVISION=$(IMAGE_REVISION) \
+	$(if $(PYTHON_IMAGE),--build-arg PYTHON_IMAGE=$(PYTHON_IMAGE)) $(IMAGE_BUILD_ARGS)
+
+docker-check:
+	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "make image: '$(DOCKER)' not found. Install Docker, or use podman: make image DOCKER=podman" >&2; exit 1; }
+
+image: docker-check image-lint
+	$(DOCKER) build --target operator $(_image_args) -t $(OPERATOR_IMAGE) .
+	$(DOCKER) build --target agent $(_image_args) -t $(AGENT_IMAGE) .
+	@echo "built $(OPERATOR_IMAGE) and $(AGENT_IMAGE)"
+
+## image-lint: hadolint and the repository's Dockerfile rules (no Docker engine needed; CI runs the same tests).
+image-lint: $(STAMP)
+	$(VENV)/bin/hadolint --failure-threshold info Dockerfile
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/docker/test_dockerfile.py
