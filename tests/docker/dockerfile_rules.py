@@ -107,8 +107,8 @@ def stages(instructions: Iterable[Instruction]) -> list[Stage]:
         elif ins.cmd == "FROM":
             parts = ins.value.split()
             base = substitute(parts[0], global_args)
-            name = parts[2] if len(parts) >= 3 and parts[1].upper() == "AS" else None
-            result.append(Stage(name, base, ins.line))
+            stage_name = parts[2] if len(parts) >= 3 and parts[1].upper() == "AS" else None
+            result.append(Stage(stage_name, base, ins.line))
         elif result:
             result[-1].instructions.append(ins)
         else:
@@ -292,7 +292,7 @@ def check(text: str, repo: Path, dockerignore: str | None = None, pyproject: dic
     if not wheel_stages:
         problems.append("no stage builds the wheel (`pip wheel ... .`)")
     for s in wheel_stages:
-        copied = set()
+        copied: set[str] = set()
         for ins in s.instructions:
             if ins.cmd == "COPY" and not ins.flags:
                 copied.update(w.rstrip("/").removeprefix("./") for w in ins.value.split()[:-1])
