@@ -11,13 +11,34 @@
 {{- end -}}
 {{- end -}}
 
-{{- define "weightsync-operator.labels" -}}
+{{/* The standard labels minus app.kubernetes.io/component (added by the two helpers below). */}}
+{{- define "weightsync-operator.commonLabels" -}}
 app.kubernetes.io/name: {{ include "weightsync-operator.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: weightsync
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "weightsync-operator.labels" -}}
+{{ include "weightsync-operator.commonLabels" . }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{/* The CRD upgrade hook's objects. */}}
+{{- define "weightsync-operator.crdUpgradeLabels" -}}
+{{ include "weightsync-operator.commonLabels" . }}
+app.kubernetes.io/component: crd-upgrade
+{{- end -}}
+
+{{- define "weightsync-operator.crdUpgradeName" -}}
+{{- printf "%s-crd-upgrade" (include "weightsync-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The metrics Service's name: also the `job` label Prometheus gives its targets (ServiceMonitor default). */}}
+{{- define "weightsync-operator.metricsServiceName" -}}
+{{- printf "%s-metrics" (include "weightsync-operator.fullname" .) -}}
 {{- end -}}
 
 {{- define "weightsync-operator.selectorLabels" -}}
