@@ -1,14 +1,17 @@
 """`python -m weightsync.e2e.demo` (`make demo`): the whole closed loop on one machine, in about a minute.
 
-It starts a real local control plane with simulated GPU nodes and the process runtime (e2e/), installs
-the WeightSyncJob CRD, runs the real operator as a process, applies examples/demo-separated.yaml (or
---example colocated), follows the job's status while the demo trainer publishes versions 1..N, waits
-until status.servedVersion reaches N, prints `kubectl get wsj -o wide` and the pods, checks that every
+It starts a real local control plane with simulated GPU nodes and the process runtime (e2e/), `helm
+install`s the chart (helm/weightsync-operator: the CRD from its crds/, the operator Deployment, which the
+process runtime runs as a host process with the chart ServiceAccount's own token, so only the chart's
+RBAC is used), applies examples/demo-separated.yaml (or --example colocated) and prints one table line
+whenever the job or a pod changes while the demo trainer publishes versions 1..N, until
+status.servedVersion reaches N. Then it prints `kubectl get wsj -o wide` and the pods, checks that every
 engine's weights are bit-exact with the trainer's (sha256 of every tensor, from the demo trainer's and
-engines' /checksums endpoints), and tears everything down (--keep leaves it running; Ctrl-C stops it).
+engines' /checksums endpoints), `helm uninstall`s and tears everything down (--keep leaves it running
+until Ctrl-C and prints what to run against it).
 
-The helpers here (operator process, example loading, job/pod readers, the bit-exact check) are also
-what the e2e suite (e2e/tests/) and bench/status_latency.py use.
+The helpers here (operator process, example loading, job/pod readers, the progress table, the bit-exact
+check) are also what the e2e suite (e2e/tests/) and bench/status_latency.py use.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -370,6 +374,86 @@ def verify_bit_exact(pods: Mapping[str, Mapping[str, Any]], version: int) -> Bit
     return report
 
 
+# --- the live progress table ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProgressRow:
+    """What one line of the demo's progress table shows (all but the time): the job's status columns as
+    `kubectl get wsj` prints them and the version each inference pod serves (its served-version annotation,
+    written by its agent)."""
+
+    trainer: str
+    served: str
+    synced: str
+    ready: str
+    pods: str                             # Ready pods / live pods of the job (trainer and inference)
+    engines: tuple[tuple[str, str], ...]  # (inference pod without the job-name prefix, version), by name
+    state: str                            # reasons of the True Progressing / Degraded / Paused conditions
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def progress_row(job: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]]) -> ProgressRow:
+    """The table row of JOB and its PODS (job_pods): pure, no API calls."""
+    st = job.get("status") or {}
+    prefix = f"{(job.get('metadata') or {}).get('name', '')}-"
+    engines = tuple(sorted((n.removeprefix(prefix), _cell(annotation(p, contract.ANN_SERVED_VERSION)))
+                           for n, p in pods.items() if is_inference_pod(p)))
+    state = ",".join(str(c.get("reason") or c["type"]) for c in st.get("conditions") or []
+                     if c.get("type") in (contract.COND_PROGRESSING, contract.COND_DEGRADED, contract.COND_PAUSED)
+                     and c.get("status") == "True")
+    ready_pods = sum(1 for p in pods.values() if pod_condition(p, "Ready") == "True")
+    return ProgressRow(trainer=_cell(st.get("trainerVersion")), served=_cell(st.get("servedVersion")),
+                       synced=_cell(condition(job, contract.COND_SYNCED).get("status")),
+                       ready=_cell(condition(job, contract.COND_READY).get("status")),
+                       pods=f"{ready_pods}/{len(pods)}", engines=engines, state=state)
+
+
+_FIXED = (("TIME", 7), ("TRAINER", 7), ("SERVED", 6), ("SYNCED", 7), ("READY", 7), ("PODS", 5))
+
+
+def _line(cells: list[str], engine_names: tuple[str, ...], state: str) -> str:
+    widths = [w for _, w in _FIXED] + [max(len(n), 2) for n in engine_names]
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + ("  " + state if state else "")
+
+
+def progress_header(engine_names: tuple[str, ...]) -> str:
+    """TIME TRAINER SERVED SYNCED READY PODS <one column per inference pod: its served version> STATE."""
+    return _line([h for h, _ in _FIXED] + list(engine_names), engine_names, "STATE").rstrip()
+
+
+def progress_line(elapsed: float, row: ProgressRow) -> str:
+    names = tuple(n for n, _ in row.engines)
+    cells = [f"{elapsed:.1f}s", row.trainer, row.served, row.synced, row.ready, row.pods] + [v for _, v in row.engines]
+    return _line(cells, names, row.state).rstrip()
+
+
+class ProgressTable:
+    """Successive observations of a job -> the lines to print: the header first (and again whenever the set
+    of inference pods changes), then one line each time something shown changes; nothing while the job has
+    neither status nor pods. Plain lines, no cursor movement: reads the same on a terminal and in a CI log."""
+
+    def __init__(self) -> None:
+        self.last: ProgressRow | None = None
+        self.columns: tuple[str, ...] | None = None
+
+    def update(self, elapsed: float, job: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        if not job.get("status") and not pods:
+            return []
+        row = progress_row(job, pods)
+        if row == self.last:
+            return []
+        lines = []
+        names = tuple(n for n, _ in row.engines)
+        if names != self.columns:
+            lines.append(progress_header(names))
+            self.columns = names
+        lines.append(progress_line(elapsed, row))
+        self.last = row
+        return lines
+
+
 # --- following a job -------------------------------------------------------------------------------------------
 def wait_served(custom: kubernetes.client.CustomObjectsApi, namespace: str, name: str, version: int,
                 timeout: float, on_change: Callable[[JSON], None] | None = None,
@@ -450,9 +534,11 @@ def ensure_namespace(env: Environment, namespace: str) -> None:
              f"serviceaccount {namespace}/default")
 
 
-def run_demo(env: Environment, example: str, namespace: str, operator: OperatorProcess, timeout: float,
-             out: Callable[[str], None] = print) -> BitExactReport:
-    """Apply EXAMPLE in NAMESPACE (served by OPERATOR) and follow it to the bit-exact check."""
+def run_demo(env: Environment, example: str, namespace: str, timeout: float, out: Callable[[str], None] = print,
+             operator_log: Callable[[], str] | None = None) -> BitExactReport:
+    """Apply EXAMPLE in NAMESPACE (an operator must serve it), print the progress table until
+    status.servedVersion reaches the trainer's last version, then check the engines bit for bit.
+    OPERATOR_LOG (the operator's log tail) goes into the failure message."""
     body = load_example(example, process_nodes=env.runtime is not None)
     name = body["metadata"]["name"]
     last = trainer_versions(body)
@@ -460,20 +546,25 @@ def run_demo(env: Environment, example: str, namespace: str, operator: OperatorP
         custom = kubernetes.client.CustomObjectsApi(api)
         t0 = time.monotonic()
         apply(env, body, namespace)
-        out(f"[demo] applied examples/{DEMO_EXAMPLES.get(example, example)}: job={namespace}/{name}, "
-            f"the demo trainer publishes versions 1..{last}")
+        out(f"[demo] applied examples/{DEMO_EXAMPLES.get(example, example)}: job={namespace}/{name}; the demo "
+            f"trainer publishes versions 1..{last}, every inference pod's agent loads each one:")
+        table = ProgressTable()
 
-        def progress(job: JSON) -> None:
-            out(f"[demo] t={time.monotonic() - t0:5.1f}s {status_line(job)}")
+        def check() -> JSON | None:
+            job = get_job(custom, namespace, name)
+            for line in table.update(time.monotonic() - t0, job, job_pods(api, namespace, name)):
+                out("    " + line)
+            served = (job.get("status") or {}).get("servedVersion")
+            synced = condition(job, contract.COND_SYNCED).get("status") == "True"
+            return job if served is not None and served >= last and synced else None
 
         def diagnose() -> str:
-            return f"operator alive={operator.alive()} log tail:\n{operator.log()[-3000:]}\n" + log_tails(
-                env, namespace, job_pods(api, namespace, name))
+            text = f"operator log tail:\n{operator_log()}\n" if operator_log else ""
+            return text + log_tails(env, namespace, job_pods(api, namespace, name))
 
-        wait_served(custom, namespace, name, last, timeout, progress, diagnose)
+        poll(check, timeout, f"{namespace}/{name} status.servedVersion >= {last} and Synced=True", interval=0.5,
+             on_timeout=diagnose)
         out(f"[demo] status.servedVersion reached {last} after {time.monotonic() - t0:.1f}s")
-        wait = env.kubectl("wait", "--for=condition=Synced", f"wsj/{name}", "-n", namespace, "--timeout=30s")
-        out(f"[demo] $ kubectl wait --for=condition=Synced wsj/{name}\n{wait.stdout.strip()}")
         out(f"[demo] $ kubectl get wsj -o wide\n{env.kubectl('get', 'wsj', '-o', 'wide', '-n', namespace).stdout.rstrip()}")
         out(f"[demo] $ kubectl get pods -o wide\n{env.kubectl('get', 'pods', '-o', 'wide', '-n', namespace).stdout.rstrip()}")
         report = verify_bit_exact(job_pods(api, namespace, name), last)
@@ -486,52 +577,98 @@ def run_demo(env: Environment, example: str, namespace: str, operator: OperatorP
         return report
 
 
+def keep_instructions(env: Environment, namespaces: list[str], release: Any) -> str:
+    """What to run against the cluster while `make demo --keep` holds it."""
+    from weightsync.e2e.binaries import find_binary
+
+    bins = sorted({str(find_binary(b).parent) for b in ("kubectl", "helm")})
+    logs = ", ".join(str(f) for f in release.log_files()) or f"kubectl -n {release.namespace} logs deploy/{release.deployment}"
+    ns = namespaces[0]
+    return "\n".join([
+        "[demo] --keep: everything stays up while this process runs. In another shell:",
+        f"    export KUBECONFIG={env.kubeconfig}",
+        f"    export PATH={':'.join(bins)}:$PATH",
+        f"    kubectl get wsj -n {ns} -w                   # the job's versions and conditions",
+        f"    kubectl get pods -n {ns} -o wide",
+        f"    helm list -n {release.namespace}                      # the installed chart",
+        f"    kubectl apply --server-side -n {ns} -f examples/demo-colocated.yaml   # another job",
+        f"  operator log: {logs}",
+        "[demo] press Ctrl-C here to stop: helm uninstall, then the pods, the runtime and the control plane go away.",
+    ])
+
+
 def main(argv: list[str] | None = None) -> int:
+    from weightsync.e2e import chart
+
     p = argparse.ArgumentParser(prog="python -m weightsync.e2e.demo", description=__doc__.splitlines()[0])
     p.add_argument("--example", choices=[*DEMO_EXAMPLES, "both"], default="separated",
-                   help="which demo job to run (default: separated, NCCL over gloo)")
-    p.add_argument("--namespace", default="demo")
+                   help="which demo job to run (default: separated, NCCL over gloo; colocated: IPC)")
+    p.add_argument("--namespace", default="demo", help="the job's namespace (default demo)")
+    p.add_argument("--operator-namespace", default="weightsync-system", help="where the chart is installed")
+    p.add_argument("--release", default="weightsync", help="the helm release name (default weightsync)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for servedVersion (default 300)")
-    p.add_argument("--keep", action="store_true", help="leave the cluster, operator and pods running (Ctrl-C stops)")
+    p.add_argument("--keep", action="store_true", help="leave everything running until Ctrl-C")
     p.add_argument("--work-dir", type=Path, default=None, help="kubeconfig, runtime state and logs (default: temp)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+
+    def step(msg: str) -> None:
+        say(f"[demo {time.monotonic() - t0:5.1f}s] {msg}")
+
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"[demo] starting a local control plane + 2 simulated GPU nodes + the process runtime (work dir {work})")
     examples = list(DEMO_EXAMPLES) if args.example == "both" else [args.example]
-    operators: list[OperatorProcess] = []
+    namespaces = [args.namespace if len(examples) == 1 else f"{args.namespace}-{ex}" for ex in examples]
+    step(f"starting a local control plane + 2 simulated GPU nodes + the process runtime (work dir {work})")
+    release: Any = None
     try:
         with demo_environment(work) as env:
-            print(f"[demo] cluster ready: server={env.server} kubeconfig={env.kubeconfig}")
-            install_crd(env)
-            for ex in examples:
-                ns = args.namespace if len(examples) == 1 else f"{args.namespace}-{ex}"
+            step(f"cluster ready: server={env.server}, nodes {', '.join(env.node_names)}")
+            for ns in namespaces:
                 ensure_namespace(env, ns)
-                operators.append(start_operator(env.kubeconfig, ns, work / "logs"))
-                print(f"[demo] operator running pid={operators[-1].pid} namespace={ns} log={operators[-1].log_path}")
-                run_demo(env, ex, ns, operators[-1], args.timeout)
-            print("[demo] OK: every engine serves the trainer's last version, bit for bit")
+            step(f"$ helm install {args.release} helm/weightsync-operator -n {args.operator_namespace} "
+                 f"--create-namespace --set watchNamespaces={{{','.join(namespaces)}}} --wait")
+            release = chart.install_chart(env, args.operator_namespace, args.release, watch_namespaces=namespaces,
+                                          create_namespace=True)
+            pod = release.operator_pod()
+            who = release.whoami()
+            step(f"chart installed in {release.install_seconds:.1f}s: deploy/{release.deployment} pod "
+                 f"{pod['metadata']['name']} on {pod['spec'].get('nodeName')} (a host process, pid "
+                 f"{release.operator_pid()}), authenticated as {who.get('username')}")
+            for ex, ns in zip(examples, namespaces, strict=True):
+                run_demo(env, ex, ns, args.timeout, say, operator_log=lambda: release.logs(tail=40))
+            step("OK: every engine serves the trainer's last version, bit for bit")
             if args.keep:
-                print(f"[demo] --keep: running until Ctrl-C. export KUBECONFIG={env.kubeconfig}; "
-                      f"kubectl get wsj -A -o wide")
+                say(keep_instructions(env, namespaces, release))
                 with contextlib.suppress(KeyboardInterrupt):
                     while True:
                         time.sleep(3600)
-            for op in operators:
-                op.stop()
-    except DemoError as exc:
-        print(f"[demo] FAILED: {exc}", file=sys.stderr)
+                say("")
+                step("Ctrl-C: tearing down")
+            for ns in namespaces:
+                env.kubectl("delete", "wsj", "--all", "-n", ns, "--wait=true", "--timeout=60s", check=False)
+            release.uninstall()
+            left = chart.leftovers(env, release.release, release.namespace)
+            step(f"$ helm uninstall {release.release}: " + (
+                "nothing of the release is left (the CRD stays, as helm keeps crds/)" if not left
+                else f"LEFT BEHIND: {left}"))
+    except (DemoError, chart.ChartError) as exc:
+        say(f"[demo] FAILED: {exc}")
+        say(f"[demo] logs: {work}")
         return 1
     except KeyboardInterrupt:
-        print("[demo] interrupted; tearing down", file=sys.stderr)
+        say("[demo] interrupted; torn down")
         return 130
-    finally:
-        for op in operators:
-            op.stop()
-    print("[demo] torn down: no process and no port left")
+    step("torn down: control plane, nodes, runtime and pods stopped; no process and no port left. "
+         "`make demo DEMO_ARGS=--keep` keeps it running.")
+    if args.work_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
