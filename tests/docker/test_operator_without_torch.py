@@ -11,8 +11,9 @@ import re
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -70,9 +71,8 @@ def test_operator_imports_without_torch() -> None:
 
 
 def test_operator_help_runs_without_torch() -> None:
-    code = ("import sys\nfor n in %r: sys.modules[n] = None\n"
-            "from weightsync.operator.main import main\nsys.argv = ['weightsync-operator', '--help']\nmain()\n"
-            % agent_only_modules())
+    code = (f"import sys\nfor n in {agent_only_modules()!r}: sys.modules[n] = None\n"
+            "from weightsync.operator.main import main\nsys.argv = ['weightsync-operator', '--help']\nmain()\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "usage: weightsync-operator" in proc.stdout
