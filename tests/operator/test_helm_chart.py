@@ -9,7 +9,12 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.metrics import MetricWrapperBase
+from weightsync.crds import contract
+from weightsync.crds.models import DEFAULT_RDMA_RESOURCE
 from weightsync.e2e.binaries import BinaryNotFound, find_binary
+from weightsync.operator import metrics as operator_metrics
+from weightsync.operator.config import OperatorConfig
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "weightsync-operator"
 
@@ -104,3 +109,145 @@ def test_service_monitor_is_opt_in(helm):
 def test_values_schema_refuses_bad_values(helm, bad):
     r = render(helm, bad, check=False)
     assert r.returncode != 0 and "values don't meet the specifications of the schema" in r.stderr, r.stderr
+
+
+# --- CRD upgrade hook, cluster defaults, PrometheusRule, labels --------------------------------------------
+HOOK_ANNOTATIONS = ("helm.sh/hook", "helm.sh/hook-weight", "helm.sh/hook-delete-policy")
+STANDARD_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+                   "app.kubernetes.io/managed-by", "app.kubernetes.io/component", "app.kubernetes.io/part-of",
+                   "helm.sh/chart")
+
+
+def test_crd_upgrade_hook_is_off_by_default(helm):
+    objs = docs(helm)
+    assert not by_kind(objs, "Job")
+    assert not [o for o in objs if any(a in (o["metadata"].get("annotations") or {}) for a in HOOK_ANNOTATIONS)]
+
+
+def test_crd_upgrade_hook_objects_order_and_least_privilege(helm):
+    objs = [o for o in docs(helm, "crds.upgradeHook.enabled=true")
+            if (o["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == "crd-upgrade"]
+    assert sorted(o["kind"] for o in objs) == ["ClusterRole", "ClusterRoleBinding", "Job", "ServiceAccount"]
+    name = "ws-weightsync-operator-crd-upgrade"
+    assert {o["metadata"]["name"] for o in objs} == {name}
+    weights = {}
+    for o in objs:
+        ann = o["metadata"]["annotations"]
+        assert ann["helm.sh/hook"] == "pre-upgrade"
+        assert set(ann["helm.sh/hook-delete-policy"].split(",")) == {"before-hook-creation", "hook-succeeded"}
+        weights[o["kind"]] = int(ann["helm.sh/hook-weight"])
+    # Helm creates hooks in weight order: the identity and its permissions exist before the Job starts.
+    assert max(weights[k] for k in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")) < weights["Job"]
+
+    (role,) = by_kind(objs, "ClusterRole")
+    assert role["rules"] == [{
+        "apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+        "resourceNames": [contract.CRD_NAME], "verbs": ["get", "create", "patch", "update"],
+    }]
+    (binding,) = by_kind(objs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == name
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": "ops"}]
+
+    (job,) = by_kind(objs, "Job")
+    assert job["metadata"]["namespace"] == "ops"
+    assert job["spec"]["backoffLimit"] == 2 and job["spec"]["activeDeadlineSeconds"] == 300
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == name and pod["automountServiceAccountToken"] is True
+    assert pod["restartPolicy"] == "Never"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (c,) = pod["containers"]
+    assert c["image"] == "ghcr.io/weightsync/weightsync-operator:0.1.0"  # the operator image
+    assert c["command"][:2] == ["weightsync-crds", "apply"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    # The Job's pod is not selected by the operator Deployment or the metrics Service.
+    (dep,) = by_kind(docs(helm, "crds.upgradeHook.enabled=true"), "Deployment")
+    selector = dep["spec"]["selector"]["matchLabels"]
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert not selector.items() <= pod_labels.items()
+
+
+def test_crd_upgrade_hook_values(helm):
+    (job,) = by_kind(docs(helm, "crds.upgradeHook.enabled=true", "crds.upgradeHook.backoffLimit=5",
+                          "crds.upgradeHook.activeDeadlineSeconds=120", "image.tag=9.9.9"), "Job")
+    assert (job["spec"]["backoffLimit"], job["spec"]["activeDeadlineSeconds"]) == (5, 120)
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":9.9.9")
+
+
+def _operator_env(objs: list[dict[str, Any]]) -> dict[str, str]:
+    (dep,) = by_kind(objs, "Deployment")
+    return {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
+
+
+def test_cluster_rdma_resource_and_dra_device_class_reach_the_operator_config(helm):
+    env = _operator_env(docs(helm))
+    assert env["WEIGHTSYNC_RDMA_RESOURCE"] == DEFAULT_RDMA_RESOURCE and env["WEIGHTSYNC_DRA_DEVICE_CLASS"] == ""
+    cfg = OperatorConfig.from_env(env)
+    assert (cfg.rdma_resource_name, cfg.dra_device_class_name) == (DEFAULT_RDMA_RESOURCE, "")
+    env = _operator_env(docs(helm, "cluster.rdmaResourceName=example.com/roce",
+                             "cluster.draDeviceClassName=gpu.nvidia.com"))
+    cfg = OperatorConfig.from_env(env)
+    assert (cfg.rdma_resource_name, cfg.dra_device_class_name) == ("example.com/roce", "gpu.nvidia.com")
+
+
+def test_prometheus_rule_is_opt_in_with_the_documented_alerts(helm):
+    assert not by_kind(docs(helm), "PrometheusRule")
+    objs = docs(helm, "prometheusRule.enabled=true", "prometheusRule.versionLagThreshold=3",
+                "prometheusRule.additionalLabels.release=kps")
+    (rule,) = by_kind(objs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    rules = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert sorted(rules) == ["WeightSyncJobVersionLag", "WeightSyncOperatorDown", "WeightSyncOperatorReconcileErrors"]
+    lag, errors, down = (rules[n] for n in ("WeightSyncJobVersionLag", "WeightSyncOperatorReconcileErrors",
+                                            "WeightSyncOperatorDown"))
+    assert lag["expr"] == "weightsync_job_version_lag > 3" and lag["for"] == "10m"
+    assert errors["expr"] == "rate(weightsync_operator_reconcile_errors_total[10m]) > 0" and errors["for"] == "15m"
+    (svc,) = by_kind(objs, "Service")  # the scrape job Prometheus names after the metrics Service
+    assert down["expr"] == f'absent(up{{job="{svc["metadata"]["name"]}",namespace="ops"}} == 1)' and down["for"] == "5m"
+    assert [r["labels"]["severity"] for r in (lag, errors, down)] == ["warning", "warning", "critical"]
+    for r in rules.values():
+        ann = r["annotations"]
+        assert ann["summary"] and ann["description"]
+        assert ann["runbook_url"].endswith("docs/operations.md#troubleshooting")
+    # The metrics the alerts read are the ones the operator exports.
+    exported = {f.name for m in vars(operator_metrics).values() if isinstance(m, MetricWrapperBase)
+                for f in m.describe()}
+    assert {"weightsync_job_version_lag", "weightsync_operator_reconcile_errors"} <= exported
+
+
+def test_prometheus_rule_needs_the_metrics_service(helm):
+    r = render(helm, "prometheusRule.enabled=true", "metrics.service.enabled=false", check=False)
+    assert r.returncode != 0 and "metrics.service.enabled" in r.stderr
+
+
+@pytest.mark.parametrize("sets", [
+    (),
+    ("watchNamespaces={team-a,team-b}",),
+    ("replicaCount=2", "crds.upgradeHook.enabled=true", "metrics.serviceMonitor.enabled=true",
+     "prometheusRule.enabled=true"),
+])
+def test_every_object_has_the_standard_labels(helm, sets):
+    objs = docs(helm, *sets)
+    assert len(objs) >= 5
+    for o in objs:
+        labels = o["metadata"].get("labels") or {}
+        missing = [k for k in STANDARD_LABELS if not labels.get(k)]
+        assert not missing, f"{o['kind']}/{o['metadata']['name']} lacks {missing}"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm" and labels["app.kubernetes.io/instance"] == "ws"
+        assert labels["app.kubernetes.io/version"] == "0.1.0"
+        assert labels["app.kubernetes.io/component"] in ("operator", "crd-upgrade")
+    if sets:
+        assert {o["kind"] for o in objs} >= ({"Role"} if "watch" in sets[0] else {"Job", "PrometheusRule",
+                                                                                  "ServiceMonitor"})
+
+
+@pytest.mark.parametrize("bad", ["crds.upgradeHook.enabled=maybe", "crds.upgradeHook.typo=1", "crds.typo=1",
+                                 "crds.upgradeHook.backoffLimit=-1", "crds.upgradeHook.activeDeadlineSeconds=5",
+                                 "prometheusRule.enabled=yes", "prometheusRule.versionLagThreshold=-1",
+                                 "prometheusRule.typo=1", "prometheusRule.additionalLabels.a=null",
+                                 "cluster.rdmaResourceName=not a resource", "cluster.rdmaResourceName=",
+                                 "cluster.draDeviceClassName=Bad_Class"])
+def test_values_schema_refuses_bad_new_values(helm, bad):
+    r = render(helm, bad, check=False)
+    assert r.returncode != 0 and "values don't meet the specifications of the schema" in r.stderr, (bad, r.stderr)
