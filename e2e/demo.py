@@ -535,11 +535,12 @@ def ensure_namespace(env: Environment, namespace: str) -> None:
 
 
 def run_demo(env: Environment, example: str, namespace: str, timeout: float, out: Callable[[str], None] = print,
-             operator_log: Callable[[], str] | None = None) -> BitExactReport:
-    """Apply EXAMPLE in NAMESPACE (an operator must serve it), print the progress table until
-    status.servedVersion reaches the trainer's last version, then check the engines bit for bit.
-    OPERATOR_LOG (the operator's log tail) goes into the failure message."""
-    body = load_example(example, process_nodes=env.runtime is not None)
+             operator_log: Callable[[], str] | None = None, body: JSON | None = None) -> BitExactReport:
+    """Apply EXAMPLE (or BODY, e.g. load_example + set_trainer_args) in NAMESPACE (an operator must serve it),
+    print the progress table until status.servedVersion reaches the trainer's last version, then check the
+    engines bit for bit. OPERATOR_LOG (the operator's log tail) goes into the failure message."""
+    if body is None:
+        body = load_example(example, process_nodes=env.runtime is not None)
     name = body["metadata"]["name"]
     last = trainer_versions(body)
     with env.api_client() as api:

@@ -84,3 +84,56 @@ def test_percentile_nearest_rank():
     values = [float(i) for i in range(1, 101)]
     assert mod.percentile(values, 50) == 50.0 and mod.percentile(values, 99) == 99.0
     assert mod.percentile([3.0], 99) == 3.0
+
+
+def _job(name="demo", trainer=None, served=None, synced=None, ready=None, progressing=None):
+    conds = [{"type": t, "status": s, **({"reason": r} if r else {})}
+             for t, s, r in (("Synced", synced, None), ("Ready", ready, None),
+                             ("Progressing", "True" if progressing else None, progressing)) if s is not None]
+    status = {k: v for k, v in (("trainerVersion", trainer), ("servedVersion", served)) if v is not None}
+    if conds:
+        status["conditions"] = conds
+    return {"metadata": {"name": name}, **({"status": status} if status else {})}
+
+
+def _pod(role, served=None, ready=True):
+    ann = {contract.ANN_SERVED_VERSION: str(served)} if served is not None else {}
+    return {"metadata": {"labels": {contract.LABEL_ROLE: role}, "annotations": ann},
+            "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_progress_table_prints_a_header_then_one_line_per_change():
+    table = demo.ProgressTable()
+    assert table.update(0.1, _job(), {}) == []  # nothing to show yet
+    pods = {"demo-trainer-0": _pod("trainer", ready=False), "demo-inference-0-0": _pod("inference", ready=False),
+            "demo-inference-1-0": _pod("inference", ready=False)}
+    lines = table.update(0.6, _job(synced="Unknown", ready="False"), pods)
+    assert [line.split() for line in lines] == [
+        ["TIME", "TRAINER", "SERVED", "SYNCED", "READY", "PODS", "inference-0-0", "inference-1-0", "STATE"],
+        ["0.6s", "-", "-", "Unknown", "False", "0/3", "-", "-"]]
+    assert table.update(1.0, _job(synced="Unknown", ready="False"), pods) == []  # unchanged: no line
+
+    pods = {n: _pod(p["metadata"]["labels"][contract.LABEL_ROLE], served=(1 if "inference" in n else None))
+            for n, p in pods.items()}
+    pods["demo-inference-1-0"] = _pod("inference", served=None)
+    lines = table.update(16.3, _job(trainer=2, served=1, synced="False", ready="True", progressing="RollingOut"), pods)
+    assert [line.split() for line in lines] == [
+        ["16.3s", "2", "1", "False", "True", "3/3", "1", "-", "RollingOut"]]
+    # The columns line up with the header (fixed widths from the header's pod names).
+    header = demo.progress_header(("inference-0-0", "inference-1-0"))
+    assert lines[0].index("RollingOut") == header.index("STATE")
+    assert lines[0].index("1  ") == header.index("SERVED")
+
+    # A new set of inference pods (scale-down) repeats the header.
+    pods.pop("demo-inference-1-0")
+    lines = table.update(20.0, _job(trainer=2, served=2, synced="True", ready="True"), pods)
+    assert lines[0].split()[-2:] == ["inference-0-0", "STATE"] and len(lines) == 2
+    assert lines[1].split() == ["20.0s", "2", "2", "True", "True", "2/2", "1"]
+
+
+def test_progress_row_reads_each_inference_pods_served_version_annotation():
+    pods = {"j-trainer-0": _pod("trainer"), "j-colocated-0": _pod("colocated", served=7),
+            "j-inference-0-0": _pod("inference", served=6)}
+    row = demo.progress_row(_job(name="j", trainer=7, served=6, synced="False", ready="True"), pods)
+    assert row.engines == (("colocated-0", "7"), ("inference-0-0", "6"))  # the trainer pod has no column
+    assert (row.trainer, row.served, row.synced, row.ready, row.pods) == ("7", "6", "False", "True", "3/3")
