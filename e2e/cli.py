@@ -88,7 +88,7 @@ def supervise(args: argparse.Namespace) -> int:
     write_state(root, state)
     environment: Environment | None = None
     try:
-        local_only = {k: v for k, v in os.environ.items() if k not in ("WEIGHTSYNC_KUBECONFIG", "KUBECONFIG_E2E")}
+        local_only = {k: v for k, v in os.environ.items() if k not in ("WEIGHTSYNC_KUBECONFIG", "KUBECONFIG_E2E", "E2E_CLUSTER")}
         environment = start_environment(kubeconfig=root / "kubeconfig", work_dir=root / "cluster",
                                         node_count=args.nodes, gpus=args.gpus, env=local_only)
         if not args.no_runtime:

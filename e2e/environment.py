@@ -2,8 +2,16 @@
 runtime. Shared by the pytest fixtures (e2e/pytest_plugin.py) and `make dev-up` (e2e/cli.py).
 
 Environment variables (all optional):
+  E2E_CLUSTER               which cluster (select_cluster()):
+                              local     (default) start the embedded control plane
+                              kind      a kind / nvkind cluster: kubeconfig from `kind get kubeconfig --name
+                                        $KIND_CLUSTER_NAME` (default name "weightsync", see e2e/kind/), or
+                                        WEIGHTSYNC_KUBECONFIG if set
+                              existing  the cluster of WEIGHTSYNC_KUBECONFIG (required)
   WEIGHTSYNC_KUBECONFIG (alias KUBECONFIG_E2E)  use this existing cluster (kind, nvkind, ...) instead of
-                                                 starting a local control plane
+                                                 starting a local control plane (E2E_CLUSTER unset: existing)
+  KIND_CLUSTER_NAME         the kind cluster for E2E_CLUSTER=kind (default "weightsync")
+  KIND                      the kind binary (default: `kind` on PATH)
   WEIGHTSYNC_E2E_NODES      simulated GPU nodes to create (default 4 locally, 0 on an existing cluster)
   WEIGHTSYNC_E2E_GPUS       GPUs per simulated node (default 8)
   WEIGHTSYNC_E2E_RUNTIME    "0" never starts the process runtime, "1" starts it even on an existing cluster
@@ -23,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
-from weightsync.e2e.cluster import ClusterAccess, ExistingCluster, LocalCluster
+from weightsync.e2e.cluster import ClusterAccess, ClusterError, ExistingCluster, LocalCluster
 from weightsync.e2e.nodes import NodeSimulator, gpu_fleet
 
 log = logging.getLogger("weightsync.e2e.environment")
@@ -31,9 +39,79 @@ log = logging.getLogger("weightsync.e2e.environment")
 RUNTIME_MODULE = "weightsync.e2e.runtime"
 
 
+CLUSTER_LOCAL = "local"
+CLUSTER_KIND = "kind"
+CLUSTER_EXISTING = "existing"
+CLUSTER_CHOICES = (CLUSTER_LOCAL, CLUSTER_KIND, CLUSTER_EXISTING)
+DEFAULT_KIND_CLUSTER = "weightsync"
+
+
+class ClusterSelectionError(ClusterError):
+    """E2E_CLUSTER and the kubeconfig variables do not name one cluster."""
+
+
 def existing_kubeconfig(env: Mapping[str, str] = os.environ) -> str | None:
     """The kubeconfig of an existing cluster to test against, if one is configured."""
     return env.get("WEIGHTSYNC_KUBECONFIG") or env.get("KUBECONFIG_E2E") or None
+
+
+@dataclass(frozen=True)
+class ClusterSelection:
+    """Which cluster the e2e environment uses: a pure function of the environment (select_cluster)."""
+
+    kind: str                       # one of CLUSTER_CHOICES
+    kubeconfig: str | None = None   # an existing kubeconfig file (WEIGHTSYNC_KUBECONFIG), if given
+    kind_cluster: str | None = None  # kind: the cluster whose kubeconfig `kind get kubeconfig` prints
+
+    @property
+    def is_local(self) -> bool:
+        return self.kind == CLUSTER_LOCAL
+
+
+def select_cluster(env: Mapping[str, str] = os.environ) -> ClusterSelection:
+    """E2E_CLUSTER = local (default) | kind | existing; see the module doc. Unset with WEIGHTSYNC_KUBECONFIG
+    set means existing (as before E2E_CLUSTER existed). Raises ClusterSelectionError on a contradiction."""
+    raw = env.get("E2E_CLUSTER", "").strip().lower()
+    kubeconfig = existing_kubeconfig(env)
+    if not raw:
+        return ClusterSelection(CLUSTER_EXISTING, kubeconfig) if kubeconfig else ClusterSelection(CLUSTER_LOCAL)
+    if raw not in CLUSTER_CHOICES:
+        raise ClusterSelectionError(f"E2E_CLUSTER={raw!r}: expected one of {', '.join(CLUSTER_CHOICES)}")
+    if raw == CLUSTER_LOCAL:
+        if kubeconfig:
+            raise ClusterSelectionError(
+                "E2E_CLUSTER=local starts its own control plane, but WEIGHTSYNC_KUBECONFIG (or KUBECONFIG_E2E) "
+                "names an existing cluster: unset one of them")
+        return ClusterSelection(CLUSTER_LOCAL)
+    if raw == CLUSTER_EXISTING:
+        if not kubeconfig:
+            raise ClusterSelectionError("E2E_CLUSTER=existing needs WEIGHTSYNC_KUBECONFIG=/path/to/kubeconfig")
+        return ClusterSelection(CLUSTER_EXISTING, kubeconfig)
+    name = env.get("KIND_CLUSTER_NAME", "").strip() or DEFAULT_KIND_CLUSTER
+    return ClusterSelection(CLUSTER_KIND, kubeconfig, name)
+
+
+def kind_kubeconfig(cluster_name: str, dest: Path, env: Mapping[str, str] = os.environ) -> Path:
+    """Write the admin kubeconfig of kind cluster CLUSTER_NAME (`kind get kubeconfig`) to DEST (mode 0600)."""
+    kind = env.get("KIND") or shutil.which("kind", path=env.get("PATH"))
+    if not kind:
+        raise ClusterError("E2E_CLUSTER=kind: the `kind` binary is not on PATH (set KIND=/path/to/kind, or "
+                           "WEIGHTSYNC_KUBECONFIG to the cluster's kubeconfig); see e2e/kind/README.md")
+    try:
+        proc = subprocess.run([kind, "get", "kubeconfig", "--name", cluster_name], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ClusterError(f"E2E_CLUSTER=kind: `{kind} get kubeconfig --name {cluster_name}` failed: {exc}") from exc
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise ClusterError(
+            f"E2E_CLUSTER=kind: `{kind} get kubeconfig --name {cluster_name}` failed "
+            f"(exit {proc.returncode}): {proc.stderr.strip() or 'no output'}; create the cluster with "
+            "e2e/kind/create-cluster.sh or set KIND_CLUSTER_NAME")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(proc.stdout)
+    return dest
 
 
 def runtime_available() -> bool:
@@ -50,6 +128,7 @@ class Environment:
 
     access: ClusterAccess
     local: LocalCluster | None = None
+    cluster_kind: str = CLUSTER_LOCAL  # what select_cluster() chose: local | kind | existing
     nodes: NodeSimulator | None = None
     runtime: Any | None = None
     runtime_state_dir: Path | None = None
@@ -132,11 +211,22 @@ def start_environment(
     """Start (or attach to) a cluster and create the simulated nodes; see the module doc for the env.
     KUBECONFIG: where a local cluster writes its admin kubeconfig (default: a new temp dir, removed on
     stop; `make dev-up` passes .dev/kubeconfig)."""
-    existing = existing_kubeconfig(env)
+    selection = select_cluster(env)
     gpus = gpus if gpus is not None else int(env.get("WEIGHTSYNC_E2E_GPUS", "8"))
     environment: Environment
-    if existing:
-        environment = Environment(access=ExistingCluster(existing))
+    if selection.kubeconfig:
+        environment = Environment(access=ExistingCluster(selection.kubeconfig), cluster_kind=selection.kind)
+        default_nodes = 0
+    elif selection.kind == CLUSTER_KIND:
+        assert selection.kind_cluster is not None
+        kind_dir = Path(tempfile.mkdtemp(prefix="weightsync-kind-"))
+        try:
+            path = kind_kubeconfig(selection.kind_cluster, kind_dir / "kubeconfig", env)
+            access = ExistingCluster(path)
+        except BaseException:
+            shutil.rmtree(kind_dir, ignore_errors=True)
+            raise
+        environment = Environment(access=access, cluster_kind=CLUSTER_KIND, _owned_dirs=[kind_dir])
         default_nodes = 0
     else:
         owned: list[Path] = []

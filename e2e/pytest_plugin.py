@@ -12,16 +12,18 @@ Fixtures:
   namespace        (function) a fresh namespace for the test, deleted after it.
 
 Tests using any of them get the `cluster` marker automatically (so `-m 'not cluster'` skips them and
-never starts a control plane).
+never starts a control plane). Tests marked `kind` (a kind GPU cluster only, e.g. e2e/tests/test_kind_gpu.py)
+are skipped, with the reason, unless E2E_CLUSTER=kind (see weightsync.e2e.environment.select_cluster).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,7 +32,14 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 from weightsync.e2e.binaries import BinaryNotFound
 from weightsync.e2e.cluster import ClusterError
-from weightsync.e2e.environment import Environment, runtime_wanted, start_environment
+from weightsync.e2e.environment import (
+    CLUSTER_KIND,
+    ClusterSelectionError,
+    Environment,
+    runtime_wanted,
+    select_cluster,
+    start_environment,
+)
 
 log = logging.getLogger("weightsync.e2e.pytest")
 
@@ -81,12 +90,29 @@ def pytest_configure(config: pytest.Config) -> None:
     # Registered here too, so the plugin works outside this repository's pytest configuration.
     config.addinivalue_line("markers", "cluster: needs a Kubernetes control plane (local or WEIGHTSYNC_KUBECONFIG)")
     config.addinivalue_line("markers", "slow: long-running")
+    config.addinivalue_line("markers", "kind: needs a kind cluster with GPU nodes (E2E_CLUSTER=kind, e2e/kind/)")
+
+
+KIND_SKIP_REASON = ("needs a kind cluster with GPU nodes: run with E2E_CLUSTER=kind after e2e/kind/create-cluster.sh "
+                    "(e2e/kind/run-e2e.sh; see e2e/kind/README.md)")
+
+
+def kind_selected(env: Mapping[str, str] | None = None) -> bool:
+    """Whether E2E_CLUSTER=kind (a contradictory setting is not kind; the cluster fixture reports it)."""
+    try:
+        return select_cluster(os.environ if env is None else env).kind == CLUSTER_KIND
+    except ClusterSelectionError:
+        return False
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test that uses a cluster fixture `cluster` (before `-m` deselects)."""
+    """Mark every test that uses a cluster fixture `cluster` (before `-m` deselects); skip `kind` tests
+    unless E2E_CLUSTER=kind."""
+    on_kind = kind_selected()
     for item in items:
+        if item.get_closest_marker("kind") is not None and not on_kind:
+            item.add_marker(pytest.mark.skip(reason=KIND_SKIP_REASON))
         names = set(getattr(item, "fixturenames", ()))
         if names & CLUSTER_FIXTURES and item.get_closest_marker("cluster") is None:
             item.add_marker(pytest.mark.cluster)
@@ -116,7 +142,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Environment]:
         summary.append(f"local control plane: ready in {local.start_seconds or 0:.1f} s "
                        f"(phases {', '.join(f'{k}={v:.1f}' for k, v in local.phase_seconds.items())})")
     else:
-        summary.append(f"existing cluster: {environment.server}")
+        summary.append(f"{environment.cluster_kind} cluster: {environment.server}")
     try:
         yield environment
     finally:
