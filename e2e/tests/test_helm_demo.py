@@ -95,7 +95,7 @@ def test_leftovers_finds_every_kind_of_release_object() -> None:
     ns, rel = "ops", "wso"
     assert chart.belongs_to({"kind": "ClusterRole", "metadata": {"name": "x", "labels": {chart.LABEL_INSTANCE: rel}}},
                             rel, ns)
-    annotated = {"kind": "Role", "metadata": {"name": "x", "namespace": "other", "annotations": {
+    annotated: dict[str, Any] = {"kind": "Role", "metadata": {"name": "x", "namespace": "other", "annotations": {
         chart.ANN_RELEASE_NAME: rel, chart.ANN_RELEASE_NAMESPACE: ns}}}
     assert chart.belongs_to(annotated, rel, ns)
     annotated["metadata"]["annotations"][chart.ANN_RELEASE_NAMESPACE] = "elsewhere"
