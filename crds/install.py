@@ -10,9 +10,10 @@ matches the operator that is about to start. Credentials: the pod's in-cluster S
 --kubeconfig / $KUBECONFIG / ~/.kube/config.
 
 `apply` server-side applies the CRD as field manager `weightsync-crds` with force (the models win any
-conflict). Server-side apply never removes a field that another field manager (Helm's first install,
-`kubectl apply`) also set, so when the applied CRD still differs from the generated one (a property or
-rule removed from the models) the whole spec is replaced with an update (PUT). Permissions needed, all on
+conflict); the schema and the versions list are atomic for server-side apply, so that replaces them. It
+never removes a granular field another field manager (Helm's first install, `kubectl apply`) set and the
+models no longer have (e.g. `spec.conversion`), so when the applied CRD still differs from the generated
+one the whole spec is replaced with an update (PUT). Permissions needed, all on
 the one object customresourcedefinitions/weightsyncjobs.weightsync.io (resourceNames can hold them all:
 server-side apply creates a missing object through a PATCH to its named URL, and the API server checks
 `create` on that name, unlike a POST to the collection): get (read and wait for Established), patch
@@ -150,11 +151,23 @@ def changes(old: Any, new: Any, path: str = "spec") -> list[str]:
             else:
                 out += changes(old[k], new[k], sub)
         return out
+    if isinstance(old, list) and isinstance(new, list) and _named(old) and _named(new):
+        # Lists keyed by name (spec.versions): match entries by name, not position.
+        was, now = {e["name"]: e for e in old}, {e["name"]: e for e in new}
+        out = []
+        for n in [*was, *(n for n in now if n not in was)]:
+            sub = f"{path}[name={n}]"
+            out += [f"{sub} removed"] if n not in now else [f"{sub} added"] if n not in was else changes(was[n], now[n], sub)
+        return out
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
         return [c for i, (a, b) in enumerate(zip(old, new, strict=True)) for c in changes(a, b, f"{path}[{i}]")]
     if old != new:
         return [f"{path}: {_short(old)} -> {_short(new)}"]
     return []
+
+
+def _named(items: list[Any]) -> bool:
+    return bool(items) and all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in items)
 
 
 def _short(value: Any) -> str:

@@ -29,6 +29,8 @@ def test_changes_name_added_removed_and_changed_paths() -> None:
     ]
     assert changes(new, new) == []
     assert changes([1], [1, 2], "x") == ["x: [1] -> [1, 2]"]
+    versions = changes([{"name": "v0", "served": True}, {"name": "v1", "x": 1}], [{"name": "v1", "x": 2}], "v")
+    assert versions == ["v[name=v0] removed", "v[name=v1].x: 1 -> 2"]
 
 
 def test_a_403_names_the_missing_verb_and_the_grant() -> None:

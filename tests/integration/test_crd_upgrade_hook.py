@@ -42,7 +42,7 @@ def _matches_generated(live: dict[str, Any], generated: dict[str, Any]) -> list[
     such as `conversion` aside)."""
     spec = live["spec"]
     bad = [k for k in generated["spec"] if spec.get(k) != generated["spec"][k]]
-    return bad + [k for k in spec if k not in generated["spec"] and k != "conversion"]
+    return bad + [k for k in spec if k not in generated["spec"] and spec[k] != {"strategy": "None"}]
 
 
 def _established(cluster: Any) -> bool:
@@ -98,12 +98,19 @@ def _run_hook_command(kubeconfig: Path, *extra: str) -> subprocess.CompletedProc
 
 def _older(generated: dict[str, Any]) -> dict[str, Any]:
     """The generated CRD as an older release could have had it: without spec.paused, with a property the
-    models no longer have, an older description."""
+    models no longer have, an older description, an extra served API version since dropped, and a webhook
+    conversion the models never set (schema and versions are atomic for server-side apply, so a forced
+    apply replaces them; `conversion` is not: only the replace removes what another manager set there)."""
     older = copy.deepcopy(generated)
     spec_props = older["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     del spec_props["paused"]
     spec_props["legacyKnob"] = {"type": "string", "description": "dropped from the models"}
     spec_props["placement"]["description"] = "an older description"
+    old_version = {**copy.deepcopy(older["spec"]["versions"][0]), "name": "v1alpha0", "storage": False}
+    older["spec"]["versions"].insert(0, old_version)
+    older["spec"]["conversion"] = {"strategy": "Webhook", "webhook": {
+        "conversionReviewVersions": ["v1"],
+        "clientConfig": {"service": {"namespace": "default", "name": "old-converter", "path": "/convert"}}}}
     return older
 
 
@@ -118,13 +125,15 @@ def test_hook_upgrades_an_older_crd_to_the_generated_one(cluster: Any, kube: Any
         cluster.kubectl("apply", "--server-side", "--force-conflicts", f"--field-manager={TEST_MANAGER}",
                         "-f", str(older_path))
         before = _live_crd(cluster)
-        props = before["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        current = next(v for v in before["spec"]["versions"] if v["name"] == contract.VERSION)
+        props = current["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
         assert "paused" not in props and "legacyKnob" in props
-        assert _matches_generated(before, generated) == ["versions"]
+        assert [v["name"] for v in before["spec"]["versions"]] == ["v1alpha0", contract.VERSION]
+        assert _matches_generated(before, generated) == ["versions", "conversion"]
 
         dry = _run_hook_command(kubeconfig, "--dry-run")
         assert dry.returncode == 0, dry.stdout + dry.stderr
-        assert "would be upgraded" in dry.stderr and _matches_generated(_live_crd(cluster), generated) == ["versions"]
+        assert "would be upgraded" in dry.stderr and _matches_generated(_live_crd(cluster), generated) == ["versions", "conversion"]
 
         r = _run_hook_command(kubeconfig)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -133,8 +142,12 @@ def test_hook_upgrades_an_older_crd_to_the_generated_one(cluster: Any, kube: Any
         assert ".properties.spec.properties.legacyKnob removed" in log, log
         assert '.properties.spec.properties.placement.description: "an older description" ->' in log, log
         assert "crd established" in log and "Forbidden" not in log
-        # legacyKnob was owned by the other manager: server-side apply alone keeps it, the replace drops it.
-        assert "fields kept by other field managers" in log and "legacyKnob" in log
+        assert "spec.versions[name=v1alpha0] removed" in log, log
+        assert 'spec.conversion.strategy: "Webhook" -> "None"' in log, log
+        # The conversion was set by the other field manager: server-side apply keeps it, the replace drops it.
+        assert "fields kept by other field managers" in log and "replacing the spec" in log, log
+        assert _live_crd(cluster)["spec"]["conversion"] == {"strategy": "None"}
+        assert [v["name"] for v in _live_crd(cluster)["spec"]["versions"]] == [contract.VERSION]
         after = _live_crd(cluster)
         assert not _matches_generated(after, generated), _matches_generated(after, generated)
         assert FIELD_MANAGER in {m["manager"] for m in after["metadata"]["managedFields"]}

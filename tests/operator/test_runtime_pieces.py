@@ -103,7 +103,7 @@ def test_config_rdma_resource_and_dra_device_class_from_env():
     cfg = OperatorConfig.from_env({"WEIGHTSYNC_RDMA_RESOURCE": "example.com/roce",
                                    "WEIGHTSYNC_DRA_DEVICE_CLASS": "gpu.nvidia.com"})
     assert (cfg.rdma_resource_name, cfg.dra_device_class_name) == ("example.com/roce", "gpu.nvidia.com")
-    with pytest.raises(ValueError, match="cluster.rdmaResourceName"):
+    with pytest.raises(ValueError, match=r"cluster\.rdmaResourceName"):
         OperatorConfig.from_env({"WEIGHTSYNC_RDMA_RESOURCE": "not a resource"})
 
 
