@@ -76,6 +76,7 @@ def contract_env(
         {"name": contract.ENV_TRANSFER_MODE, "value": plan.mode},
         {"name": contract.ENV_BUCKET_SIZE_MB, "value": str(spec.transfer.bucket_size_mb)},
         {"name": contract.ENV_VERIFY, "value": spec.transfer.verify},
+        {"name": contract.ENV_TIMEOUT_SECONDS, "value": str(spec.transfer.timeout_seconds)},
         {"name": contract.ENV_ENGINE_TYPE, "value": engine.type},
         {"name": contract.ENV_ENGINE_URL, "value": engine.url or f"http://127.0.0.1:{engine.port}"},
         {"name": contract.ENV_PAUSE_GENERATION, "value": "true" if spec.update_policy.pause_generation else "false"},

@@ -140,7 +140,8 @@ class Reconciler:
             self._finish_problem(job, body, prev_status, problem, out, paused=bool((body.get("spec") or {}).get("paused")))
             return out
         spec = model.spec
-        plan = make_plan(job.name, spec, self.cfg.node_gpu_count, self.cfg.rdma_available)
+        plan = make_plan(job.name, spec, self.cfg.node_gpu_count, self.cfg.rdma_available,
+                         self.cfg.dra_device_class_name)
         if plan.refusal is not None:
             problem = Problem(plan.refusal.reason, plan.refusal.message)
             self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
@@ -160,7 +161,7 @@ class Reconciler:
             self._ensure(job, service.build_service(job, spec), out)
             self._ensure(job, networkpolicy.build_network_policy(job), out)
             self._ensure_secret(job, out)
-            rct = dra.build_resource_claim_template(job, spec)
+            rct = dra.build_resource_claim_template(job, spec, self.cfg)
             if rct is not None:
                 self._ensure(job, rct, out)
             prev_cm = self.kube.get_or_none("ConfigMap", job.namespace, contract.topology_configmap_name(job.name))

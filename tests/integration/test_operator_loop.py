@@ -153,10 +153,16 @@ def test_metrics_and_health_endpoints(kube, namespace, operator):
     assert health.status == 200 and "jobs" in json.loads(health.read())
 
 
-def test_colocated_with_dra_builds_a_claim_template_and_pods_reference_it(kube, namespace, operator):
+@pytest.mark.parametrize("dra, operator_default", [
+    ({"deviceClassName": "gpu.example.com"}, "other.example.com"),  # the job's class wins
+    ({}, "gpu.example.com"),  # the chart's cluster.draDeviceClassName (operator env) fills it in
+], ids=["job-class", "operator-default"])
+def test_colocated_with_dra_builds_a_claim_template_and_pods_reference_it(kube, namespace, operator, monkeypatch,
+                                                                         dra, operator_default):
+    monkeypatch.setenv("WEIGHTSYNC_DRA_DEVICE_CLASS", operator_default)
     operator()
     spec = {
-        "placement": {"mode": "Colocated", "dra": {"deviceClassName": "gpu.example.com"}},
+        "placement": {"mode": "Colocated", "dra": dra},
         "transfer": {"mode": "IPC", "bucketSizeMB": 64},
         "trainer": {"replicas": 2, "gpusPerPod": 2, "parallelism": {"tensor": 1, "pipeline": 1, "data": 4},
                     "template": {"spec": {"containers": [{"name": "trainer", "image": "x"}]}}},
@@ -167,6 +173,7 @@ def test_colocated_with_dra_builds_a_claim_template_and_pods_reference_it(kube, 
     pods = wait_until(lambda: (p := live_pods(kube, namespace, "dra")) and len(p) == 2 and p, what="pods")
     rct = raw(kube, f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates/dra-gpus")
     assert rct["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] == 2
+    assert rct["spec"]["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] == "gpu.example.com"
     for pod in pods.values():
         assert pod["spec"]["resourceClaims"] == [{"name": "weightsync-gpus", "resourceClaimTemplateName": "dra-gpus"}]
         for c in pod["spec"]["containers"] + pod["spec"]["initContainers"][:1]:

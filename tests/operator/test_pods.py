@@ -56,6 +56,7 @@ def test_env_on_every_container(job, separated, cfg):
         assert env[contract.ENV_TOPOLOGY_PATH] == f"{contract.TOPOLOGY_DIR}/{contract.TOPOLOGY_FILE}"
         assert env[contract.ENV_TRANSFER_MODE] == "NCCL" and env[contract.ENV_BUCKET_SIZE_MB] == "64"
         assert env[contract.ENV_SOCKET_DIR] == contract.SOCKET_DIR
+        assert env[contract.ENV_TIMEOUT_SECONDS] == "600"  # spec.transfer.timeoutSeconds bounds the agent's sync
     assert _env(t1["spec"]["containers"][0])["USER_VAR"] == "1"  # the user's env is kept
     i1 = pods["demo-inference-1-0"]
     env = _env(i1["spec"]["containers"][0])
