@@ -54,9 +54,11 @@ def make_images() -> dict[str, str]:
 
 
 def helm_containers() -> list[dict[str, Any]]:
-    """Containers (and init containers) of every workload the chart renders: defaults and HA (peering)."""
+    """Containers (and init containers) of every workload the chart renders: defaults, HA (peering),
+    namespaced, and the opt-in CRD upgrade hook Job."""
     containers: list[dict[str, Any]] = []
-    for extra in ([], ["--set", "replicaCount=2"], ["--set", "watchNamespaces={a,b}"]):
+    for extra in ([], ["--set", "replicaCount=2"], ["--set", "watchNamespaces={a,b}"],
+                  ["--set", "crds.upgradeHook.enabled=true"]):
         rendered = subprocess.run(
             [str(find_binary("helm")), "template", "ws", str(CHART), "-n", "weightsync-system",
              "--kube-version", "1.34.4", *extra],
@@ -164,8 +166,8 @@ def test_every_command_exists_and_answers_help() -> None:
         except AssertionError as exc:
             failures.append(f"{' '.join(argv[:3])} (used by {', '.join(users[:3])}): {exc}")
     assert not failures, "\n".join(failures)
-    # The four distinct commands: both console scripts and the two demo modules.
-    assert {a[0] for a in checked} >= {"weightsync-operator", "weightsync-agent", "python"}
+    # The distinct commands: the console scripts and the two demo modules.
+    assert {a[0] for a in checked} >= {"weightsync-operator", "weightsync-agent", "weightsync-crds", "python"}
     assert {a[2] for a in checked if a[0] == "python"} == {"weightsync.agent.demo.trainer", "weightsync.agent.demo.engine"}
 
 
