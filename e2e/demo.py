@@ -578,21 +578,22 @@ def run_demo(env: Environment, example: str, namespace: str, timeout: float, out
         return report
 
 
-def keep_instructions(env: Environment, namespaces: list[str], release: Any) -> str:
+def keep_instructions(env: Environment, namespaces: list[str], release: Any, examples: list[str] | None = None) -> str:
     """What to run against the cluster while `make demo --keep` holds it."""
     from weightsync.e2e.binaries import find_binary
 
     bins = sorted({str(find_binary(b).parent) for b in ("kubectl", "helm")})
     logs = ", ".join(str(f) for f in release.log_files()) or f"kubectl -n {release.namespace} logs deploy/{release.deployment}"
     ns = namespaces[0]
+    other = "demo-separated.yaml" if examples == ["colocated"] else "demo-colocated.yaml"
     return "\n".join([
         "[demo] --keep: everything stays up while this process runs. In another shell:",
         f"    export KUBECONFIG={env.kubeconfig}",
         f"    export PATH={':'.join(bins)}:$PATH",
-        f"    kubectl get wsj -n {ns} -w                   # the job's versions and conditions",
+        f"    kubectl get wsj -n {ns} -w      # the job's versions and conditions",
         f"    kubectl get pods -n {ns} -o wide",
-        f"    helm list -n {release.namespace}                      # the installed chart",
-        f"    kubectl apply --server-side -n {ns} -f examples/demo-colocated.yaml   # another job",
+        f"    helm list -n {release.namespace}",
+        f"    kubectl apply --server-side -n {ns} -f examples/{other}   # one more job, versions 1..5",
         f"  operator log: {logs}",
         "[demo] press Ctrl-C here to stop: helm uninstall, then the pods, the runtime and the control plane go away.",
     ])
@@ -615,6 +616,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     t0 = time.monotonic()
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    # Ctrl-C and SIGTERM (also when started in the background, where SIGINT may arrive ignored) unwind
+    # through the teardown: helm uninstall, pods, runtime, control plane.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
 
     def say(msg: str) -> None:
         print(msg, flush=True)
@@ -639,6 +648,8 @@ def main(argv: list[str] | None = None) -> int:
                                           create_namespace=True)
             pod = release.operator_pod()
             who = release.whoami()
+            step(f"values: {json.dumps(release.values, sort_keys=True)} (pods are host processes here: free "
+                 "host ports, and the operator pinned to a process node)")
             step(f"chart installed in {release.install_seconds:.1f}s: deploy/{release.deployment} pod "
                  f"{pod['metadata']['name']} on {pod['spec'].get('nodeName')} (a host process, pid "
                  f"{release.operator_pid()}), authenticated as {who.get('username')}")
@@ -646,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_demo(env, ex, ns, args.timeout, say, operator_log=lambda: release.logs(tail=40))
             step("OK: every engine serves the trainer's last version, bit for bit")
             if args.keep:
-                say(keep_instructions(env, namespaces, release))
+                say(keep_instructions(env, namespaces, release, examples))
                 with contextlib.suppress(KeyboardInterrupt):
                     while True:
                         time.sleep(3600)
