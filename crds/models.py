@@ -243,20 +243,36 @@ class Placement(_Model):
 
 
 class DeltaSync(_Model):
-    """Send only the tensors that changed since the last synced version."""
+    """Send only the words of each bucket that changed since the last synced version (GDR transport only)."""
 
-    enabled: bool = Field(default=False, description="Send only changed tensors when possible.")
+    enabled: bool = Field(default=False, description="Send only the changed words of a bucket when that is smaller.")
     max_changed_fraction: float = Field(
         default=0.1,
         alias="maxChangedFraction",
         ge=0.0,
         le=1.0,
-        description="Above this fraction of changed bytes a full sync is sent instead of a delta (0..1).",
+        description="Above this fraction of changed words in a bucket that bucket is sent in full (0..1).",
     )
+
+
+def _delta_mode_ok(t: TransferSpec) -> bool:
+    return t.delta_sync is None or not t.delta_sync.enabled or t.mode not in ("IPC", "NCCL")
 
 
 class TransferSpec(_Model):
     """How weights move from the trainer to the inference engines."""
+
+    __rules__ = (
+        Rule(
+            cel="!(has(self.deltaSync) && has(self.deltaSync.enabled) && self.deltaSync.enabled && "
+            "has(self.mode) && (self.mode == 'IPC' || self.mode == 'NCCL'))",
+            message="spec.transfer.deltaSync needs transfer.mode GDR (or Auto on a cluster with RDMA): IPC and "
+            "NCCL always send full buckets; remove deltaSync (or set deltaSync.enabled=false), or use "
+            "transfer.mode GDR or Auto",
+            check=_delta_mode_ok,
+            field_path=".deltaSync",
+        ),
+    )
 
     mode: TransferModeSpec = Field(
         default="Auto",
@@ -286,7 +302,9 @@ class TransferSpec(_Model):
     delta_sync: DeltaSync | None = Field(
         default=None,
         alias="deltaSync",
-        description="Optional: send only changed tensors.",
+        description="Optional: send only the words of a bucket that changed since the previous version. "
+        "Only the GDR transport sends deltas: refused with an explicit mode IPC or NCCL; with mode Auto "
+        "resolving to IPC or NCCL full buckets are sent (the agent logs it once).",
     )
     rdma_resource_name: str | None = Field(
         default=None,

@@ -82,6 +82,14 @@ def contract_env(
         {"name": contract.ENV_PAUSE_GENERATION, "value": "true" if spec.update_policy.pause_generation else "false"},
         {"name": contract.ENV_MAX_STALENESS, "value": str(spec.update_policy.max_staleness)},
     ]
+    delta = spec.transfer.delta_sync
+    if delta is not None and delta.enabled:
+        # Only when enabled: a job without deltaSync keeps the env (and the spec hash) it always had, so an
+        # operator upgrade does not mark its pods outdated. The agent reads an absent variable as "false".
+        env += [
+            {"name": contract.ENV_DELTA_SYNC, "value": "true"},
+            {"name": contract.ENV_DELTA_MAX_CHANGED_FRACTION, "value": repr(float(delta.max_changed_fraction))},
+        ]
     return env
 
 

@@ -126,7 +126,9 @@ CASES: list[Case] = [
     Case("trainer-gpus-too-many", _set("spec.trainer.gpusPerPod", 17), "spec.trainer.gpusPerPod", "bound"),
     Case("inference-replicas-negative", _set("spec.inference.replicas", -1), "spec.inference.replicas", "bound"),
     Case("engine-port-range", _set("spec.inference.engine.port", 70000), "spec.inference.engine.port", "bound"),
-    Case("delta-fraction-range", _set("spec.transfer.deltaSync", {"enabled": True, "maxChangedFraction": 1.5}),
+    Case("delta-fraction-range",
+         _all(_set("spec.transfer.mode", "GDR"),
+              _set("spec.transfer.deltaSync", {"enabled": True, "maxChangedFraction": 1.5})),
          "spec.transfer.deltaSync.maxChangedFraction", "bound"),
     Case("parallelism-zero", _set("spec.trainer.parallelism.tensor", 0), "spec.trainer.parallelism.tensor", "bound"),
     # --- schema: required fields and pod templates ----------------------------------------------------
@@ -168,6 +170,10 @@ CASES: list[Case] = [
          "spec.updatePolicy.maxUnavailable", "CEL"),
     Case("max-unavailable-garbage", _set("spec.updatePolicy", {"maxUnavailable": "half"}),
          "spec.updatePolicy.maxUnavailable", "CEL"),
+    Case("delta-sync-needs-gdr", _set("spec.transfer.deltaSync", {"enabled": True}), "spec.transfer.deltaSync",
+         "CEL", also="IPC and NCCL always send full buckets"),
+    Case("delta-sync-not-over-ipc", _set("spec.transfer.deltaSync", {"enabled": True, "maxChangedFraction": 0.2}),
+         "spec.transfer.deltaSync", "CEL", base=colocated, also="transfer.mode GDR"),
     Case("engine-url-scheme", _set("spec.inference.engine.url", "ftp://engine:30000"),
          "spec.inference.engine.url", "CEL"),
     Case("name-too-long", _set("metadata.name", "a" * 41), "metadata.name", "CEL"),
@@ -200,4 +206,5 @@ ALLOWED_UPDATES: list[tuple[str, Callable[[Obj], None]]] = [
     ("update-policy", _set("spec.updatePolicy", {"maxUnavailable": 2, "maxStaleness": 3, "pauseGeneration": False})),
     ("bucket-size", _set("spec.transfer.bucketSizeMB", 256)),
     ("verify", _set("spec.transfer.verify", "Checksum")),
+    ("delta-sync-disabled", _set("spec.transfer.deltaSync", {"enabled": False, "maxChangedFraction": 0.3})),  # NCCL: off is ok
 ]

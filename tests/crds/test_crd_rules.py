@@ -40,3 +40,19 @@ def test_allowed_updates_are_valid(name, mutate) -> None:
     obj = separated()
     mutate(obj)
     WeightSyncJob.from_k8s(obj)
+
+
+@pytest.mark.parametrize("mode", ["GDR", "Auto", None])
+def test_delta_sync_is_valid_with_gdr_or_auto(mode) -> None:
+    """Only an explicit IPC or NCCL refuses deltaSync (tests/crds/invalid_cases.py): GDR, Auto and the
+    default (Auto) are accepted, and so is a disabled deltaSync with any mode."""
+    obj = separated()
+    obj["spec"]["transfer"] = {"deltaSync": {"enabled": True, "maxChangedFraction": 0.2}}
+    if mode is not None:
+        obj["spec"]["transfer"]["mode"] = mode
+    job = WeightSyncJob.from_k8s(obj)
+    assert job.spec.transfer.delta_sync is not None and job.spec.transfer.delta_sync.enabled
+    for off_mode in ("IPC", "NCCL"):
+        off = colocated() if off_mode == "IPC" else separated()
+        off["spec"]["transfer"] = {"mode": off_mode, "deltaSync": {"enabled": False}}
+        WeightSyncJob.from_k8s(off)

@@ -65,6 +65,35 @@ def test_env_on_every_container(job, separated, cfg):
     assert env[contract.ENV_ENGINE_URL] == "http://127.0.0.1:30000"
 
 
+def test_delta_sync_env_only_when_enabled(job, separated, cfg):
+    """spec.transfer.deltaSync reaches every container of every pod when enabled; absent or disabled, the
+    variables are not set at all (pods of jobs without deltaSync keep their env and spec hash)."""
+    spec = separated(transfer={"mode": "GDR", "deltaSync": {"enabled": True, "maxChangedFraction": 0.2}})
+    pods = _pods(job, spec, cfg)
+    assert len(pods) == 4
+    for pod in pods.values():
+        for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]:
+            env = _env(c)
+            assert env[contract.ENV_DELTA_SYNC] == "true"
+            assert float(env[contract.ENV_DELTA_MAX_CHANGED_FRACTION]) == 0.2
+    default_fraction = _pods(job, separated(transfer={"mode": "GDR", "deltaSync": {"enabled": True}}), cfg)
+    assert _env(_agent(default_fraction["demo-trainer-0"]))[contract.ENV_DELTA_MAX_CHANGED_FRACTION] == "0.1"
+    plain = _pods(job, separated(transfer={"mode": "GDR"}), cfg)
+    off = _pods(job, separated(transfer={"mode": "GDR", "deltaSync": {"enabled": False, "maxChangedFraction": 0.3}}),
+                cfg)
+    for pods_ in (plain, off):
+        for pod in pods_.values():
+            for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]:
+                env = _env(c)
+                assert contract.ENV_DELTA_SYNC not in env and contract.ENV_DELTA_MAX_CHANGED_FRACTION not in env
+    # disabled and absent give the same pods (same spec hash): no PodsOutdated for jobs that never used it
+    assert {n: p["metadata"]["annotations"][contract.ANN_SPEC_HASH] for n, p in plain.items()} == \
+        {n: p["metadata"]["annotations"][contract.ANN_SPEC_HASH] for n, p in off.items()}
+    # enabling it changes the pods (the agent reads its env once): the operator marks them outdated
+    assert pods["demo-trainer-0"]["metadata"]["annotations"][contract.ANN_SPEC_HASH] != \
+        plain["demo-trainer-0"]["metadata"]["annotations"][contract.ANN_SPEC_HASH]
+
+
 def test_contract_env_overrides_a_spoofed_user_value(job, separated, cfg):
     tmpl = {"spec": {"containers": [{"name": "t", "image": "x", "env": [{"name": contract.ENV_RANK, "value": "99"}]}]}}
     pods = _pods(job, separated(trainer={"template": tmpl}), cfg)
