@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 ROLES = (contract.ROLE_TRAINER, contract.ROLE_INFERENCE, contract.ROLE_COLOCATED)
 ENGINE_TYPES = ("SGLang", "VLLM", "Custom")
 TRANSFER_MODES = ("Auto", "IPC", "NCCL", "GDR")
+DEFAULT_DELTA_MAX_CHANGED_FRACTION = 0.1  # the CRD's default for spec.transfer.deltaSync.maxChangedFraction
 
 
 class ConfigError(ValueError):
@@ -53,6 +54,19 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     if raw.lower() in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"environment variable {name}={raw!r} is not a boolean (use true or false)")
+
+
+def _fraction(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not a number (expected a fraction from 0 to 1)") from None
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise ConfigError(f"environment variable {name}={raw!r} must be a fraction from 0 to 1")
+    return value
 
 
 def _device(raw: str) -> str:
@@ -89,6 +103,8 @@ class AgentConfig:
     kube_enabled: bool = True
     device: str = "cpu"
     timeout_seconds: float = 600.0
+    delta_sync: bool = False  # spec.transfer.deltaSync.enabled: send changed words only (GDR transport)
+    delta_max_changed_fraction: float = DEFAULT_DELTA_MAX_CHANGED_FRACTION
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -161,6 +177,9 @@ class AgentConfig:
             kube_enabled=_bool(env, contract.ENV_KUBE_ENABLED, True),
             device=_device(env.get(contract.ENV_AGENT_DEVICE) or "cpu"),
             timeout_seconds=float(max(1, _int(env, contract.ENV_TIMEOUT_SECONDS, 600))),
+            delta_sync=_bool(env, contract.ENV_DELTA_SYNC, False),
+            delta_max_changed_fraction=_fraction(env, contract.ENV_DELTA_MAX_CHANGED_FRACTION,
+                                                 DEFAULT_DELTA_MAX_CHANGED_FRACTION),
         )
 
 

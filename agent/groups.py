@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from weightsync.agent.delta import DeltaConfig
 from weightsync.agent.plan import BucketPlan, TransferPlan
 from weightsync.agent.transports.base import (
     TRANSPORTS,
@@ -140,11 +141,16 @@ def group_for(topo: Topology, replica: int, pod: str) -> TransportGroup:
 
 
 class TransportCache:
-    """The transports this agent uses, by (group, generation, epoch)."""
+    """The transports this agent uses, by (group, generation, epoch).
+
+    Reuse matters for delta sync (`delta`, GDR only): each GDR transport keeps the previous version's bucket
+    bytes as the base of the next delta, so the same transport must serve one group version after version.
+    A new generation or epoch means a new transport with an empty base: its first version is sent in full."""
 
     def __init__(self, *, mode: str, job: str, pod_ip: str, transport_port: int, timeout: float = 600.0,
-                 shm_prefix: str = "weightsync") -> None:
+                 shm_prefix: str = "weightsync", delta: DeltaConfig | None = None) -> None:
         self.mode = mode
+        self.delta = delta if mode == "GDR" else None
         self.job = job
         self.pod_ip = pod_ip
         self.transport_port = transport_port
@@ -208,8 +214,10 @@ class TransportCache:
             store = dist.PrefixStore(f"{self.job}/{key[0]}/g{key[1]}/{key[2]}/", base)
             return NcclTransport(store, generation=key[1], host=self.pod_ip, timeout=self.timeout)
         if self.mode == "GDR":
-            # registers "gdr" in TRANSPORTS; imported only here so other modes never need NIXL installed
-            import weightsync.agent.transports.gdr  # noqa: F401
+            # imported only here so other modes never need NIXL installed (it also registers "gdr")
+            from weightsync.agent.transports.gdr import GdrTransport
+
+            return GdrTransport(delta=self.delta)
         factory = TRANSPORTS.get(self.mode.lower())
         if factory is None:
             raise ValueError(f"transfer mode {self.mode} has no transport (known: {sorted(TRANSPORTS)})")

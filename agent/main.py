@@ -27,6 +27,7 @@ from typing import Any
 
 from weightsync.agent import local
 from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
+from weightsync.agent.delta import DeltaConfig
 from weightsync.agent.engines import factory
 from weightsync.agent.engines.base import EngineAdapter, EngineError
 from weightsync.agent.engines.custom import AppRegistry, CustomEngineAdapter
@@ -132,6 +133,40 @@ def wait_for_membership(cfg: AgentConfig, timeout: float) -> TopologyWatcher:
         time.sleep(2.0)
 
 
+def delta_config(cfg: AgentConfig, mode: str) -> DeltaConfig | None:
+    """spec.transfer.deltaSync for this agent's transport: only GDR sends deltas. With another transport
+    (transfer.mode Auto resolved to IPC or NCCL; the API server refuses an explicit IPC or NCCL) the
+    request is logged once and full buckets are sent."""
+    if not cfg.delta_sync:
+        return None
+    if mode != "GDR":
+        log.warning("deltaSync requested but the transport is %s: full buckets (only GDR sends deltas)", mode)
+        return None
+    log.info("delta sync on: buckets with at most %.3g of their words changed are sent as deltas",
+             cfg.delta_max_changed_fraction)
+    return DeltaConfig(max_changed_fraction=cfg.delta_max_changed_fraction)
+
+
+@dataclass
+class _WireCount:
+    """A transport's byte counters when a version's fetch took it (GDR's `stats`), to account the version."""
+
+    transport: Any
+    full_bytes: int
+    wire_bytes: int
+    delta_buckets: int
+
+
+def _wire_of(used: dict[int, _WireCount]) -> tuple[int, int]:
+    """(bytes saved on the wire, buckets received as deltas) by the transports since they were taken."""
+    saved = buckets = 0
+    for w in used.values():
+        st = w.transport.stats
+        saved += (st.full_bytes - w.full_bytes) - (st.wire_bytes - w.wire_bytes)
+        buckets += st.delta_buckets - w.delta_buckets
+    return saved, buckets
+
+
 class Agent:
     """One agent process: wires config, local socket, server and/or client, health, and the pod link."""
 
@@ -158,9 +193,10 @@ class Agent:
         topo = self.watcher.current
         self.mode = topo.mode if cfg.transfer_mode == "Auto" else cfg.transfer_mode
         self.verify = "Checksum" in (cfg.verify, topo.verify)
+        self.delta = delta_config(cfg, self.mode)
         # group formation and single bucket operations: a dead peer must not hold a trainer for 10 minutes
         self.cache = TransportCache(mode=self.mode, job=cfg.job, pod_ip=cfg.pod_ip, transport_port=cfg.transport_port,
-                                    timeout=min(cfg.timeout_seconds, TRANSPORT_TIMEOUT))
+                                    timeout=min(cfg.timeout_seconds, TRANSPORT_TIMEOUT), delta=self.delta)
         self.tmember = trainer_member(topo, cfg.pod_name) if cfg.is_trainer else None
         self.islot = inference_slot(topo, cfg.pod_name) if cfg.is_inference else None
         if cfg.is_trainer and self.tmember is None:
@@ -415,8 +451,15 @@ class Agent:
         group = {"name": g.name, "generation": topo.generation,
                  "store": [store_host or self.cfg.pod_ip, self.cfg.transport_port]}
 
+        used: dict[int, _WireCount] = {}
+
         def transport_for(gr: dict[str, Any], plan: TransferPlan, role: str) -> Any:
-            return self.cache.get(gr, plan, role=role)
+            got = self.cache.get(gr, plan, role=role)
+            st = getattr(got[0], "stats", None)
+            if id(got[0]) not in used and all(hasattr(st, k) for k in ("full_bytes", "wire_bytes", "delta_buckets")):
+                assert st is not None
+                used[id(got[0])] = _WireCount(got[0], st.full_bytes, st.wire_bytes, st.delta_buckets)
+            return got
 
         full = engine_takes_full_tensors(self.cfg.engine_type)
         my_ranks = ([0] if 0 in self.islot.member.ranks else []) if full else self.islot.member.ranks
@@ -451,12 +494,16 @@ class Agent:
         self.metrics.served_version.set(version)
         self.metrics.versions.labels("committed").inc()
         self.metrics.transfer_bytes.labels("received", self.mode).inc(res.bytes)
+        saved, delta_buckets = _wire_of(used)
+        wire = max(0, res.bytes - saved)
+        self.metrics.wire_bytes.labels(self.mode).inc(wire)
+        self.metrics.delta_buckets.inc(delta_buckets)
         self.metrics.verified_bytes.inc(res.verified_bytes)
         self.metrics.sync_seconds.labels(self.mode).observe(took)
         st = res.stats
-        log.info("version committed version=%s bytes=%s seconds=%.3f handshake=%.3f wait=%.3f engine_load=%.3f",
-                 version, res.bytes, took, sum(x.handshake_seconds for x in st), sum(x.wait_seconds for x in st),
-                 sum(x.load_seconds for x in st))
+        log.info("version committed version=%s bytes=%s wire_bytes=%s delta_buckets=%s seconds=%.3f handshake=%.3f "
+                 "wait=%.3f engine_load=%.3f", version, res.bytes, wire, delta_buckets, took,
+                 sum(x.handshake_seconds for x in st), sum(x.wait_seconds for x in st), sum(x.load_seconds for x in st))
         self._report()
         self._wake.set()
 
@@ -467,7 +514,7 @@ class Agent:
     # --- health --------------------------------------------------------------------------------------
     def _health(self) -> tuple[bool, dict[str, Any]]:
         detail: dict[str, Any] = {"role": self.cfg.role, "pod": self.cfg.pod_name, "mode": self.mode,
-                                  "verify": self.verify,
+                                  "verify": self.verify, "deltaSync": self.delta is not None,
                                   "generation": self.watcher.current.generation}
         if self.store is not None:
             detail["published"] = self.published

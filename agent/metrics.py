@@ -22,6 +22,13 @@ class AgentMetrics:
         self.verified_bytes = Counter(
             "weightsync_agent_verified_bytes_total", "Received bytes whose bucket checksum matched the sender's",
             registry=r)
+        self.wire_bytes = Counter(
+            "weightsync_agent_wire_bytes_total", "Bytes an inference agent actually read for committed versions: a "
+            "bucket received as a delta counts its encoded size (equals transfer bytes without delta sync)",
+            ["mode"], registry=r)
+        self.delta_buckets = Counter(
+            "weightsync_agent_delta_buckets_total", "Buckets an inference agent received as a delta "
+            "(spec.transfer.deltaSync) instead of in full, for committed versions", registry=r)
         self.staged_bytes = Counter(
             "weightsync_agent_staged_bytes_total", "Bytes the local trainer published into staging", registry=r)
         self.sync_seconds = Histogram(

@@ -63,6 +63,22 @@ def test_config_from_env_and_clear_errors(tmp_path: Path) -> None:
         cfg.read_token()
 
 
+def test_config_delta_sync_env(tmp_path: Path) -> None:
+    """spec.transfer.deltaSync as the operator passes it: absent means off; bad values are clear errors."""
+    off = AgentConfig.from_env(_env(tmp_path))
+    assert off.delta_sync is False and off.delta_max_changed_fraction == 0.1
+    on = AgentConfig.from_env(_env(tmp_path, **{contract.ENV_DELTA_SYNC: "true",
+                                               contract.ENV_DELTA_MAX_CHANGED_FRACTION: "0.2"}))
+    assert on.delta_sync is True and on.delta_max_changed_fraction == 0.2
+    assert AgentConfig.from_env(_env(tmp_path, **{contract.ENV_DELTA_SYNC: "false"})).delta_sync is False
+    with pytest.raises(ConfigError, match=f"{contract.ENV_DELTA_SYNC}='maybe' is not a boolean"):
+        AgentConfig.from_env(_env(tmp_path, **{contract.ENV_DELTA_SYNC: "maybe"}))
+    for bad, why in (("lots", "not a number"), ("1.5", "from 0 to 1"), ("-0.1", "from 0 to 1"), ("nan", "from 0 to 1")):
+        with pytest.raises(ConfigError, match=f"{contract.ENV_DELTA_MAX_CHANGED_FRACTION}='{bad}'.*{why}"):
+            AgentConfig.from_env(_env(tmp_path, **{contract.ENV_DELTA_SYNC: "true",
+                                                   contract.ENV_DELTA_MAX_CHANGED_FRACTION: bad}))
+
+
 def test_topology_watcher_reports_generation_changes(tmp_path: Path) -> None:
     path = tmp_path / "topo.json"
     path.write_text(_topo(1).to_json())
