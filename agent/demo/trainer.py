@@ -70,6 +70,15 @@ def _write_checksums(path: Path, sums: dict[int, dict[str, str]]) -> None:
     os.replace(tmp, path)
 
 
+def _keep_most(model: torch.nn.Module, before: dict[str, torch.Tensor], fraction: float,
+               gen: torch.Generator) -> None:
+    """Keep the new value of only `fraction` of each parameter's elements; the rest go back to `before`."""
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            keep_new = torch.rand(t.shape, generator=gen) < fraction
+            t.copy_(torch.where(keep_new, t, before[name]))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--versions", type=int, default=int(os.environ.get("WEIGHTSYNC_DEMO_VERSIONS", "5")))
@@ -82,13 +91,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--checksums", default=os.environ.get(ENV_DEMO_CHECKSUMS, ""),
                    help="JSON file for per-version checksums (default: <socket dir>/demo-trainer-checksums.json)")
     p.add_argument("--exit", action="store_true", help="exit after the last version instead of idling")
+    p.add_argument("--sparse-update", type=float, default=0.0, metavar="FRACTION",
+                   help="each version changes only this fraction of each parameter's elements (chosen at random; "
+                   "the others keep the previous version's values), like a sparse fine-tune: what delta sync "
+                   "pays off on. 0 (default): every element takes the optimizer's update")
     args = p.parse_args(argv)
+    if not 0.0 <= args.sparse_update <= 1.0:
+        p.error(f"--sparse-update must be a fraction from 0 to 1, got {args.sparse_update}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
     torch.manual_seed(args.seed)
     model = DemoModel(args.hidden)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(args.seed + 1)
+    sparse_gen = torch.Generator().manual_seed(args.seed + 2)  # its own stream: the batches stay the same
     state = TrainerState()
     server = _serve(state, args.host, args.port)
     sums_path = Path(args.checksums) if args.checksums else (
@@ -98,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with TrainerSession() as session:
         for version in range(1, args.versions + 1):
+            before = {n: t.detach().clone() for n, t in model.named_parameters()} if args.sparse_update else {}
             for _ in range(args.steps_per_version):
                 x, y = batch(gen)
                 loss = torch.nn.functional.mse_loss(model(x), y)
@@ -105,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
                 loss.backward()
                 opt.step()
                 model.steps += 1
+            if before:
+                _keep_most(model, before, args.sparse_update, sparse_gen)
             res = session.publish(model, version)
             sums = checksums(model.state_dict().items())
             with state.lock:

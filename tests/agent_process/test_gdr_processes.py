@@ -3,7 +3,8 @@
 What is checked, bit for bit: every engine serves the sha256 checksums the trainer computed for the same
 version; a replica added to the topology after the trainer published pulls the current version over
 one-sided READs while the others keep serving (no re-fetch, no extra commit); `verify: Checksum` runs on
-the GDR path. On this CPU-only machine UCX moves DRAM over tcp/cma (the agent sets UCX_TLS itself).
+the GDR path; with delta sync (spec.transfer.deltaSync) only changed words move and the engines stay
+bit-exact. On this CPU-only machine UCX moves DRAM over tcp/cma (the agent sets UCX_TLS itself).
 """
 
 from __future__ import annotations
@@ -76,6 +77,69 @@ def test_gdr_two_replicas_and_a_late_replica_bit_exact(tmp_path: Path, clusters:
                 or 0) > 0
         code, health = get_json(f"{p.metrics_url}/healthz")
         assert code == 200 and health["served"] == VERSIONS and health["mode"] == "GDR", health
+
+
+def _received(p: Pod) -> tuple[float, float, float]:
+    """(weight bytes received, bytes actually read, buckets received as deltas) from an inference agent."""
+    _, m = get_text(f"{p.metrics_url}/metrics")
+    full = metric_value(m, "weightsync_agent_transfer_bytes_total", 'direction="received",mode="GDR"') or 0.0
+    wire = metric_value(m, "weightsync_agent_wire_bytes_total", 'mode="GDR"')
+    assert wire is not None, f"{p.name}: no weightsync_agent_wire_bytes_total sample"
+    return full, wire, metric_value(m, "weightsync_agent_delta_buckets_total") or 0.0
+
+
+DELTA_VERSIONS = 4
+SPARSE = 0.02  # the demo trainer changes 2% of every parameter's elements per version
+
+
+def test_gdr_delta_sync_sends_changed_words_bit_exact_and_a_late_replica_gets_full_buckets(
+    tmp_path: Path, clusters: list[Cluster]
+) -> None:
+    """spec.transfer.deltaSync end to end (the env the operator sets): after a full first version each
+    replica reads only the changed words of a bucket and applies them to the previous version's bytes;
+    the result is bit-exact with the trainer. A replica that joins later (new generation, new transports,
+    no base) gets full buckets and is bit-exact too."""
+    c = gdr_cluster(tmp_path, clusters)
+    c.extra_env[contract.ENV_DELTA_SYNC] = "true"
+    c.extra_env[contract.ENV_DELTA_MAX_CHANGED_FRACTION] = "0.25"
+    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+    infs = [c.add_pod(f"demo-inference-{r}-0", contract.ROLE_INFERENCE, replica=r) for r in range(2)]
+    c.write_topology()
+    for p in (t, *infs):
+        c.start_agent(p)
+    for p in infs:
+        c.start_engine(p)
+    c.start_trainer(t, "--versions", str(DELTA_VERSIONS), "--interval", "1.0", "--sparse-update", str(SPARSE))
+
+    for p in infs:
+        wait_for(lambda p=p: engine_version(p) == DELTA_VERSIONS, 120, f"{p.name} serving v{DELTA_VERSIONS}", c)
+    assert_bit_exact(t, infs, DELTA_VERSIONS)
+    for p in infs:
+        seq = commits(p.demo_url)
+        assert seq == sorted(set(seq)) and seq[-1] == DELTA_VERSIONS, f"{p.name}: commits out of order: {seq}"
+        assert len(seq) >= 2, f"{p.name} committed only {seq}: no version could be a delta"
+        full, wire, deltas = _received(p)
+        per_version = full / len(seq)
+        # the first version is read in full; every later one is a delta of a few % (at most 20% here)
+        assert deltas >= 1, f"{p.name}: delta sync was never used (full={full} wire={wire})"
+        assert wire <= per_version * (1 + 0.2 * (len(seq) - 1)), f"{p.name}: read {wire} of {full} bytes"
+        code, health = get_json(f"{p.metrics_url}/healthz")
+        assert code == 200 and health["deltaSync"] is True and health["mode"] == "GDR", health
+        assert "deltaSync requested but" not in c.log_text(p, "agent")
+    before = {p.name: commits(p.demo_url) for p in infs}
+
+    late = c.add_pod("demo-inference-2-0", contract.ROLE_INFERENCE, replica=2)
+    c.generation += 1
+    c.write_topology()
+    c.start_agent(late)
+    c.start_engine(late)
+    wait_for(lambda: engine_version(late) == DELTA_VERSIONS, 120, f"late replica serving v{DELTA_VERSIONS}", c)
+    assert_bit_exact(t, [*infs, late], DELTA_VERSIONS)
+    assert commits(late.demo_url) == [DELTA_VERSIONS]
+    full, wire, deltas = _received(late)
+    assert full > 0 and wire == full and deltas == 0, f"late replica: full={full} wire={wire} deltas={deltas}"
+    for p in infs:
+        assert commits(p.demo_url) == before[p.name], f"{p.name} committed again after the late join"
 
 
 def test_gdr_with_checksum_verification_bit_exact(tmp_path: Path, clusters: list[Cluster]) -> None:
