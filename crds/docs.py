@@ -13,7 +13,6 @@ timestamps.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import logging
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel
 from weightsync.crds import contract
+from weightsync.crds.generate import diff
 from weightsync.crds.models import POD_TEMPLATE_SCHEMA, WeightSyncJobSpec, WeightSyncJobStatus
 from weightsync.crds.schema import printer_columns, root_schema
 
@@ -381,20 +381,6 @@ def iter_rows(text: str) -> Iterator[str]:
     for line in text.splitlines():
         if line.startswith("| `"):
             yield line.split("|")[1].strip()
-
-
-def diff(path: Path, expected: str) -> str:
-    current = path.read_text() if path.exists() else ""
-    if current == expected:
-        return ""
-    return "".join(
-        difflib.unified_diff(
-            current.splitlines(keepends=True),
-            expected.splitlines(keepends=True),
-            fromfile=f"{path} (checked in)",
-            tofile=f"{path} (generated)",
-        )
-    ) or f"{path}: differs (whitespace only)\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,6 +170,28 @@ class Cluster:
     def start_engine(self, pod: Pod, *args: str) -> subprocess.Popen[bytes]:
         return self.spawn(pod, "engine", [PY, "-m", "weightsync.agent.demo.engine", *args])
 
+    def start_separated(self, replicas: int, *trainer_args: str) -> tuple[Pod, list[Pod]]:
+        """One trainer pod and REPLICAS one-pod inference replicas, each with its agent (and engine), then
+        the demo trainer with TRAINER_ARGS: the usual shape of a separated job."""
+        trainer = self.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+        infs = [self.add_pod(f"demo-inference-{r}-0", contract.ROLE_INFERENCE, replica=r) for r in range(replicas)]
+        self.write_topology()
+        for p in (trainer, *infs):
+            self.start_agent(p)
+        for p in infs:
+            self.start_engine(p)
+        self.start_trainer(trainer, *trainer_args)
+        return trainer, infs
+
+    def join_late(self, replica: int) -> Pod:
+        """An inference replica added to a running job: the topology grows (new generation)."""
+        pod = self.add_pod(f"demo-inference-{replica}-0", contract.ROLE_INFERENCE, replica=replica)
+        self.generation += 1
+        self.write_topology()
+        self.start_agent(pod)
+        self.start_engine(pod)
+        return pod
+
     def kill(self, pod: Pod, what: str, sig: int = signal.SIGKILL) -> None:
         proc = pod.procs.get(what)
         if proc is not None and proc.poll() is None:

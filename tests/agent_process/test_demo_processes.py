@@ -41,14 +41,7 @@ def test_separated_gloo_two_replicas_bit_exact(tmp_path: Path, clusters: list[Cl
     c = Cluster(tmp_path, mode="NCCL", bucket_mb=1, verify="Checksum")
     c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = "96"
     clusters.append(c)
-    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
-    infs = [c.add_pod(f"demo-inference-{r}-0", contract.ROLE_INFERENCE, replica=r) for r in range(2)]
-    c.write_topology()
-    for p in (t, *infs):
-        c.start_agent(p)
-    for p in infs:
-        c.start_engine(p)
-    c.start_trainer(t, "--versions", "5", "--interval", "0.3")
+    t, infs = c.start_separated(2, "--versions", "5", "--interval", "0.3")
 
     for p in infs:
         wait_for(lambda p=p: engine_version(p) == 5, 90, f"{p.name} serving version 5", c)

@@ -40,14 +40,7 @@ def assert_bit_exact(t: Pod, pods: list[Pod], version: int) -> None:
 
 def test_gdr_two_replicas_and_a_late_replica_bit_exact(tmp_path: Path, clusters: list[Cluster]) -> None:
     c = gdr_cluster(tmp_path, clusters)
-    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
-    infs = [c.add_pod(f"demo-inference-{r}-0", contract.ROLE_INFERENCE, replica=r) for r in range(2)]
-    c.write_topology()
-    for p in (t, *infs):
-        c.start_agent(p)
-    for p in infs:
-        c.start_engine(p)
-    c.start_trainer(t, "--versions", str(VERSIONS), "--interval", "1.0")
+    t, infs = c.start_separated(2, "--versions", str(VERSIONS), "--interval", "1.0")
 
     for p in infs:
         wait_for(lambda p=p: engine_version(p) == VERSIONS, 120, f"{p.name} serving version {VERSIONS}", c)
@@ -58,11 +51,7 @@ def test_gdr_two_replicas_and_a_late_replica_bit_exact(tmp_path: Path, clusters:
         assert seq == sorted(set(seq)) and seq[-1] == VERSIONS, f"{p.name}: commits out of order: {seq}"
 
     # a third replica joins after the last version: the topology grows (new generation), it pulls v3
-    late = c.add_pod("demo-inference-2-0", contract.ROLE_INFERENCE, replica=2)
-    c.generation += 1
-    c.write_topology()
-    c.start_agent(late)
-    c.start_engine(late)
+    late = c.join_late(2)
     wait_for(lambda: engine_version(late) == VERSIONS, 120, f"late replica serving version {VERSIONS}", c)
     assert_bit_exact(t, [*infs, late], VERSIONS)
     assert commits(late.demo_url) == [VERSIONS], "the late replica should load only the current version"
@@ -102,14 +91,7 @@ def test_gdr_delta_sync_sends_changed_words_bit_exact_and_a_late_replica_gets_fu
     c = gdr_cluster(tmp_path, clusters)
     c.extra_env[contract.ENV_DELTA_SYNC] = "true"
     c.extra_env[contract.ENV_DELTA_MAX_CHANGED_FRACTION] = "0.25"
-    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
-    infs = [c.add_pod(f"demo-inference-{r}-0", contract.ROLE_INFERENCE, replica=r) for r in range(2)]
-    c.write_topology()
-    for p in (t, *infs):
-        c.start_agent(p)
-    for p in infs:
-        c.start_engine(p)
-    c.start_trainer(t, "--versions", str(DELTA_VERSIONS), "--interval", "1.0", "--sparse-update", str(SPARSE))
+    t, infs = c.start_separated(2, "--versions", str(DELTA_VERSIONS), "--interval", "1.0", "--sparse-update", str(SPARSE))
 
     for p in infs:
         wait_for(lambda p=p: engine_version(p) == DELTA_VERSIONS, 120, f"{p.name} serving v{DELTA_VERSIONS}", c)
@@ -128,11 +110,7 @@ def test_gdr_delta_sync_sends_changed_words_bit_exact_and_a_late_replica_gets_fu
         assert "deltaSync requested but" not in c.log_text(p, "agent")
     before = {p.name: commits(p.demo_url) for p in infs}
 
-    late = c.add_pod("demo-inference-2-0", contract.ROLE_INFERENCE, replica=2)
-    c.generation += 1
-    c.write_topology()
-    c.start_agent(late)
-    c.start_engine(late)
+    late = c.join_late(2)
     wait_for(lambda: engine_version(late) == DELTA_VERSIONS, 120, f"late replica serving v{DELTA_VERSIONS}", c)
     assert_bit_exact(t, [*infs, late], DELTA_VERSIONS)
     assert commits(late.demo_url) == [DELTA_VERSIONS]
@@ -144,14 +122,7 @@ def test_gdr_delta_sync_sends_changed_words_bit_exact_and_a_late_replica_gets_fu
 
 def test_gdr_with_checksum_verification_bit_exact(tmp_path: Path, clusters: list[Cluster]) -> None:
     c = gdr_cluster(tmp_path, clusters, verify="Checksum")
-    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
-    infs = [c.add_pod(f"demo-inference-{r}-0", contract.ROLE_INFERENCE, replica=r) for r in range(2)]
-    c.write_topology()
-    for p in (t, *infs):
-        c.start_agent(p)
-    for p in infs:
-        c.start_engine(p)
-    c.start_trainer(t, "--versions", str(VERSIONS), "--interval", "1.0")
+    t, infs = c.start_separated(2, "--versions", str(VERSIONS), "--interval", "1.0")
 
     for p in infs:
         wait_for(lambda p=p: engine_version(p) == VERSIONS, 120, f"{p.name} serving version {VERSIONS}", c)
