@@ -3,6 +3,7 @@ overridden by command-line flags, so builders take plain values and never read t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -46,6 +47,66 @@ def _selector(raw: str) -> dict[str, str]:
     return out
 
 
+ENV_AGENT_METRICS_ALLOW_FROM = "WEIGHTSYNC_AGENT_METRICS_ALLOW_FROM"
+_PEER_KEYS = ("namespaceSelector", "podSelector")
+_SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+
+
+def _label_selector(where: str, sel: Any) -> dict[str, Any]:
+    """Check one metav1.LabelSelector (matchLabels / matchExpressions; {} selects everything)."""
+    if not isinstance(sel, dict):
+        raise ValueError(f"{where} must be a label selector object, got {sel!r}")
+    extra = sorted(set(sel) - {"matchLabels", "matchExpressions"})
+    if extra:
+        raise ValueError(f"{where} has unknown keys {extra}; a label selector has matchLabels and matchExpressions")
+    labels = sel.get("matchLabels", {})
+    if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        raise ValueError(f"{where}.matchLabels must map label names to string values, got {labels!r}")
+    exprs = sel.get("matchExpressions", [])
+    if not isinstance(exprs, list):
+        raise ValueError(f"{where}.matchExpressions must be a list, got {exprs!r}")
+    for i, ex in enumerate(exprs):
+        w = f"{where}.matchExpressions[{i}]"
+        if not isinstance(ex, dict) or not isinstance(ex.get("key"), str) or not ex["key"]:
+            raise ValueError(f"{w} must be an object with a non-empty key, got {ex!r}")
+        if ex.get("operator") not in _SELECTOR_OPERATORS:
+            raise ValueError(f"{w}.operator must be one of {list(_SELECTOR_OPERATORS)}, got {ex.get('operator')!r}")
+        values = ex.get("values", [])
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise ValueError(f"{w}.values must be a list of strings, got {values!r}")
+        if sorted(set(ex) - {"key", "operator", "values"}):
+            raise ValueError(f"{w} has unknown keys {sorted(set(ex) - {'key', 'operator', 'values'})}")
+    return sel
+
+
+def _metrics_peers(raw: str) -> tuple[dict[str, Any], ...]:
+    """Parse WEIGHTSYNC_AGENT_METRICS_ALLOW_FROM: a JSON list of NetworkPolicy peers (namespaceSelector and/or
+    podSelector) admitted to the agents' metrics port. Empty or unset: none (the port stays job-internal)."""
+    if raw.strip() == "":
+        return ()
+    fix = "; fix the chart value agentMetrics.allowFrom"
+    try:
+        peers = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{ENV_AGENT_METRICS_ALLOW_FROM} is not valid JSON ({err}){fix}") from None
+    if peers is None:
+        return ()
+    if not isinstance(peers, list):
+        raise ValueError(f"{ENV_AGENT_METRICS_ALLOW_FROM} must be a JSON list of NetworkPolicy peers{fix}")
+    out = []
+    for i, peer in enumerate(peers):
+        where = f"{ENV_AGENT_METRICS_ALLOW_FROM}[{i}]"
+        if not isinstance(peer, dict) or not peer or set(peer) - set(_PEER_KEYS):
+            raise ValueError(
+                f"{where}={peer!r} must be an object with namespaceSelector and/or podSelector (nothing else){fix}"
+            )
+        try:
+            out.append({k: _label_selector(f"{where}.{k}", peer[k]) for k in _PEER_KEYS if k in peer})
+        except ValueError as err:
+            raise ValueError(f"{err}{fix}") from None
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class OperatorConfig:
     """Everything the builders need beyond the WeightSyncJob itself."""
@@ -73,6 +134,9 @@ class OperatorConfig:
     health_port: int = 8081
     # Server-side dry-run of the user's templates before pods are created.
     dry_run_templates: bool = True
+    # NetworkPolicy peers (namespaceSelector / podSelector) that may reach the agents' metrics port (a
+    # Prometheus); empty: the agent ports admit only the job's own pods.
+    agent_metrics_allow_from: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> OperatorConfig:
@@ -92,6 +156,7 @@ class OperatorConfig:
             metrics_port=_int(e, "WEIGHTSYNC_METRICS_PORT", 8080),
             health_port=_int(e, "WEIGHTSYNC_HEALTH_PORT", 8081),
             dry_run_templates=_bool(e.get("WEIGHTSYNC_DRY_RUN_TEMPLATES"), True),
+            agent_metrics_allow_from=_metrics_peers(e.get(ENV_AGENT_METRICS_ALLOW_FROM, "")),
         )
         if base.node_gpu_count < 1:
             raise ValueError("WEIGHTSYNC_NODE_GPU_COUNT must be >= 1 (the GPUs of one GPU node)")

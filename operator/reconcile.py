@@ -159,7 +159,7 @@ class Reconciler:
             self._ensure(job, rbac.build_role(job, plan.names), out)
             self._ensure(job, rbac.build_role_binding(job), out)
             self._ensure(job, service.build_service(job, spec), out)
-            self._ensure(job, networkpolicy.build_network_policy(job), out)
+            self._ensure(job, networkpolicy.build_network_policy(job, self.cfg.agent_metrics_allow_from), out)
             self._ensure_secret(job, out)
             rct = dra.build_resource_claim_template(job, spec, self.cfg)
             if rct is not None:

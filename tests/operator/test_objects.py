@@ -71,6 +71,31 @@ def test_network_policy_closes_agent_ports_to_outsiders(job):
     assert tcp == [(1, min(contract.AGENT_PORTS) - 1), (max(contract.AGENT_PORTS) + 1, 65535)]
 
 
+def test_network_policy_has_no_metrics_rule_unless_configured(job):
+    assert build_network_policy(job) == build_network_policy(job, ())
+    assert len(build_network_policy(job)["spec"]["ingress"]) == 2
+    assert all("ports" not in r or all(p.get("port") != contract.METRICS_PORT for p in r["ports"])
+               for r in build_network_policy(job)["spec"]["ingress"])
+
+
+def test_network_policy_admits_configured_peers_to_the_metrics_port_only(job):
+    peers = ({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+              "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
+             {"namespaceSelector": {"matchLabels": {"team": "obs"}}})
+    np = build_network_policy(job, peers)
+    base = build_network_policy(job)
+    from_job, from_any, metrics = np["spec"]["ingress"]
+    assert [from_job, from_any] == base["spec"]["ingress"]  # the job-internal rules are unchanged
+    assert metrics == {"from": list(peers), "ports": [{"protocol": "TCP", "port": contract.METRICS_PORT}]}
+    assert "endPort" not in metrics["ports"][0]
+    for port in set(contract.AGENT_PORTS) - {contract.METRICS_PORT}:
+        for rule in (from_any, metrics):
+            assert not any(r["port"] <= port <= r.get("endPort", r["port"]) for r in rule["ports"])
+    # The policy holds copies: later edits of the config's peers do not leak into a built object.
+    metrics["from"][0]["podSelector"]["matchLabels"]["x"] = "y"
+    assert "x" not in peers[0]["podSelector"]["matchLabels"]
+
+
 def test_dra_template_only_for_colocated_with_dra(job, colocated, separated):
     assert build_resource_claim_template(job, colocated()) is None
     assert build_resource_claim_template(job, separated()) is None

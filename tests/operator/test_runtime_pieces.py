@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -105,6 +106,35 @@ def test_config_rdma_resource_and_dra_device_class_from_env():
     assert (cfg.rdma_resource_name, cfg.dra_device_class_name) == ("example.com/roce", "gpu.nvidia.com")
     with pytest.raises(ValueError, match=r"cluster\.rdmaResourceName"):
         OperatorConfig.from_env({"WEIGHTSYNC_RDMA_RESOURCE": "not a resource"})
+
+
+PROMETHEUS_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                   "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+
+def test_config_agent_metrics_allow_from():
+    assert OperatorConfig.from_env({}).agent_metrics_allow_from == ()
+    assert OperatorConfig.from_env({"WEIGHTSYNC_AGENT_METRICS_ALLOW_FROM": "[]"}).agent_metrics_allow_from == ()
+    raw = json.dumps([PROMETHEUS_PEER, {"namespaceSelector": {"matchExpressions": [
+        {"key": "team", "operator": "In", "values": ["obs"]}]}}])
+    cfg = OperatorConfig.from_env({"WEIGHTSYNC_AGENT_METRICS_ALLOW_FROM": raw})
+    assert cfg.agent_metrics_allow_from == tuple(json.loads(raw))
+
+
+@pytest.mark.parametrize(("raw", "match"), [
+    ("[{", "not valid JSON"),
+    ('{"podSelector": {}}', "JSON list"),
+    ("[{}]", "namespaceSelector and/or podSelector"),
+    ('[{"ipBlock": {"cidr": "0.0.0.0/0"}}]', "namespaceSelector and/or podSelector"),
+    ('["monitoring"]', "namespaceSelector and/or podSelector"),
+    ('[{"podSelector": {"app": "prometheus"}}]', "unknown keys"),
+    ('[{"podSelector": {"matchLabels": {"app": 1}}}]', "matchLabels"),
+    ('[{"namespaceSelector": {"matchExpressions": [{"key": "a", "operator": "Is"}]}}]', "operator"),
+])
+def test_config_agent_metrics_allow_from_refuses_bad_values(raw, match):
+    with pytest.raises(ValueError, match=match) as err:
+        OperatorConfig.from_env({"WEIGHTSYNC_AGENT_METRICS_ALLOW_FROM": raw})
+    assert "WEIGHTSYNC_AGENT_METRICS_ALLOW_FROM" in str(err.value) and "agentMetrics.allowFrom" in str(err.value)
 
 
 def test_cli_requires_a_scope(monkeypatch, capsys):
