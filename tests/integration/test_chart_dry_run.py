@@ -32,7 +32,8 @@ def _set_args(sets: tuple[str, ...]) -> list[str]:
 
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("sets", [(), ("crds.upgradeHook.enabled=true", "metrics.serviceMonitor.enabled=true",
-                                       "prometheusRule.enabled=true", "replicaCount=2")])
+                                       "prometheusRule.enabled=true", "replicaCount=2",
+                                       "agentMetrics.podMonitor.enabled=true")])
 def test_helm_lint(strict: bool, sets: tuple[str, ...]) -> None:
     r = helm("lint", str(CHART), "--kube-version", KUBE_VERSION, *(["--strict"] if strict else []), *_set_args(sets))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -53,9 +54,10 @@ def _monitoring_crd(kind: str, plural: str) -> dict[str, Any]:
 
 @pytest.fixture
 def monitoring_crds(cluster: Any) -> Iterator[None]:
-    """Minimal ServiceMonitor and PrometheusRule CRDs (the Prometheus Operator is not installed here);
-    deleted afterwards unless they were there before."""
-    crds = [_monitoring_crd("ServiceMonitor", "servicemonitors"), _monitoring_crd("PrometheusRule", "prometheusrules")]
+    """Minimal ServiceMonitor, PodMonitor and PrometheusRule CRDs (the Prometheus Operator is not installed
+    here); deleted afterwards unless they were there before."""
+    crds = [_monitoring_crd("ServiceMonitor", "servicemonitors"), _monitoring_crd("PodMonitor", "podmonitors"),
+            _monitoring_crd("PrometheusRule", "prometheusrules")]
     existed = {c["metadata"]["name"] for c in crds
                if cluster.kubectl("get", f"crd/{c['metadata']['name']}", check=False).returncode == 0}
     created = [c for c in crds if c["metadata"]["name"] not in existed]
@@ -119,10 +121,17 @@ def test_crd_upgrade_hook_enabled(cluster: Any, namespace: str, wsj_crd: str) ->
     assert sorted(o["kind"] for o in hook) == ["ClusterRole", "ClusterRoleBinding", "Job", "ServiceAccount"]
 
 
-def test_service_monitor_and_prometheus_rule(cluster: Any, namespace: str, wsj_crd: str, monitoring_crds: None) -> None:
+def test_service_monitor_pod_monitor_and_prometheus_rule(cluster: Any, namespace: str, wsj_crd: str,
+                                                        monitoring_crds: None) -> None:
     objs = _dry_run(cluster, namespace, "metrics.serviceMonitor.enabled=true", "prometheusRule.enabled=true",
-                    "prometheusRule.additionalLabels.release=kube-prometheus-stack")
-    assert {"ServiceMonitor", "PrometheusRule"} <= {o["kind"] for o in objs}
+                    "prometheusRule.additionalLabels.release=kube-prometheus-stack",
+                    "agentMetrics.podMonitor.enabled=true",
+                    "agentMetrics.allowFrom[0].namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name=monitoring")
+    assert {"ServiceMonitor", "PodMonitor", "PrometheusRule"} <= {o["kind"] for o in objs}
+    (dep,) = [o for o in objs if o["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["WEIGHTSYNC_AGENT_METRICS_ALLOW_FROM"] == (
+        '[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]')
 
 
 @pytest.mark.parametrize("hook", [False, True])

@@ -3,6 +3,7 @@ Uses the project's helm binary (e2e/scripts/build-binaries.sh); no cluster."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from weightsync.crds.models import DEFAULT_RDMA_RESOURCE
 from weightsync.e2e.binaries import BinaryNotFound, find_binary
 from weightsync.operator import metrics as operator_metrics
 from weightsync.operator.config import OperatorConfig
+from weightsync.operator.placement import plan
+from weightsync.operator.pods import build_pods
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "weightsync-operator"
 
@@ -28,9 +31,10 @@ def helm() -> Path:
 
 
 def render(helm: Path, *sets: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """`--set k=v` for each of sets; `json:k=<json>` goes as `--set-json k=<json>`."""
     args = [str(helm), "template", "ws", str(CHART), "-n", "ops", "--kube-version", "1.34.4"]
     for s in sets:
-        args += ["--set", s]
+        args += ["--set-json", s.removeprefix("json:")] if s.startswith("json:") else ["--set", s]
     return subprocess.run(args, capture_output=True, text=True, check=check)
 
 
@@ -225,7 +229,7 @@ def test_prometheus_rule_needs_the_metrics_service(helm):
     (),
     ("watchNamespaces={team-a,team-b}",),
     ("replicaCount=2", "crds.upgradeHook.enabled=true", "metrics.serviceMonitor.enabled=true",
-     "prometheusRule.enabled=true"),
+     "prometheusRule.enabled=true", "agentMetrics.podMonitor.enabled=true"),
 ])
 def test_every_object_has_the_standard_labels(helm, sets):
     objs = docs(helm, *sets)
@@ -239,7 +243,7 @@ def test_every_object_has_the_standard_labels(helm, sets):
         assert labels["app.kubernetes.io/component"] in ("operator", "crd-upgrade")
     if sets:
         assert {o["kind"] for o in objs} >= ({"Role"} if "watch" in sets[0] else {"Job", "PrometheusRule",
-                                                                                  "ServiceMonitor"})
+                                                                                  "ServiceMonitor", "PodMonitor"})
 
 
 @pytest.mark.parametrize("bad", ["crds.upgradeHook.enabled=maybe", "crds.upgradeHook.typo=1", "crds.typo=1",
@@ -249,5 +253,59 @@ def test_every_object_has_the_standard_labels(helm, sets):
                                  "cluster.rdmaResourceName=not a resource", "cluster.rdmaResourceName=",
                                  "cluster.draDeviceClassName=Bad_Class"])
 def test_values_schema_refuses_bad_new_values(helm, bad):
+    r = render(helm, bad, check=False)
+    assert r.returncode != 0 and "values don't meet the specifications of the schema" in r.stderr, (bad, r.stderr)
+
+
+# --- agent metrics: NetworkPolicy peers and the PodMonitor -------------------------------------------------
+PROMETHEUS_PEERS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
+                    {"namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["obs"]}]}}]
+
+
+def test_agent_metrics_allow_from_reaches_the_operator_config(helm):
+    env = _operator_env(docs(helm))
+    assert env["WEIGHTSYNC_AGENT_METRICS_ALLOW_FROM"] == "[]"
+    assert OperatorConfig.from_env(env).agent_metrics_allow_from == ()
+    env = _operator_env(docs(helm, f"json:agentMetrics.allowFrom={json.dumps(PROMETHEUS_PEERS)}"))
+    assert OperatorConfig.from_env(env).agent_metrics_allow_from == tuple(PROMETHEUS_PEERS)
+
+
+def test_agent_pod_monitor_is_opt_in_and_selects_the_agents(helm, job, separated, cfg):
+    assert not by_kind(docs(helm), "PodMonitor")
+    (pm,) = by_kind(docs(helm, "agentMetrics.podMonitor.enabled=true", "agentMetrics.podMonitor.interval=15s",
+                         "agentMetrics.podMonitor.additionalLabels.release=kps"), "PodMonitor")
+    assert pm["metadata"]["namespace"] == "ops" and pm["metadata"]["labels"]["release"] == "kps"
+    spec = pm["spec"]
+    assert spec["selector"] == {"matchLabels": {contract.LABEL_MANAGED_BY: contract.MANAGED_BY}}
+    assert spec["namespaceSelector"] == {"any": True}  # cluster-wide install
+    assert spec["podTargetLabels"] == [contract.LABEL_JOB, contract.LABEL_ROLE]
+    (ep,) = spec["podMetricsEndpoints"]
+    assert (ep["path"], ep["interval"]) == ("/metrics", "15s")
+    # Every pod the operator builds matches the selector, and its agent sidecar names the metrics port so.
+    spec_ = separated()
+    pods = build_pods(job, spec_, plan(job.name, spec_, cfg.node_gpu_count, cfg.rdma_available,
+                                       cfg.dra_device_class_name), cfg)
+    assert pods
+    for p in pods:
+        assert spec["selector"]["matchLabels"].items() <= p["metadata"]["labels"].items()
+        (agent,) = [c for c in p["spec"]["initContainers"] if c["name"] == contract.AGENT_CONTAINER]
+        assert {"name": ep["port"], "containerPort": contract.METRICS_PORT, "protocol": "TCP"} in agent["ports"]
+    (pm,) = by_kind(docs(helm, "agentMetrics.podMonitor.enabled=true", "watchNamespaces={team-a,team-b}"),
+                    "PodMonitor")
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+
+
+@pytest.mark.parametrize("bad", [
+    'json:agentMetrics.allowFrom=[{}]',
+    'json:agentMetrics.allowFrom=[{"ipBlock": {"cidr": "0.0.0.0/0"}}]',
+    'json:agentMetrics.allowFrom=[{"podSelector": {"app": "prometheus"}}]',
+    'json:agentMetrics.allowFrom=[{"podSelector": {"matchLabels": {"app": 1}}}]',
+    'json:agentMetrics.allowFrom=[{"namespaceSelector": {"matchExpressions": [{"key": "a", "operator": "Is"}]}}]',
+    'json:agentMetrics.allowFrom={"podSelector": {}}',
+    "agentMetrics.podMonitor.enabled=yes", "agentMetrics.podMonitor.interval=30", "agentMetrics.typo=1",
+    "agentMetrics.podMonitor.typo=1",
+])
+def test_values_schema_refuses_bad_agent_metrics_values(helm, bad):
     r = render(helm, bad, check=False)
     assert r.returncode != 0 and "values don't meet the specifications of the schema" in r.stderr, (bad, r.stderr)
