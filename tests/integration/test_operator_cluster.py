@@ -91,7 +91,13 @@ def _stable(kube: Any, ns: str, job: str, quiet: float = 5.0, timeout: float = 9
     pytest.fail(f"job {job} never settled: objects kept changing")
 
 
-def test_separated_job_builds_every_object_and_the_scheduler_places_the_pods(cluster, kube, namespace, operator):
+SCRAPER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+
+
+def test_separated_job_builds_every_object_and_the_scheduler_places_the_pods(cluster, kube, namespace, operator,
+                                                                             monkeypatch):
+    # The chart's agentMetrics.allowFrom, as the Deployment passes it: scrapers may reach the metrics port.
+    monkeypatch.setenv("WEIGHTSYNC_AGENT_METRICS_ALLOW_FROM", json.dumps([SCRAPER]))
     op = operator()
     create_job(kube, namespace, "sep", separated_spec())
     pods = _wait_scheduled(kube, namespace, "sep", 4)
@@ -125,6 +131,8 @@ def test_separated_job_builds_every_object_and_the_scheduler_places_the_pods(clu
     assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses is True
     np = raw(kube, f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies/sep-agents")
     assert np["spec"]["podSelector"]["matchLabels"][contract.LABEL_JOB] == "sep"
+    scrape = [r for r in np["spec"]["ingress"] if r.get("from") == [SCRAPER]]
+    assert len(scrape) == 1 and scrape[0]["ports"] == [{"protocol": "TCP", "port": contract.METRICS_PORT}]
     role = raw(kube, f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles/sep-agent")
     assert role["rules"][0]["resourceNames"] == sorted(pods)
     want_nodes = {pods[n]["spec"]["nodeName"] for n in ("sep-trainer-0", "sep-trainer-1")}
