@@ -124,13 +124,16 @@ def main(argv: list[str] | None = None) -> None:
                 model.steps += 1
             if before:
                 _keep_most(model, before, args.sparse_update, sparse_gen)
-            res = session.publish(model, version)
+            # Checksums first: an engine may serve the version before publish() returns here, and a reader
+            # who sees the version anywhere must find its checksums.
             sums = checksums(model.state_dict().items())
+            with state.lock:
+                state.checksums[version] = sums
+                _write_checksums(sums_path, state.checksums)
+            res = session.publish(model, version)
             with state.lock:
                 state.version = version
                 state.loss = float(loss.detach())
-                state.checksums[version] = sums
-                _write_checksums(sums_path, state.checksums)
             log.info("published version=%d loss=%.5f bytes=%d seconds=%.4f", version, float(loss.detach()), res.bytes,
                      res.seconds)
             if version < args.versions:
