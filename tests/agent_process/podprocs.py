@@ -269,3 +269,32 @@ def metric_value(text: str, name: str, labels: str = "") -> float | None:
         if key == name or (labels and key.startswith(name + "{") and all(lb in key for lb in labels.split(","))):
             return float(value)
     return None
+
+
+def kill_inference_agent_mid_load(c: Cluster, versions: int = 4) -> tuple[Pod, Pod, int]:
+    """One trainer and one inference pod; SIGKILL the inference agent while its engine is loading a version,
+    wait for the engine to abort that version, restart the agent and wait until the engine serves VERSIONS.
+    Returns (trainer, inference, the version that was being loaded) for the transport-specific checks."""
+    c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = "2048"  # fc2 is 16 MiB: a load spans many buckets
+    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
+    c.write_topology()
+    c.start_agent(t)
+    c.start_agent(i)
+    c.start_engine(i)
+    c.start_trainer(t, "--versions", str(versions), "--interval", "3")
+
+    def mid_load() -> int | None:
+        _, body = get_json(f"{i.demo_url}/events", timeout=2)
+        ev = body["events"]
+        return ev[-1][1] if ev and ev[-1][0] == "begin" else None
+
+    killed = int(wait_for(mid_load, 90, "a load in progress", c, interval=0.01))
+    c.kill(i, "agent")
+    # the engine drops the partial version and keeps serving what it had
+    wait_for(lambda: ["abort", killed] in get_json(f"{i.demo_url}/events")[1]["events"], 30,
+             f"abort of v{killed} after the agent died", c)
+    assert engine_version(i) != killed
+    c.start_agent(i)
+    wait_for(lambda: engine_version(i) == versions, 120, f"restarted agent caught up to v{versions}", c)
+    return t, i, killed

@@ -14,6 +14,7 @@ from podprocs import (
     engine_version,
     get_json,
     get_text,
+    kill_inference_agent_mid_load,
     metric_value,
     wait_for,
 )
@@ -153,29 +154,8 @@ def test_failed_load_is_aborted_and_engine_always_resumed(tmp_path: Path, cluste
 def test_inference_agent_killed_mid_load_never_serves_the_partial_version(tmp_path: Path,
                                                                           clusters: list[Cluster]) -> None:
     c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
-    c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = "2048"  # fc2 is 16 MiB: a load spans many buckets
     clusters.append(c)
-    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
-    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
-    c.write_topology()
-    c.start_agent(t)
-    c.start_agent(i)
-    c.start_engine(i)
-    c.start_trainer(t, "--versions", "4", "--interval", "3")
-
-    def mid_load() -> int | None:
-        _, body = get_json(f"{i.demo_url}/events", timeout=2)
-        ev = body["events"]
-        return ev[-1][1] if ev and ev[-1][0] == "begin" else None
-
-    killed = wait_for(mid_load, 90, "a load in progress", c, interval=0.01)
-    c.kill(i, "agent")
-    # the engine drops the partial version and keeps serving what it had
-    wait_for(lambda: ["abort", killed] in get_json(f"{i.demo_url}/events")[1]["events"], 30,
-             f"abort of v{killed} after the agent died", c)
-    assert engine_version(i) != killed
-    c.start_agent(i)
-    wait_for(lambda: engine_version(i) == 4, 120, "restarted agent caught up to v4", c)
+    t, i, killed = kill_inference_agent_mid_load(c)
     version, got = engine_sums(i.demo_url)
     assert version == 4 and got == trainer_sums(t, 4)
     state = get_json(f"{i.demo_url}/version")[1]

@@ -12,7 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from podprocs import Cluster, Pod, engine_version, get_json, get_text, metric_value, wait_for
+from podprocs import (
+    Cluster,
+    Pod,
+    engine_version,
+    get_json,
+    get_text,
+    kill_inference_agent_mid_load,
+    metric_value,
+    wait_for,
+)
 from test_demo_processes import commits, engine_sums, trainer_sums
 from test_sharded_processes import check
 from weightsync.crds import contract
@@ -186,28 +195,7 @@ def test_gdr_inference_agent_killed_mid_load_recovers(tmp_path: Path, clusters: 
     """The inference agent dies (SIGKILL) while reading a version: its NIXL agent and links vanish under the
     trainer's GDR sender. The engine must drop the partial version, the trainer agent must keep serving,
     and the restarted agent (new session, new epoch, new transports) must catch up bit-exactly."""
-    c = gdr_cluster(tmp_path, clusters)
-    c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = "2048"  # fc2 is 16 MiB: a load spans many buckets
-    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
-    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
-    c.write_topology()
-    c.start_agent(t)
-    c.start_agent(i)
-    c.start_engine(i)
-    c.start_trainer(t, "--versions", "4", "--interval", "3")
-
-    def mid_load() -> int | None:
-        _, body = get_json(f"{i.demo_url}/events", timeout=2)
-        ev = body["events"]
-        return ev[-1][1] if ev and ev[-1][0] == "begin" else None
-
-    killed = wait_for(mid_load, 90, "a load in progress", c, interval=0.01)
-    c.kill(i, "agent")
-    wait_for(lambda: ["abort", killed] in get_json(f"{i.demo_url}/events")[1]["events"], 30,
-             f"abort of v{killed} after the agent died", c)
-    assert engine_version(i) != killed
-    c.start_agent(i)
-    wait_for(lambda: engine_version(i) == 4, 120, "restarted agent caught up to v4", c)
+    t, i, killed = kill_inference_agent_mid_load(gdr_cluster(tmp_path, clusters))
     assert_bit_exact(t, [i], 4)
     _, body = get_json(f"{i.demo_url}/events")
     events = [tuple(e) for e in body["events"]]
