@@ -161,8 +161,9 @@ class _Engine:
         self.events.append(f"commit{version}")
 
 
-def test_custom_engine_over_socket_and_shm_always_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+def engine_registry_server(path: Path) -> tuple[AppRegistry, LocalServer]:
+    """The agent's side of the app socket, as the agent runs it: each engine rank that says hello is
+    registered (what the agent's loader drives) and held until the registry drops it."""
     registry = AppRegistry()
 
     def handler(conn: Any) -> None:
@@ -172,7 +173,12 @@ def test_custom_engine_over_socket_and_shm_always_resumes(tmp_path: Path, monkey
         while registry.holds(int(h["rank"]), conn):
             time.sleep(0.05)
 
-    server = LocalServer(tmp_path / "agent.sock", handler).start()
+    return registry, LocalServer(path, handler).start()
+
+
+def test_custom_engine_over_socket_and_shm_always_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    registry, server = engine_registry_server(tmp_path / "agent.sock")
     eng = _Engine()
     sess = InferenceSession(eng.on_bucket, eng.on_commit, socket_path=tmp_path / "agent.sock", rank=0,
                             on_pause=lambda: eng.events.append("pause"), on_resume=lambda: eng.events.append("resume"))
@@ -319,16 +325,7 @@ def test_custom_engine_that_hangs_fails_the_load_after_the_timeout(tmp_path: Pat
     """A hung engine must not hold the agent forever: the request times out (spec.transfer.timeoutSeconds),
     the load fails without a commit, and the stuck session is dropped."""
     monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
-    registry = AppRegistry()
-
-    def handler(conn: Any) -> None:
-        h, _ = conn.recv()
-        conn.reply_ok()
-        registry.add(int(h["rank"]), conn, h.get("served_version"))
-        while registry.holds(int(h["rank"]), conn):
-            time.sleep(0.05)
-
-    server = LocalServer(tmp_path / "agent.sock", handler).start()
+    registry, server = engine_registry_server(tmp_path / "agent.sock")
     eng = _Engine()
     release = time.monotonic() + 4.0
 

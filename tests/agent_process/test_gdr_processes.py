@@ -23,7 +23,7 @@ from podprocs import (
     wait_for,
 )
 from test_demo_processes import commits, engine_sums, trainer_sums
-from test_sharded_processes import check
+from test_sharded_processes import fsdp2_pods_to_tp2_replica
 from weightsync.crds import contract
 
 pytest.importorskip("nixl", reason="the GDR transport needs NIXL (pip install 'weightsync[gdr]')")
@@ -176,19 +176,7 @@ def test_gdr_fsdp2_trainer_pods_to_tp2_replica(tmp_path: Path, clusters: list[Cl
     reads from both source ranks, one GDR transport per source behind the agent's routing transport."""
     c = Cluster(tmp_path, mode="GDR", bucket_mb=1, verify="Checksum")
     clusters.append(c)
-    trainers = [c.add_pod(f"demo-trainer-{i}", contract.ROLE_TRAINER, rank=i, world_size=2) for i in range(2)]
-    inf = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE, ranks=[0, 1], world_size=2)
-    c.write_topology()
-    for p in (*trainers, inf):
-        c.start_agent(p)
-    out = tmp_path / "engine-out"
-    c.start_script(inf, "engine", "shard_apps.py", "engine", "--ranks", "0,1", "--out", str(out))
-    for i, p in enumerate(trainers):
-        c.start_script(p, "trainer", "shard_apps.py", "trainer", "--rank", str(i), "--fsdp", "2",
-                       "--versions", str(VERSIONS), "--interval", "1.0")
-    wait_for(lambda: (out / f"v{VERSIONS}-rank0.pt").exists() and (out / f"v{VERSIONS}-rank1.pt").exists(), 120,
-             f"both TP ranks committed version {VERSIONS}", c)
-    check(out, VERSIONS, 2)
+    fsdp2_pods_to_tp2_replica(c, VERSIONS)
 
 
 def test_gdr_inference_agent_killed_mid_load_recovers(tmp_path: Path, clusters: list[Cluster]) -> None:

@@ -35,23 +35,29 @@ def check(out: Path, version: int, tp: int) -> None:
                 f"{name} rank {rank} v{version} is not bit-exact"
 
 
-def test_fsdp2_trainer_pods_to_tp2_replica_in_one_agent(tmp_path: Path, clusters: list[Cluster]) -> None:
-    """Two trainer pods (FSDP Shard(0), one rank each) -> one inference pod serving TP ranks 0 and 1."""
-    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1, verify="Checksum")
-    clusters.append(c)
+def fsdp2_pods_to_tp2_replica(c: Cluster, versions: int) -> None:
+    """Two trainer pods (FSDP Shard(0), one rank each) -> one inference pod serving TP ranks 0 and 1, every
+    destination rank reading from both sources; checked bit for bit at the last version."""
     trainers = [c.add_pod(f"demo-trainer-{i}", contract.ROLE_TRAINER, rank=i, world_size=2) for i in range(2)]
     inf = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE, ranks=[0, 1], world_size=2)
     c.write_topology()
     for p in (*trainers, inf):
         c.start_agent(p)
-    out = tmp_path / "engine-out"
+    out = c.root / "engine-out"
     c.start_script(inf, "engine", "shard_apps.py", "engine", "--ranks", "0,1", "--out", str(out))
     for i, p in enumerate(trainers):
         c.start_script(p, "trainer", "shard_apps.py", "trainer", "--rank", str(i), "--fsdp", "2",
-                       "--versions", "3", "--interval", "1.0")
-    wait_for(lambda: (out / "v3-rank0.pt").exists() and (out / "v3-rank1.pt").exists(), 120,
-             "both TP ranks committed version 3", c)
-    check(out, 3, 2)
+                       "--versions", str(versions), "--interval", "1.0")
+    wait_for(lambda: (out / f"v{versions}-rank0.pt").exists() and (out / f"v{versions}-rank1.pt").exists(), 120,
+             f"both TP ranks committed version {versions}", c)
+    check(out, versions, 2)
+
+
+def test_fsdp2_trainer_pods_to_tp2_replica_in_one_agent(tmp_path: Path, clusters: list[Cluster]) -> None:
+    """Two trainer pods (FSDP Shard(0), one rank each) -> one inference pod serving TP ranks 0 and 1."""
+    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1, verify="Checksum")
+    clusters.append(c)
+    fsdp2_pods_to_tp2_replica(c, 3)
 
 
 def test_two_rank_trainer_pod_to_tp2_replica_over_two_pods(tmp_path: Path, clusters: list[Cluster]) -> None:
