@@ -19,7 +19,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,15 +29,10 @@ from typing import Any
 
 from weightsync.crds import contract
 from weightsync.e2e.environment import start_environment
+from weightsync.e2e.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 OPERATOR_BIN = Path(sys.executable).parent / "weightsync-operator"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def metrics(port: int) -> dict[str, float]:

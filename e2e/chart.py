@@ -15,7 +15,6 @@ tests/integration/test_helm_install.py).
 from __future__ import annotations
 
 import json
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -31,6 +30,7 @@ import yaml
 from weightsync.crds import contract
 from weightsync.e2e.binaries import find_binary
 from weightsync.e2e.environment import Environment
+from weightsync.e2e.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "weightsync-operator"
@@ -45,13 +45,6 @@ JSON = dict[str, Any]
 
 class ChartError(RuntimeError):
     """helm failed, or the operator pod did not come up; the message carries the diagnostics."""
-
-
-def free_port() -> int:
-    """A free TCP port on the host (pods are host processes: the chart's fixed ports would clash)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def helm_binary() -> Path:
@@ -75,7 +68,7 @@ def merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> JSON:
 def local_values(watch_namespaces: Sequence[str], *, resync_seconds: float = 2.0, log_format: str = "plain",
                  process_node: bool = True) -> JSON:
     """The values that make the chart run on the local control plane: free host ports for metrics and
-    health, the Deployment pinned to a process node, a short resync."""
+    health (pods are host processes: the chart's fixed ports would clash), the Deployment pinned to a process node, a short resync."""
     values: JSON = {
         "watchNamespaces": list(watch_namespaces),
         "metrics": {"port": free_port()},

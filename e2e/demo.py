@@ -667,9 +667,10 @@ def main(argv: list[str] | None = None) -> int:
                 env.kubectl("delete", "wsj", "--all", "-n", ns, "--wait=true", "--timeout=60s", check=False)
             release.uninstall()
             left = chart.leftovers(env, release.release, release.namespace)
-            step(f"$ helm uninstall {release.release}: " + (
-                "nothing of the release is left (the CRD stays, as helm keeps crds/)" if not left
-                else f"LEFT BEHIND: {left}"))
+            if left:
+                raise DemoError(f"helm uninstall {release.release} left objects behind: {left}")
+            step(f"$ helm uninstall {release.release}: nothing of the release is left (the CRD stays, as helm "
+                 "keeps crds/)")
     except (DemoError, chart.ChartError) as exc:
         say(f"[demo] FAILED: {exc}")
         say(f"[demo] logs: {work}")

@@ -7,7 +7,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 from weightsync.crds import contract
+from weightsync.e2e.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / f"{contract.GROUP}_{contract.PLURAL}.yaml"
@@ -43,12 +43,6 @@ def pin_job(spec: dict[str, Any]) -> dict[str, Any]:
     pin_to_pool(spec["trainer"]["template"])
     pin_to_pool(spec["inference"]["template"])
     return spec
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
