@@ -8,16 +8,20 @@ PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# The engine releases the adapters follow; their code is imported by the `engines` test tier (pip's cache
+# keeps the wheels between runs, outside the repository).
+ENGINES := sglang==0.5.23 vllm==0.33.0
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup binaries test test-unit e2e demo bench crds docs lint dev-up dev-down dev-status clean image image-lint docker-check
+.PHONY: setup binaries test test-engines test-unit e2e demo bench crds docs lint dev-up dev-down dev-status clean image image-lint docker-check
 
 setup: $(STAMP) binaries
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip >/dev/null
-	$(VPY) -m pip install -e '.[agent,gdr,dev]'
+	$(VPY) -m pip install -e '.[agent,gdr,dev,engines]'
+	$(VPY) -m pip install --no-deps $(ENGINES)
 	touch $@
 
 binaries:
@@ -30,6 +34,10 @@ test: setup
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -m 'not gpu and not cluster and not e2e and not kind' $(PYTEST_ARGS)
+
+## test-engines: the adapters against the engines' own released code (part of `make test` too).
+test-engines: $(STAMP)
+	$(VENV)/bin/pytest -m 'engines and not gpu' $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(VENV)/bin/pytest -m gpu $(PYTEST_ARGS)

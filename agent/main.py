@@ -67,8 +67,20 @@ def make_adapter(cfg: AgentConfig, registry: AppRegistry, ranks: list[int], tp_s
         return factory.make_adapter("Custom", registry=registry, ranks=ranks,
                                     prefix=f"weightsync-{cfg.job}-{cfg.pod_name}", device=cfg.device,
                                     request_timeout=cfg.timeout_seconds)
-    options: dict[str, Any] = {"tp_size": tp_size} if cfg.engine_type == "SGLang" else {}
+    options: dict[str, Any] = {"timeout": float(cfg.timeout_seconds)}
+    if cfg.engine_type == "SGLang":
+        # CUDA agents hand the engine CUDA IPC handles (device named by GPU UUID); an agent without a GPU
+        # broadcasts each bucket into the engine's ranks over SGLang's weight-update group (a CPU tensor
+        # pickled for another container cannot be rebuilt there).
+        options.update(tp_size=tp_size, path="tensor" if cfg.device.startswith("cuda") else "distributed")
+        if cfg.device.startswith("cuda"):
+            options["devices"] = [cfg.device] * tp_size if ":" in cfg.device else [f"cuda:{r}" for r in range(tp_size)]
     return factory.make_adapter(cfg.engine_type, url=cfg.engine_url, **options)
+
+
+#: Staged versions a trainer agent keeps: the newest and the one before it, so that an engine that cannot
+#: roll back (SGLang, vLLM) is reloaded with the last good version after a load failed half-way.
+KEEP_STAGED_VERSIONS = 2
 
 
 def engine_takes_full_tensors(engine_type: str) -> bool:
@@ -93,6 +105,11 @@ class _UserPauseGuard:
             self.inner.pause()
 
     def resume(self) -> None:
+        if getattr(self.inner, "needs_restore", False) and self.agent.restore_version is not None:
+            # The engine holds a mix of two versions: it stays paused until the last good one is reloaded
+            # (Agent._restore resumes it, also when that fails).
+            self.agent.held_paused = True
+            return
         if not self.agent.user_paused:
             self.inner.resume()
 
@@ -188,6 +205,9 @@ class Agent:
         self._stop = threading.Event()
         self._attempt = 0
         self._engine_known = False  # the engine reported its served version (hello or served_version())
+        self.restore_version: int | None = None  # the last good version while a load is in flight
+        self.held_paused = False  # a failed load left the engine's weights mixed: paused until restored
+        self.engine_refused: str | None = None  # an unsupported engine release: no load is attempted
         self.pod: PodLink | None = None
 
         topo = self.watcher.current
@@ -208,7 +228,8 @@ class Agent:
         self.store: StagingStore | None = None
         self.server: WeightServer | None = None
         if self.tmember is not None:
-            self.store = StagingStore(self.tmember.ranks, self.prefix, on_complete=self._on_complete)
+            self.store = StagingStore(self.tmember.ranks, self.prefix, on_complete=self._on_complete,
+                                      keep=KEEP_STAGED_VERSIONS)
             self.server = WeightServer(
                 host=cfg.pod_ip, port=cfg.control_port, token=self.token, pod=cfg.pod_name, store=self.store,
                 transport_for=lambda g, p, role: self.cache.get(g, p, role=role), metrics=self.metrics, mode=self.mode,
@@ -426,11 +447,20 @@ class Agent:
         if self.cfg.engine_type == "Custom" and not self.registry.connected():
             self._report()
             return
+        if self.engine_refused is not None:
+            return
         if not self._engine_known:
             if self.cfg.engine_type != "Custom":
                 try:  # an HTTP engine that outlived a restarted agent already serves some version
+                    check = getattr(self.adapter, "check_engine_version", None)
+                    if check is not None:
+                        release = check()
+                        log.info("engine release %s %s is supported", self.cfg.engine_type, release)
                     self.served = self.adapter.served_version()
                 except EngineError as exc:
+                    if "not supported" in str(exc):
+                        self._refuse_engine(str(exc))
+                        return
                     log.info("engine not reachable yet: %s", exc)
                     return
             self._engine_known = True
@@ -441,6 +471,37 @@ class Agent:
             self._report()
             return
         self._fetch(target)
+
+    def _refuse_engine(self, message: str) -> None:
+        """An engine release this agent cannot drive: reported once on the pod (Synced=False, reason
+        EngineVersionUnsupported) and in the log; no load is attempted (it could not succeed)."""
+        self.engine_refused = message
+        self.last_error = message
+        self._engine_known = True
+        log.error("engine refused: %s", message)
+        if self.pod is not None:
+            self.pod.update(served_version=self.served, sync_error=message, synced=False,
+                            synced_reason="EngineVersionUnsupported", synced_message=message)
+
+    def _restore(self, version: int, fetch: Any) -> None:
+        """Reload `version` (the last good one) into an engine a failed load left with mixed weights, while
+        it is still paused; resume it afterwards whatever happens (never left paused)."""
+        assert self.adapter is not None
+        try:
+            log.warning("restoring version=%s into the engine after a failed load", version)
+            fetch(version)
+            self.served = version
+            log.info("restored version=%s", version)
+        except (FetchError, EngineError, StagingError) as exc:
+            self.served = None  # the engine's weights are mixed: not served until a full version loads
+            log.error("restore of version=%s failed: %s; the engine serves no complete version", version, exc)
+        finally:
+            self.held_paused = False
+            if not self.user_paused:
+                try:
+                    self.adapter.resume()
+                except EngineError as exc:
+                    log.error("engine resume after restore failed: %s", exc)
 
     def _fetch(self, version: int) -> None:
         assert self.adapter is not None and self.peers is not None and self.islot is not None
@@ -466,18 +527,31 @@ class Agent:
         if not my_ranks:
             return  # the engine's HTTP endpoint (replica rank 0's pod) loads the full tensors for all ranks
         t0 = time.perf_counter()
-        try:
-            res = fetch_version(
-                version, peers=self.peers, topo=topo, replica=rep.replica, my_ranks=my_ranks,
+
+        def fetch(v: int, pause: bool) -> Any:
+            return fetch_version(
+                v, peers=self.peers, topo=topo, replica=rep.replica, my_ranks=my_ranks,
                 layout_fn=full_layout if full else None,
                 adapter=_UserPauseGuard(self.adapter, self),
                 transport_for=transport_for, group=group, bucket_bytes=self.cfg.bucket_size_mb << 20,
                 proposal=proposal_of(self.session, self._attempt, self.peers_sessions()),
-                pause_generation=self.cfg.pause_generation, port=self.cfg.control_port, token=self.token,
+                pause_generation=pause, port=self.cfg.control_port, token=self.token,
                 expand_aliases=self.cfg.engine_type == "Custom", verify=self.verify, device=self.cfg.device,
                 timeout=self.cfg.timeout_seconds,
             )
+
+        prev = self.served
+        self.restore_version = prev
+        try:
+            res = fetch(version, self.cfg.pause_generation)
         except (FetchError, EngineError, StagingError) as exc:
+            self.restore_version = None
+            if getattr(self.adapter, "needs_restore", False):
+                self.served = None  # mixed weights: not served until a complete version is loaded
+                if self.held_paused and prev is not None:
+                    self._attempt += 1  # a new proposal: the failed version's plan agreement is spent
+                    self.cache.drop(g.name, role_prefix="dst")
+                    self._restore(prev, lambda v: fetch(v, False))
             self._attempt += 1
             self.cache.drop(g.name, role_prefix="dst")
             self.last_error = str(exc)

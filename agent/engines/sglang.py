@@ -1,56 +1,91 @@
-"""SGLang adapter: weights go in through `/update_weights_from_tensor` with flattened buckets.
+"""SGLang adapter: SGLang 0.5.23's weight-update protocol over HTTP.
 
-Request types follow SGLang 0.5.23 (`sglang/srt/managers/io_struct.py`; endpoints in
-`sglang/srt/entrypoints/http_server.py`); tests/engines/fixtures/sglang-0.5.23.json holds the copied
-field lists and the contract test checks every body built here against them. SGLang ignores unknown
-JSON fields, so a misspelt field would silently do nothing: hence the contract test.
+Protocol (SGLang 0.5.23: routes in `sglang/srt/entrypoints/http_server.py`, request types in
+`sglang/srt/managers/io_struct.py`, session rules in `sglang/srt/managers/scheduler_components/
+weight_updater.py`): every load runs inside a session. Per version:
 
-One bucket = one request. The bucket's tensors are concatenated as bytes into one contiguous tensor with
-`FlattenedTensorBucket` metadata (name, shape, dtype, start_idx, end_idx, numel), so a CUDA bucket costs
-one IPC handle (slime measured 81% of the time in per-tensor handle open/close). `serialized_named_tensors`
-has one entry per engine TP rank (each rank deserializes only its own): `{"flattened_tensor", "metadata"}`
-pickled with torch's ForkingPickler, CUDA device indices replaced by GPU UUIDs as SGLang's own
-`monkey_patch_torch_reductions` does, base64 over HTTP. Only globals on SGLang's SafeUnpickler allowlist
-appear in the pickle (metadata entries are `types.SimpleNamespace`, read by attribute on the engine).
+    POST /pause_generation {"mode": "retract"}          (when updatePolicy.pauseGeneration)
+    POST /begin_weight_update {"selector": "all"}       (400 while another session is open)
+    POST /update_weights_from_distributed | /update_weights_from_tensor   per bucket, flush_cache false
+    POST /end_weight_update                              (also when a load failed: never left open)
+    POST /update_weight_version {"new_version": "<N>"}  (only after end succeeded)
+    POST /flush_cache                                    (once per version, not once per bucket)
+    POST /continue_generation                            (always, also after a failure)
 
-SGLang's model loaders take checkpoint (HF) tensors and shard them per TP rank themselves, so the
-destination layout for an SGLang replica is the full tensors; with `devices`, each TP rank gets its
-copy on its own GPU (a device-to-device copy per rank).
+An agent that restarts into a session a dead agent left open gets 400 "already open" from begin: it
+closes that session (end) and begins again. Loads outside a session are refused by SGLang (400).
 
-Versions: buckets carry no weight_version; `commit` sets it with `/update_weight_version` once every
-bucket loaded. SGLang cannot roll weights back: `abort` marks the version "partial-<v>" so that neither
-the engine nor this adapter claims a version it does not fully hold (the agent reloads a full version).
+Two last hops, because a CPU tensor pickled for another container cannot be rebuilt there (its fd or
+/dev/shm file does not exist in the engine's namespaces):
+
+* `path="distributed"` (Separated placement, and any agent without a GPU): the agent is rank 0 of
+  SGLang's weight-update group (`/init_weights_update_group`, world = 1 + engine TP ranks, c10d
+  rendezvous on a TCPStore the agent hosts, `PrefixStore(group_name)`); per bucket it posts
+  `/update_weights_from_distributed` (load_format `flattened_bucket`: names, dtypes, shapes) and
+  broadcasts the bucket's bytes from rank 0; every engine TP rank receives them straight into the buffer
+  it loads from (`FlattenedTensorBucket.empty`). The group's backend is gloo: NCCL refuses two ranks on
+  one GPU and the agent shares the engine's GPUs; gloo receives into the engine's CUDA memory too.
+* `path="tensor"` (Colocated, CUDA): the flattened bucket's CUDA IPC handle, device named by GPU UUID
+  as SGLang's `monkey_patch_torch_reductions` does, one entry per engine TP rank (each rank
+  deserializes only its own with SGLang's SafeUnpickler), base64 over HTTP.
+
+Flattened buckets have no padding and SGLang refuses a tensor whose byte offset is not a multiple of its
+dtype size, so a bucket is ordered by descending element size (SGLang loads by name; order is free).
+
+SGLang cannot roll weights back: after a failed load the weights are mixed. `abort` closes the session,
+marks the engine's version `partial-<N>` and sets `needs_restore`; the agent then reloads the last good
+version while the engine stays paused, and only then resumes it (agent/main.py). `served_version` is None
+while the weights are partial.
 """
 
 from __future__ import annotations
 
 import base64
+import datetime
 import io
+import itertools
 import logging
+import os
+import socket
+import threading
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 import torch
+import torch.distributed as dist
 from torch.multiprocessing import reductions
 
 from .base import EngineError, NamedTensors
-from .http import HttpClient
+from .http import EngineHTTPError, HttpClient
 
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
+#: Releases whose weight-update protocol this adapter speaks (the session routes appeared in 0.5.2x).
+SUPPORTED_VERSIONS = ("0.5.23",)
+GROUP_NAME = "weightsync"
+_GROUP_SEQ = itertools.count()
+SessionPath = Literal["tensor", "distributed"]
 PauseMode = Literal["abort", "retract", "in_place"]
 LOAD_FORMAT = "flattened_bucket"
 _DEVICE_ARG = 6  # index of the device in torch's rebuild_cuda_tensor args (SGLang patches the same slot)
 
 
+def aligned_order(tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    """The bucket ordered by descending element size (stable), so that every tensor's byte offset in an
+    unpadded flattened bucket is a multiple of its element size (SGLang's FlattenedTensorBucket rule)."""
+    return sorted(tensors, key=lambda nt: -nt[1].element_size())
+
+
 def flatten(tensors: NamedTensors, out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[SimpleNamespace]]:
-    """Concatenate the tensors' bytes into one uint8 tensor (reusing `out` when it is large enough) and
-    return it with FlattenedTensorBucket metadata."""
+    """Concatenate the tensors' bytes (in `aligned_order`) into one uint8 tensor, reusing `out` when it is
+    large enough, and return it with FlattenedTensorBucket metadata."""
     if not tensors:
         raise EngineError("SGLang: cannot load an empty bucket")
+    tensors = aligned_order(tensors)
     total = sum(t.numel() * t.element_size() for _, t in tensors)
     device = tensors[0][1].device
     buf = out[:total] if out is not None and out.numel() >= total and out.device == device else torch.empty(
@@ -97,7 +132,7 @@ def serialize(obj: Any) -> str:
 def update_weights_from_tensor_body(
     serialized_named_tensors: list[str],
     *,
-    flush_cache: bool = True,
+    flush_cache: bool = False,
     abort_all_requests: bool = False,
     weight_version: str | None = None,
     load_format: str | None = LOAD_FORMAT,
@@ -110,6 +145,38 @@ def update_weights_from_tensor_body(
         "abort_all_requests": abort_all_requests,
         "weight_version": weight_version,
     }
+
+
+def update_weights_from_distributed_body(
+    meta: Sequence[SimpleNamespace],
+    *,
+    group_name: str = GROUP_NAME,
+    flush_cache: bool = False,
+    weight_version: str | None = None,
+) -> dict[str, Any]:
+    """UpdateWeightsFromDistributedReqInput for one flattened bucket (load_format flattened_bucket)."""
+    return {
+        "names": [m.name for m in meta],
+        "dtypes": [str(m.dtype).removeprefix("torch.") for m in meta],
+        "shapes": [list(m.shape) for m in meta],
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+        "abort_all_requests": False,
+        "weight_version": weight_version,
+        "load_format": LOAD_FORMAT,
+    }
+
+
+def init_group_body(master_address: str, master_port: int, world_size: int, *, group_name: str = GROUP_NAME,
+                    backend: str = "gloo") -> dict[str, Any]:
+    """InitWeightsUpdateGroupReqInput: the engine's TP rank r joins as rank rank_offset + r."""
+    return {"master_address": master_address, "master_port": master_port, "rank_offset": 1,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+
+def begin_body(selector: str = "all") -> dict[str, Any]:
+    """BeginWeightUpdateReqInput."""
+    return {"selector": selector}
 
 
 def pause_body(mode: PauseMode) -> dict[str, Any]:
@@ -144,11 +211,64 @@ def parse_version(value: Any) -> int | None:
         return None
 
 
+
+
+def check_version(version: str) -> str:
+    """Refuse an SGLang release whose weight-update protocol this adapter does not speak."""
+    if version not in SUPPORTED_VERSIONS:
+        raise EngineError(f"SGLang {version or '(unknown version)'} is not supported: weightsync speaks the weight-"
+                          f"update protocol of SGLang {', '.join(SUPPORTED_VERSIONS)}; run a supported image "
+                          f"(e.g. lmsysorg/sglang:v{SUPPORTED_VERSIONS[-1]})")
+    return version
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sk:
+        sk.bind((host, 0))
+        return int(sk.getsockname()[1])
+
+
+class _SenderGroup:
+    """Rank 0 of SGLang's weight-update group, formed exactly as the engine forms its side
+    (`init_custom_process_group`): c10d rendezvous on tcp://host:port, `PrefixStore(group_name)`, then
+    torch's process-group helper with the same group name, so every store key matches."""
+
+    def __init__(self, host: str, world_size: int, group_name: str, timeout: float) -> None:
+        self.host, self.port, self.world_size = host, _free_port(host), world_size
+        self.group_name = group_name
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.pg: Any = None
+
+    def join(self) -> None:
+        """Blocks until every engine rank joined (they do inside /init_weights_update_group)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        store, _, _ = next(c10d.rendezvous(f"tcp://{host}:{self.port}", 0, self.world_size, timeout=self.timeout))
+        store.set_timeout(self.timeout)
+        pg, _ = c10d._new_process_group_helper(
+            self.world_size, 0, [], c10d.Backend("gloo"), c10d.PrefixStore(self.group_name, store),
+            group_name=c10d.GroupName(self.group_name), backend_options=None, timeout=self.timeout)
+        c10d._world.pg_group_ranks[pg] = {i: i for i in range(self.world_size)}
+        self.pg = pg
+
+    def broadcast(self, flat: torch.Tensor) -> None:
+        dist.broadcast(flat, src=0, group=self.pg)
+
+    def close(self) -> None:
+        if self.pg is not None:
+            try:
+                dist.destroy_process_group(self.pg)
+            except Exception as exc:  # already broken: nothing left to free
+                log.debug("sglang.group_destroy error=%s", exc)
+        self.pg = None
+
+
 class SGLangAdapter:
     """EngineAdapter for an SGLang server (one replica: `tp_size` ranks behind one HTTP endpoint).
 
-    `devices`: the GPUs of the engine's TP ranks, in rank order; each rank's copy of a bucket is placed
-    there. Without it every rank gets a handle to the same tensor (one GPU, or CPU in tests).
+    `path`: "distributed" (the agent broadcasts each bucket into the engine's ranks) or "tensor" (CUDA IPC
+    handles; `devices` are the GPUs of the engine's TP ranks in rank order, each rank's copy goes there).
     """
 
     def __init__(
@@ -156,22 +276,42 @@ class SGLangAdapter:
         url: str,
         *,
         tp_size: int = 1,
+        path: SessionPath = "distributed",
         devices: Sequence[torch.device | str] | None = None,
         pause_mode: PauseMode = "retract",
-        flush_cache: bool = True,
         client: HttpClient | None = None,
         timeout: float = 300.0,
+        group_host: str | None = None,
     ) -> None:
         if devices is not None and len(devices) != tp_size:
             raise EngineError(f"SGLang: {len(devices)} devices given for tp_size={tp_size}; give one per TP rank")
         self.client = client or HttpClient(url, "SGLang", timeout=timeout)
         self.tp_size = tp_size
+        self.path: SessionPath = path
         self.devices = [torch.device(d) for d in devices] if devices is not None else None
+        if path == "tensor" and not all(d.type == "cuda" for d in self.devices or []):
+            raise EngineError("SGLang path 'tensor' needs the engine's GPUs (CUDA IPC): a CPU tensor cannot be "
+                              "rebuilt in the engine's container; use path 'distributed'")
         self.pause_mode: PauseMode = pause_mode
-        self.flush_cache = flush_cache
+        self.timeout = timeout
+        self.group_host = group_host or urlparse(self.client.base_url).hostname or "127.0.0.1"
         self.partial: int | None = None
+        self.needs_restore = False
+        self.session_open = False
+        self.loaded_buckets = 0
+        self._group: _SenderGroup | None = None
         self._flat: torch.Tensor | None = None
         self._bufs: dict[int, torch.Tensor] = {}
+
+    # -- engine facts --
+
+    def engine_version(self) -> str:
+        """The engine's release (GET /server_info `version`)."""
+        info = self.client.get("/server_info")
+        return str(info.get("version", "")) if isinstance(info, dict) else ""
+
+    def check_engine_version(self) -> str:
+        return check_version(self.engine_version())
 
     # -- EngineAdapter --
 
@@ -182,12 +322,35 @@ class SGLangAdapter:
         self.client.post("/continue_generation", continue_body())
 
     def begin_update(self, version: int) -> None:
-        log.info("sglang.begin_update version=%s url=%s", version, self.client.base_url)
+        if self.path == "distributed":
+            self._ensure_group()
+        try:
+            self.client.post("/begin_weight_update", begin_body(), retry=False)
+        except EngineHTTPError as exc:
+            if exc.status != 400 or "already open" not in exc.detail:
+                raise
+            # A dead agent left its session open: close it (its partial load is superseded) and begin again.
+            log.warning("sglang.session_left_open version=%s: closing it first", version)
+            self.needs_restore = True
+            self.client.post("/end_weight_update", None, retry=False)
+            self.client.post("/begin_weight_update", begin_body(), retry=False)
+        self.session_open = True
+        self.loaded_buckets = 0
+        log.info("sglang.begin_update version=%s path=%s url=%s", version, self.path, self.client.base_url)
 
     def load_bucket(self, tensors: NamedTensors) -> None:
+        if not self.session_open:
+            raise EngineError("SGLang: load_bucket outside a weight-update session (begin_update first)")
         flat, meta = flatten(tensors, self._flat)
         if self._flat is None or flat.numel() > self._flat.numel():
             self._flat = flat  # reused for the next bucket: the request returns only after the load
+        self.loaded_buckets += 1  # from here on the engine's weights may be touched
+        if self.path == "distributed":
+            self._broadcast_bucket(flat, meta)
+        else:
+            self._ipc_bucket(flat, meta)
+
+    def _ipc_bucket(self, flat: torch.Tensor, meta: list[SimpleNamespace]) -> None:
         per_rank = []
         for r in range(self.tp_size):
             t = flat
@@ -201,17 +364,103 @@ class SGLangAdapter:
             per_rank.append(serialize({"flattened_tensor": t, "metadata": meta}))
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)
-        body = update_weights_from_tensor_body(per_rank, flush_cache=self.flush_cache)
-        self.client.post("/update_weights_from_tensor", body)
+        self.client.post("/update_weights_from_tensor", update_weights_from_tensor_body(per_rank), retry=False)
+
+    def _ensure_group(self) -> None:
+        if self._group is not None:
+            return
+        # A fresh name per group: torch refuses a second group of the same name in a process (engine and agent)
+        name = f"{GROUP_NAME}-{os.getpid()}-{next(_GROUP_SEQ)}"
+        group = _SenderGroup(self.group_host, 1 + self.tp_size, name, self.timeout)
+        body = init_group_body(group.host, group.port, group.world_size, group_name=name)
+        self._call_while(lambda: group.join(), "/init_weights_update_group", body)
+        self._group = group
+        log.info("sglang.group_ready host=%s port=%s world_size=%s backend=gloo", group.host, group.port,
+                 group.world_size)
+
+    def _broadcast_bucket(self, flat: torch.Tensor, meta: list[SimpleNamespace]) -> None:
+        assert self._group is not None
+        group = self._group
+        cpu = flat if flat.device.type == "cpu" else flat.cpu()
+        self._call_while(lambda: group.broadcast(cpu), "/update_weights_from_distributed",
+                         update_weights_from_distributed_body(meta, group_name=group.group_name))
+
+    def _call_while(self, collective: Any, route: str, body: dict[str, Any]) -> None:
+        """POST `route` (the engine then blocks in the collective) while this side runs `collective`.
+        Whichever fails first is reported at once: a refused request never waits out the collective's
+        timeout (the abandoned collective thread ends with its own timeout)."""
+        done = threading.Event()
+        errors: dict[str, BaseException] = {}
+        finished: set[str] = set()
+
+        def run(name: str, fn: Any) -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                errors[name] = exc
+            finally:
+                finished.add(name)
+                done.set()
+
+        threads = [threading.Thread(target=run, args=("http", lambda: self.client.post(route, body, retry=False)),
+                                    name=f"sglang{route}", daemon=True),
+                   threading.Thread(target=run, args=("collective", collective), name="sglang-collective",
+                                    daemon=True)]
+        for t in threads:
+            t.start()
+        deadline = threading.Event()
+        timer = threading.Timer(self.timeout, deadline.set)
+        timer.daemon = True
+        timer.start()
+        try:
+            while len(finished) < 2 and not errors and not deadline.is_set():
+                done.wait(0.05)
+                done.clear()
+        finally:
+            timer.cancel()
+        if errors or len(finished) < 2:
+            http_err, coll_err = errors.get("http"), errors.get("collective")
+            if coll_err is not None or "collective" not in finished or route == "/init_weights_update_group":
+                self._drop_group()  # the group is out of step with the engine: form a new one next time
+            if isinstance(http_err, EngineError):
+                raise http_err
+            what = http_err or coll_err or f"no completion within {self.timeout:.0f}s"
+            raise EngineError(f"SGLang {route}: {what}") from (http_err or coll_err)
+
+    def _drop_group(self) -> None:
+        """Forget the group on both sides (the engine's half is destroyed best-effort)."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        group.close()
+        try:
+            self.client.post("/destroy_weights_update_group", {"group_name": group.group_name}, retry=False,
+                             timeout=10.0)
+        except EngineError as exc:
+            log.info("sglang.destroy_group group=%s error=%s", group.group_name, exc)
+
+    def _end_session(self) -> None:
+        if self.session_open:
+            self.session_open = False
+            self.client.post("/end_weight_update", None, retry=False)
 
     def commit(self, version: int) -> None:
-        self.client.post("/update_weight_version", weight_version_body(str(version)))
+        self._end_session()
+        self.client.post("/update_weight_version", weight_version_body(str(version)), retry=False)
+        self.client.post("/flush_cache", None)
         self.partial = None
+        self.needs_restore = False
 
     def abort(self, version: int, reason: str) -> None:
-        self.partial = version
-        log.warning("sglang.abort version=%s reason=%s: weights may be partially updated", version, reason)
-        self.client.post("/update_weight_version", weight_version_body(f"partial-{version}"), retry=False)
+        touched = self.loaded_buckets > 0
+        log.warning("sglang.abort version=%s buckets_loaded=%s reason=%s", version, self.loaded_buckets, reason)
+        try:
+            self._end_session()
+        finally:
+            if touched:
+                self.partial = version
+                self.needs_restore = True
+                self.client.post("/update_weight_version", weight_version_body(f"partial-{version}"), retry=False)
 
     def served_version(self) -> int | None:
         if self.partial is not None:
@@ -232,3 +481,6 @@ class SGLangAdapter:
     def check_weights(self) -> Any:
         """The engine's own per-rank weight checksums (POST /weights_checker)."""
         return self.client.post("/weights_checker", check_weights_body())
+
+    def close(self) -> None:
+        self._drop_group()
