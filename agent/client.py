@@ -6,6 +6,7 @@ returns as soon as the trainer may reuse (or keep updating) its own memory.
 
     with TrainerSession() as s:
         s.publish(model, version=step)            # nn.Module, state_dict, or (name, tensor) pairs
+        s.wait_served(step - 1, timeout=600)      # bounded staleness: every replica serves >= step - 1
 
     sess = InferenceSession(on_bucket=load, on_commit=commit)
     sess.start()                                  # background thread; reconnects if the agent restarts
@@ -148,6 +149,68 @@ class PublishResult:
     seconds: float
 
 
+@dataclass(frozen=True)
+class ServedState:
+    """What the inference fleet serves, as this trainer pod's agent knows it (`TrainerSession.served()`).
+
+    The trainer agent learns it from the inference agents themselves: after every version an inference
+    agent committed into its engine (every bucket arrived, verified, committed) it reports that version on
+    its authenticated control link to every trainer agent, and again after a reconnect. Nothing an app
+    container writes (an engine's own claim, a pod annotation) counts. A replica serves a version when every
+    pod of it that loads weights reported it (for SGLang and vLLM the pod holding the replica's rank 0 loads
+    for the whole replica; for Custom engines every pod); a pod whose agent is not connected to this trainer
+    pod's agent, or has not committed a version since it (re)started, serves None.
+    """
+
+    replicas: dict[int, int | None]                # inference replica -> version it serves (None: nothing yet)
+    pods: dict[int, dict[str, int | None]]         # replica -> its loading pods -> what each agent reported
+
+    @property
+    def version(self) -> int | None:
+        """The version every replica serves at least (the lowest one); None while a replica serves nothing."""
+        vs = list(self.replicas.values())
+        if not vs or any(v is None for v in vs):
+            return None
+        return min(v for v in vs if v is not None)
+
+    @classmethod
+    def from_reply(cls, reply: Mapping[str, Any]) -> ServedState:
+        def version(v: Any) -> int | None:
+            return None if v is None else int(v)
+
+        replicas: dict[int, int | None] = {}
+        pods: dict[int, dict[str, int | None]] = {}
+        for r in reply.get("replicas") or []:
+            replicas[int(r["replica"])] = version(r.get("served"))
+            pods[int(r["replica"])] = {str(p): version(v) for p, v in (r.get("pods") or {}).items()}
+        return cls(replicas, pods)
+
+    def describe(self, below: int | None = None) -> str:
+        """E.g. 'replica 0 serves 7 (pod job-inference-0-0: 7); replica 1 serves nothing yet (pod
+        job-inference-1-0: none)'; with `below`, only the replicas that serve less than it."""
+        if not self.replicas:
+            return "the job has no inference replica"
+        parts = []
+        for r, v in sorted(self.replicas.items()):
+            if below is not None and v is not None and v >= below:
+                continue
+            pods = ", ".join(f"pod {p}: {'none' if pv is None else pv}" for p, pv in sorted(self.pods.get(r, {}).items()))
+            parts.append(f"replica {r} serves {'nothing yet' if v is None else v}" + (f" ({pods})" if pods else ""))
+        return "; ".join(parts)
+
+
+class ServedTimeout(TimeoutError):
+    """`wait_served` gave up: not every inference replica serves the version within the timeout."""
+
+    def __init__(self, version: int, timeout: float, state: ServedState) -> None:
+        self.version = version
+        self.timeout = timeout
+        self.state = state
+        behind = sum(1 for v in state.replicas.values() if v is None or v < version)
+        super().__init__(f"version {version} is not served by every inference replica after {timeout:g}s: "
+                         f"{behind} of {len(state.replicas)} replicas are behind: {state.describe(below=version)}")
+
+
 class TrainerSession:
     """A trainer rank's connection to its agent. Not thread-safe: one publish at a time per session."""
 
@@ -201,6 +264,39 @@ class TrainerSession:
         conn.request({"op": "publish", "version": version, "rank": self.rank, "segment": seg.name,
                       "tensors": metas, "aliases": aliases})
         return PublishResult(version, len(metas), sum(sizes), time.perf_counter() - t0)
+
+    def served(self) -> ServedState:
+        """What every inference replica serves now (see ServedState for where it comes from)."""
+        return ServedState.from_reply(self._connection().request({"op": "served"}))
+
+    def wait_served(self, version: int, timeout: float = 600.0) -> ServedState:
+        """Block until every inference replica serves `version` or newer, i.e. its loading agents committed
+        such a version into the engine (ServedState); returns what is served then. Raises ServedTimeout
+        (a TimeoutError naming the version, the timeout and what each replica serves) after `timeout` s.
+
+        Bounded staleness for on-policy RL: `publish(model, version=step)`, then
+        `wait_served(step - max_staleness, timeout)` before generating rollouts. A version < 1 is reached at
+        once (nothing to wait for in the first steps). Scaled-up replicas count once they are in the
+        topology; a replica that never loads (its engine down) makes every wait time out.
+        """
+        if not timeout >= 0 or timeout == float("inf"):
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+        if version < 1:
+            return self.served()
+        conn = self._connection()
+        try:
+            # the agent answers within `timeout`; the slack covers a busy agent, not a lost one
+            reply = conn.request({"op": "wait_served", "version": int(version), "timeout": float(timeout)},
+                                 timeout=timeout + 30.0)
+        except TimeoutError:
+            conn.close()  # a late reply would answer the next request
+            self._conn = None
+            raise TimeoutError(f"the weightsync agent at {self.socket_path} did not answer wait_served({version}) "
+                               f"within {timeout + 30.0:g}s") from None
+        state = ServedState.from_reply(reply)
+        if not reply.get("reached"):
+            raise ServedTimeout(version, timeout, state)
+        return state
 
     def close(self) -> None:
         for seg in self._segments.values():

@@ -65,6 +65,9 @@ class TrainerPeers:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._peers: dict[str, _Peer] = {}
+        # the last version this agent committed into its engine, told to every trainer agent (ws.served)
+        self._served: int | None = None
+        self._served_lock = threading.Lock()
         self.update(topo)
 
     def update(self, topo: Topology) -> None:
@@ -108,6 +111,9 @@ class TrainerPeers:
                 peer.link = link
                 delay = 0.1
                 log.info("trainer.connected pod=%s ranks=%s latest=%s", peer.member.name, peer.ranks, peer.latest)
+                with self._served_lock:  # a new link (or a restarted trainer agent) learns what we serve
+                    if self._served is not None:
+                        link.send({"kind": P.SERVED, "version": self._served})
                 self.on_announce()
                 self._read(peer, link)
             except (LinkError, OSError, P.ProtocolError) as exc:
@@ -140,6 +146,20 @@ class TrainerPeers:
                     fut.set_result((h, bytes(payload)))
             else:
                 log.warning("trainer.unexpected_frame pod=%s kind=%r", peer.member.name, kind)
+
+    def report_served(self, version: int) -> None:
+        """Tell every trainer agent that this agent committed `version` into its engine (ws.served), now and
+        after every reconnect. Only versions this agent loaded itself are reported, never a version the
+        engine claims (an app container could claim anything): trainer agents answer wait_served from these."""
+        with self._served_lock:
+            self._served = version
+            with self._lock:
+                links = [(p.member.name, p.link) for p in self._peers.values() if p.link is not None]
+            for name, link in links:
+                try:
+                    link.send({"kind": P.SERVED, "version": version})
+                except LinkError as exc:  # the reconnect sends it again
+                    log.info("served report to %s failed: %s", name, exc)
 
     def latest_available(self) -> int | None:
         """The newest version every trainer pod has staged (None until all of them announced one)."""

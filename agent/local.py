@@ -11,6 +11,11 @@ Ops, app -> agent (trainer side):
   hello   {kind: "trainer"|"inference", rank, pid}                    -> ok {pod, role, job}
   stage   {version, rank, nbytes, device}                             -> ok {segment: <handle>}
   publish {version, rank, segment: <name>, tensors: [TensorMeta...]}  -> ok {version}
+  served                                                              -> ok {replicas, pods, served_version}
+  wait_served {version, timeout}                  -> ok {version, reached, replicas, pods, served_version}
+      replicas: [{replica, served}], pods: {pod: version}, both from the inference agents' ws.served reports
+      (agent/protocol.py); wait_served answers once every inference replica serves >= version, or with
+      reached=false after `timeout` s
 Ops, agent -> app (inference side, the agent drives; the app answers):
   pause / resume / begin {version} / bucket {version, segment, tensors} / commit {version} /
   abort {version, reason} / served                                     -> ok {version?}

@@ -338,6 +338,14 @@ class Agent:
                                             dict(h.get("aliases") or {}))
                     self.metrics.publish_seconds.observe(time.perf_counter() - getattr(self, "_stage_t0", 0.0))
                     conn.reply_ok(version=sv.version, complete=sv.complete)
+                elif op in ("served", "wait_served"):
+                    # what every inference replica serves, from its agents' authenticated ws.served reports
+                    assert self.server is not None
+                    version, timeout = (int(h["version"]), float(h["timeout"])) if op == "wait_served" else (0, 0.0)
+                    reached, state = self.server.served.wait(
+                        version, timeout, lambda: self.watcher.current, engine_takes_full_tensors(self.cfg.engine_type),
+                        cancelled=lambda: self._stop.is_set() or local.peer_closed(conn.sock, 0))
+                    conn.reply_ok(version=version, reached=reached, **state.to_dict())
                 else:
                     conn.reply_error(f"unknown trainer op {op!r}")
             except (StagingError, KeyError, ValueError, TypeError) as exc:
@@ -579,6 +587,7 @@ class Agent:
                  "wait=%.3f engine_load=%.3f", version, res.bytes, wire, delta_buckets, took,
                  sum(x.handshake_seconds for x in st), sum(x.wait_seconds for x in st), sum(x.load_seconds for x in st))
         self._report()
+        self.peers.report_served(version)  # trainer agents answer wait_served from these reports
         self._wake.set()
 
     def peers_sessions(self) -> list[str]:

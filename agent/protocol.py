@@ -9,6 +9,9 @@ Control link (inference agent -> every trainer agent, one per pair, long-lived):
     i -> t  ws.meta?    {id, version}             the trainer ranks' shard metadata of a staged version
     t -> i  ws.meta     {id, version, ok, error?} + payload: JSON {ranks: {rank: [shard]}, aliases}
     t -> i  ws.error    {id?, message}            a request the trainer could not parse
+    i -> t  ws.served   {version}                 this agent committed `version` into its engine (sent after
+                                                  every commit, and again after a reconnect); the trainer
+                                                  agent answers its trainer's wait_served from these
 
 Transfer link (one per (source rank, destination rank) per version, short-lived):
     i -> t  ws.transfer {version, src, dst, replica, group, plan_hash, proposal} + payload: JSON plan inputs
@@ -34,6 +37,7 @@ ANNOUNCE = "ws.announce"
 META_REQ = "ws.meta?"
 META = "ws.meta"
 ERROR = "ws.error"
+SERVED = "ws.served"
 TRANSFER = "ws.transfer"
 EPOCH = "ws.epoch"
 

@@ -33,6 +33,7 @@ from weightsync.agent.plan import TensorShard, TransferPlan
 from weightsync.agent.sync import SyncError, WeightSender
 from weightsync.agent.transports.base import Transport, WorldMap
 from weightsync.agent.verify import ChecksumHooks
+from weightsync.crds.topology import InferenceReplicaTopology, Topology
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +224,99 @@ class StagingStore:
             self._versions.clear()
 
 
+def loading_pods(replica: InferenceReplicaTopology, full_tensors: bool) -> list[str]:
+    """The pods of an inference replica whose agents load weights into the engine: every pod, or for an
+    engine that takes full tensors over HTTP (SGLang, vLLM) only the pod holding the replica's rank 0."""
+    if full_tensors:
+        return [m.name for m in replica.pods if 0 in m.ranks]
+    return [m.name for m in replica.pods]
+
+
+@dataclass(frozen=True)
+class FleetServed:
+    """What each inference replica serves, as reported to this trainer agent by the inference agents."""
+
+    replicas: dict[int, int | None]              # replica -> the version all its loading pods serve (None: not yet)
+    pods: dict[int, dict[str, int | None]]       # replica -> loading pod -> the version its agent last reported
+
+    def reaches(self, version: int) -> bool:
+        """Every inference replica serves `version` or newer (true when the topology has no replica)."""
+        return all(v is not None and v >= version for v in self.replicas.values())
+
+    @property
+    def version(self) -> int | None:
+        """The lowest version served by every replica (None while some replica serves nothing)."""
+        vs = list(self.replicas.values())
+        if not vs or any(v is None for v in vs):
+            return None
+        return min(v for v in vs if v is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"replicas": [{"replica": r, "served": v, "pods": self.pods.get(r, {})}
+                             for r, v in sorted(self.replicas.items())],
+                "served_version": self.version}
+
+
+class ServedTracker:
+    """Which version each inference agent committed, from its ws.served reports on its control link.
+
+    Only authenticated inference agents (job token) report, and only versions they committed themselves, so
+    nothing an app container writes counts. A report is bound to the link it came on: a new link from the
+    same pod (a restarted agent, or a reconnect, after which the agent reports again) replaces it, and a
+    closed link drops it. Thread-safe; `wait` wakes on every report."""
+
+    def __init__(self) -> None:
+        self._links: dict[str, int] = {}  # pod -> its newest control link
+        self._reports: dict[str, int] = {}  # pod -> the version reported on that link
+        self._cond = threading.Condition()
+
+    def link_opened(self, pod: str, key: int) -> None:
+        """A new control link from `pod`: what it reported on an older link no longer counts."""
+        with self._cond:
+            self._links[pod] = key
+            self._reports.pop(pod, None)
+            self._cond.notify_all()
+
+    def link_closed(self, pod: str, key: int) -> None:
+        with self._cond:
+            if self._links.get(pod) == key:
+                del self._links[pod]
+                self._reports.pop(pod, None)
+                self._cond.notify_all()
+
+    def report(self, pod: str, key: int, version: int) -> None:
+        with self._cond:
+            if self._links.get(pod) == key:  # a late frame from a replaced link is ignored
+                self._reports[pod] = version
+                self._cond.notify_all()
+
+    def fleet(self, topo: Topology, full_tensors: bool) -> FleetServed:
+        with self._cond:
+            reports = dict(self._reports)
+        replicas: dict[int, int | None] = {}
+        pods: dict[int, dict[str, int | None]] = {}
+        for rep in topo.inference:
+            mine = pods[rep.replica] = {name: reports.get(name) for name in loading_pods(rep, full_tensors)}
+            vs = list(mine.values())
+            replicas[rep.replica] = None if not vs or any(v is None for v in vs) else min(v for v in vs if v is not None)
+        return FleetServed(replicas, pods)
+
+    def wait(self, version: int, timeout: float, topo: Callable[[], Topology], full_tensors: bool,
+             cancelled: Callable[[], bool] = lambda: False) -> tuple[bool, FleetServed]:
+        """Block until every inference replica of the current topology serves `version` or newer, at most
+        `timeout` s (or until `cancelled()`); returns (reached, what is served)."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            state = self.fleet(topo(), full_tensors)
+            if state.reaches(version):
+                return True, state
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or cancelled():
+                return False, state
+            with self._cond:
+                self._cond.wait(min(remaining, 0.5))  # also re-reads the topology (scaled replicas)
+
+
 TransportFor = Callable[[int, str, WorldMap], Transport]
 
 
@@ -259,6 +353,7 @@ class WeightServer:
         self.listener = LinkListener(host, port, token)
         self.port = self.listener.port
         self._subs: dict[int, Link] = {}
+        self.served = ServedTracker()
         self._subs_lock = threading.Lock()
         self._rdv: dict[tuple[Any, ...], _Rendezvous] = {}
         self._rdv_lock = threading.Lock()
@@ -313,9 +408,12 @@ class WeightServer:
     # --- control links ------------------------------------------------------------------------------
     def _control(self, link: Link, hello: dict[str, Any]) -> None:
         key = id(link)
+        pod = hello.get("pod") if isinstance(hello.get("pod"), str) else None
         with self._subs_lock:
             self._subs[key] = link
         log.info("peer.hello peer=%s pod=%s replica=%s", link.peer, hello.get("pod"), hello.get("replica"))
+        if pod is not None:
+            self.served.link_opened(pod, key)  # the agent reports what it serves again on this link
         try:
             link.send({"kind": P.WELCOME, "pod": self.pod, "ranks": self.store.ranks, "latest": self.store.latest(),
                        "generation": self.generation(), "session": self.session})
@@ -325,7 +423,10 @@ class WeightServer:
                 except LinkTimeout:
                     continue
                 try:
-                    self._control_request(link, header)
+                    if header.get("kind") == P.SERVED:
+                        self._served_report(link, pod, header)
+                    else:
+                        self._control_request(link, header)
                 except P.ProtocolError as exc:
                     self.metrics.rejected_frames.labels("protocol").inc()
                     log.warning("peer.bad_request peer=%s error=%s", link.peer, exc)
@@ -333,6 +434,17 @@ class WeightServer:
         finally:
             with self._subs_lock:
                 self._subs.pop(key, None)
+            if pod is not None:
+                self.served.link_closed(pod, key)
+
+    def _served_report(self, link: Link, pod: str | None, h: dict[str, Any]) -> None:
+        version = P.require(h, "version", int)
+        if pod is None:
+            raise P.ProtocolError("a served report on a control link whose hello named no pod")
+        if version < 1:
+            raise P.ProtocolError(f"a served report needs a version >= 1, got {version}")
+        self.served.report(pod, id(link), version)
+        log.debug("peer.served pod=%s version=%s", pod, version)
 
     def _control_request(self, link: Link, h: dict[str, Any]) -> None:
         kind = h.get("kind")
