@@ -75,7 +75,43 @@ def _dtensor_shard(name: str, t: Any) -> LocalShard:
     return LocalShard(name, local_t.detach(), tuple(t.shape), tuple(int(o) for o in offset))
 
 
-def _shard_of(name: str, value: Any) -> LocalShard:
+def _is_sharded_tensor(t: Any) -> bool:
+    return any(c.__name__ == "ShardedTensor" and c.__module__.startswith("torch.distributed._shard")
+               for c in type(t).__mro__)
+
+
+def _sharded_tensor_shard(name: str, t: Any) -> LocalShard | None:
+    """An FSDP1 ShardedTensor (SHARDED_STATE_DICT): this rank's one local shard with its global box, or None
+    when this rank holds no shard of it (torch.chunk leaves the last ranks empty for a short dim 0)."""
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec
+
+    spec = t.sharding_spec()
+    if not isinstance(spec, ChunkShardingSpec | EnumerableShardingSpec):
+        raise ValueError(f"{name}: a ShardedTensor with sharding spec {type(spec).__name__} is not supported "
+                         "(ChunkShardingSpec and EnumerableShardingSpec are); publish its local shard as a "
+                         "TensorShard(tensor, global_shape, global_offset)")
+    shards = t.local_shards()
+    if not shards:
+        return None
+    if len(shards) > 1:
+        raise ValueError(f"{name}: this rank holds {len(shards)} local shards of the ShardedTensor; one per rank is "
+                         "supported (publish each as its own TensorShard under its own name, or reshard)")
+    shard = shards[0]
+    local_t = shard.tensor.detach()
+    global_shape = tuple(int(d) for d in t.metadata().size)
+    offset = tuple(int(o) for o in shard.metadata.shard_offsets)
+    sizes = tuple(int(d) for d in shard.metadata.shard_sizes)
+    if sizes != tuple(local_t.shape):
+        raise ValueError(f"{name}: local shard shape {tuple(local_t.shape)} does not match its metadata {sizes}")
+    if len(offset) != len(global_shape) or len(sizes) != len(global_shape):
+        raise ValueError(f"{name}: shard offsets {offset} do not match the global shape {global_shape}")
+    for d, (g, o, n) in enumerate(zip(global_shape, offset, sizes, strict=True)):
+        if o < 0 or o + n > g:
+            raise ValueError(f"{name}: dim {d} shard [{o}, {o + n}) lies outside global size {g}")
+    return LocalShard(name, local_t, global_shape, offset)
+
+
+def _shard_of(name: str, value: Any) -> LocalShard | None:
     if isinstance(value, TensorShard):
         t = value.tensor.detach()
         if len(value.global_shape) != t.dim() or len(value.global_offset) != t.dim():
@@ -86,14 +122,16 @@ def _shard_of(name: str, value: Any) -> LocalShard:
         return LocalShard(name, t, tuple(value.global_shape), tuple(value.global_offset))
     if type(value).__name__ == "DTensor":
         return _dtensor_shard(name, value)
+    if _is_sharded_tensor(value):
+        return _sharded_tensor_shard(name, value)
     if isinstance(value, torch.Tensor):
         t = value.detach()
         return LocalShard(name, t, tuple(t.shape), (0,) * t.dim())
-    raise TypeError(f"{name}: expected a tensor, DTensor or TensorShard, got {type(value).__name__}")
+    raise TypeError(f"{name}: expected a tensor, DTensor, ShardedTensor or TensorShard, got {type(value).__name__}")
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
-    if t.numel() == 0 or type(t).__name__ == "DTensor":
+    if type(t).__name__ == "DTensor" or _is_sharded_tensor(t) or t.numel() == 0:
         return None
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
@@ -125,7 +163,9 @@ def local_shards(weights: Weights) -> tuple[list[LocalShard], dict[str, str]]:
             continue
         if key is not None:
             seen[key] = name
-        shards.append(_shard_of(name, raw))
+        shard = _shard_of(name, raw)
+        if shard is not None:  # None: a ShardedTensor of which this rank holds no shard
+            shards.append(shard)
     return shards, aliases
 
 
