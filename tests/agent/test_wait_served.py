@@ -194,8 +194,8 @@ def test_client_wait_served_returns_state_or_raises_a_clear_timeout(tmp_path: Pa
             assert s.served() == state and s.served().version is None
             with pytest.raises(ServedTimeout) as err:
                 s.wait_served(6, timeout=2.5)
-            assert isinstance(err.value, TimeoutError)
             assert err.value.version == 6 and err.value.timeout == 2.5 and err.value.state == state
+            assert isinstance(err.value, TimeoutError)
             msg = str(err.value)
             assert msg.startswith("version 6 is not served by every inference replica after 2.5s: 2 of 3 replicas")
             assert "replica 1 serves 5 (pod j-inference-1-0: 5)" in msg
