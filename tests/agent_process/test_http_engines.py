@@ -1,21 +1,67 @@
-"""A real agent process driving an HTTP engine adapter (SGLang) against a recording HTTP server: the
-engine is paused, gets the version's full tensors in flattened buckets, the version is set, and it is
-resumed, in that order, for every version."""
+"""A real agent process driving an SGLang engine over HTTP: the engine is the SGLang 0.5.23 stand-in
+(SGLang's own request types, session rules and receive code), started as another process in its own mount
+and PID namespaces with its own /dev/shm, as the engine container is. Per version the engine is paused, a
+session is opened, the buckets arrive over SGLang's weight-update group, the session is closed, the
+version set and the engine resumed; an unsupported engine release is refused without any load."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from podprocs import Cluster, wait_for
+import requests
+from podprocs import PY, Cluster, wait_for
 from weightsync.crds import contract
+from weightsync.e2e.procs import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engines"))
 from recording_server import RecordingServer
 
+NAMESPACES = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child", "sh", "-c"]
+
 
 def test_agent_drives_an_sglang_engine_over_http(tmp_path: Path, clusters: list[Cluster]) -> None:
+    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
+    clusters.append(c)
+    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
+    c.write_topology()
+    port = free_port(i.ip)
+    url = f"http://{i.ip}:{port}"
+    engine = f"mount -t tmpfs tmpfs /dev/shm && exec {PY} -m weightsync.e2e.engines.sglang_standin --host {i.ip} --port {port}"
+    c.spawn(i, "engine", [*NAMESPACES, engine])
+    c.start_agent(t)
+    c.start_agent(i, **{contract.ENV_ENGINE_TYPE: "SGLang", contract.ENV_ENGINE_URL: url})
+    c.start_trainer(t, "--versions", "2", "--interval", "1.0")
+
+    def state() -> dict[str, object] | None:
+        try:
+            return dict(requests.get(f"{url}/standin/state", timeout=2).json())
+        except requests.RequestException:
+            return None
+
+    wait_for(lambda: (state() or {}).get("weight_version") == "2", 120, "SGLang serves version 2", c)
+    events = requests.get(f"{url}/standin/events", timeout=5).json()["events"]
+    ops = [e["op"] for e in events]
+    assert "refused" not in ops, events
+    for v in ("1", "2"):
+        k = next(n for n, e in enumerate(events) if e["op"] == "update_weight_version" and e["version"] == v)
+        before = ops[:k]
+        last_pause = len(before) - 1 - before[::-1].index("pause_generation")
+        window = [op for op in before[last_pause:] if op != "init_weights_update_group"]  # the group: once
+        assert window[:2] == ["pause_generation", "begin_weight_update"], window
+        assert window[-1] == "end_weight_update" and "update_weights_from_distributed" in window, window
+        assert "continue_generation" not in window, window
+        assert ops[k + 1 : k + 4] == ["weights", "flush_cache", "continue_generation"], ops[k:]
+    assert ops.count("pause_generation") == ops.count("continue_generation") >= 2
+    assert ops.count("init_weights_update_group") == 1
+    st = state()
+    assert st is not None and st["session_open"] is False and st["paused"] is False
+
+
+def test_agent_refuses_an_unsupported_sglang_release(tmp_path: Path, clusters: list[Cluster]) -> None:
     server = RecordingServer()
+    server.replies["/server_info"] = [(200, {"version": "0.5.5"})]
     try:
         c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
         clusters.append(c)
@@ -25,22 +71,10 @@ def test_agent_drives_an_sglang_engine_over_http(tmp_path: Path, clusters: list[
         c.start_agent(t)
         c.start_agent(i, **{contract.ENV_ENGINE_TYPE: "SGLang", contract.ENV_ENGINE_URL: server.url})
         c.start_trainer(t, "--versions", "2", "--interval", "1.0")
-
-        def versions_set() -> list[str]:
-            return [str(call.body.get("new_version")) for call in server.calls
-                    if call.path == "/update_weight_version" and isinstance(call.body, dict)]
-
-        wait_for(lambda: "2" in versions_set(), 90, "SGLang told to serve version 2", c)
-        paths = [p for p in server.paths() if p != "/model_info"]
-        # per version: pause, >= 1 bucket, set the version, resume
-        for v in ("1", "2"):
-            k = next(n for n, call in enumerate(server.calls)
-                     if call.path == "/update_weight_version" and str(call.body.get("new_version")) == v)
-            before = [c.path for c in server.calls[:k]]
-            last_pause = len(before) - 1 - before[::-1].index("/pause_generation")
-            assert "/update_weights_from_tensor" in before[last_pause:], paths
-            assert "/continue_generation" not in before[last_pause:], paths
-            assert server.calls[k + 1].path == "/continue_generation", paths
-        assert paths.count("/pause_generation") == paths.count("/continue_generation") >= 1
+        log = i.logs["agent"]
+        wait_for(lambda: "SGLang 0.5.5 is not supported" in log.read_text(), 60, "the agent refuses SGLang 0.5.5", c)
+        assert "0.5.23" in log.read_text()
+        # no weight-update call was ever made to an engine it cannot drive
+        assert [p for p in server.paths() if p not in ("/server_info",)] == []
     finally:
         server.close()

@@ -166,9 +166,10 @@ def test_every_command_exists_and_answers_help() -> None:
         except AssertionError as exc:
             failures.append(f"{' '.join(argv[:3])} (used by {', '.join(users[:3])}): {exc}")
     assert not failures, "\n".join(failures)
-    # The distinct commands: the console scripts and the two demo modules.
+    # The distinct commands: the console scripts, the two demo modules and the SGLang stand-in engine.
     assert {a[0] for a in checked} >= {"weightsync-operator", "weightsync-agent", "weightsync-crds", "python"}
-    assert {a[2] for a in checked if a[0] == "python"} == {"weightsync.agent.demo.trainer", "weightsync.agent.demo.engine"}
+    assert {a[2] for a in checked if a[0] == "python"} == {"weightsync.agent.demo.trainer", "weightsync.agent.demo.engine",
+                                                                    "weightsync.e2e.engines.sglang_standin"}
 
 
 def test_a_missing_script_fails_the_check() -> None:
@@ -221,6 +222,7 @@ def test_wheel_from_the_build_context_ships_the_scripts(tmp_path: Path) -> None:
     for package in PYPROJECT["tool"]["setuptools"]["packages"]:
         assert package.replace(".", "/") + "/__init__.py" in names, package
     assert "weightsync/agent/demo/trainer.py" in names and "weightsync/agent/demo/engine.py" in names
+    assert "weightsync/e2e/engines/sglang_standin.py" in names
     # torch / nixl only through the extras: the operator target (no extras) gets neither.
     requires = re.findall(r"^Requires-Dist: (.*)$", metadata, re.M)
     for req in requires:

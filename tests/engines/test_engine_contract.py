@@ -60,63 +60,13 @@ class _AuditUnpickler(pickle.Unpickler):
 
 
 # ---------------- SGLang ----------------
+# The SGLang adapter is checked against SGLang's own released code in test_sglang_released.py;
+# fixtures/sglang-0.5.23.json stays as documentation of the fields.
 
 
 def test_sglang_fixture_names_its_source() -> None:
     assert SG["version"] == sglang.SGLANG_VERSION
     assert SG["copied_from"]["request_types"] == "sglang/srt/managers/io_struct.py"
-    assert ["sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"] in SG["unpickler_allowed_globals"]
-
-
-def test_sglang_bodies_validate(server: RecordingServer) -> None:
-    server.replies["/model_info"] = [(200, {"weight_version": "7", "model_path": "m"})]
-    a = sglang.SGLangAdapter(server.url, tp_size=2)
-    load_version(a, 7, [_bucket(0), _bucket(1)], pause_generation=True)
-    a.release_memory(["kv_cache"])
-    a.resume_memory(["kv_cache", "weights"])
-    a.check_weights()
-    assert a.served_version() == 7
-    routes = SG["routes"]
-    for call in server.calls:
-        route = routes[call.path]
-        assert call.method in route["methods"], f"{call.method} {call.path}"
-        if "body" in route:
-            validate(SG, route["body"], call.body)
-    assert server.paths()[:1] == ["/pause_generation"]
-
-
-def test_sglang_schema_rejects_misspelt_fields() -> None:
-    body = sglang.update_weights_from_tensor_body(["AA=="])
-    validate(SG, "UpdateWeightsFromTensorReqInput", body)
-    with pytest.raises(pydantic.ValidationError):
-        validate(SG, "UpdateWeightsFromTensorReqInput", {**body, "flush_caches": True})
-    with pytest.raises(pydantic.ValidationError):
-        validate(SG, "UpdateWeightsFromTensorReqInput", {**body, "serialized_named_tensors": ["not base64!"]})
-    with pytest.raises(pydantic.ValidationError):
-        validate(SG, "PauseGenerationReqInput", {"mode": "pause"})
-
-
-def test_sglang_flattened_bucket_payload(server: RecordingServer) -> None:
-    a = sglang.SGLangAdapter(server.url, tp_size=2)
-    bucket = _bucket(3)
-    a.load_bucket(bucket)
-    (call,) = server.calls
-    assert call.body["load_format"] == "flattened_bucket"
-    per_rank = call.body["serialized_named_tensors"]
-    assert len(per_rank) == 2, "one entry per TP rank"
-    allowed = {tuple(p) for p in SG["unpickler_allowed_globals"]}
-    for entry in per_rank:
-        raw = base64.b64decode(entry, validate=True)
-        audit = _AuditUnpickler(raw)
-        audit.load()
-        assert audit.globals <= allowed, f"SGLang's SafeUnpickler would refuse {sorted(audit.globals - allowed)}"
-        obj = pickle.loads(raw)  # same process: torch's shared-memory handles resolve
-        assert sorted(obj) == SG["flattened_bucket"]["payload_keys"]
-        for m in obj["metadata"]:
-            assert all(hasattr(m, k) for k in SG["flattened_bucket"]["metadata_attrs"])
-        got = sglang.reconstruct(obj["flattened_tensor"], obj["metadata"])
-        assert [n for n, _ in got] == [n for n, _ in bucket]
-        assert all(_same(x, y) for (_, x), (_, y) in zip(got, bucket, strict=True))
 
 
 # ---------------- vLLM ----------------

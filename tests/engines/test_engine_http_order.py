@@ -23,36 +23,58 @@ def _client(url: str, engine: str, sleeps: list[float] | None = None) -> HttpCli
                       sleep=(sleeps.append if sleeps is not None else lambda s: None))
 
 
-def test_sglang_pause_load_commit_resume(server: RecordingServer) -> None:
-    a = sglang.SGLangAdapter(server.url, client=_client(server.url, "SGLang"))
+def _sglang(server: RecordingServer, sleeps: list[float] | None = None) -> sglang.SGLangAdapter:
+    # path "tensor" without devices: the payload stays in this process (the recording server never rebuilds it)
+    return sglang.SGLangAdapter(server.url, path="tensor", client=_client(server.url, "SGLang", sleeps))
+
+
+def test_sglang_pause_session_load_commit_resume(server: RecordingServer) -> None:
+    a = _sglang(server)
     assert load_version(a, 4, _buckets(3), pause_generation=True) == 3
-    assert server.paths() == ["/pause_generation", "/update_weights_from_tensor", "/update_weights_from_tensor",
-                              "/update_weights_from_tensor", "/update_weight_version", "/continue_generation"]
-    assert server.calls[-2].body == {"new_version": "4", "abort_all_requests": False}
+    assert server.paths() == ["/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
+                              "/update_weights_from_tensor", "/update_weights_from_tensor", "/end_weight_update",
+                              "/update_weight_version", "/flush_cache", "/continue_generation"]
+    assert server.calls[-3].body == {"new_version": "4", "abort_all_requests": False}
+    assert all(c.body["flush_cache"] is False for c in server.calls if c.path == "/update_weights_from_tensor")
 
 
-def test_sglang_failed_load_is_aborted_and_resumed(server: RecordingServer) -> None:
+def test_sglang_failed_load_closes_the_session_is_never_retried_and_resumes(server: RecordingServer) -> None:
     server.replies["/update_weights_from_tensor"] = [(200, {"success": True}), (500, {"message": "CUDA OOM"})]
     sleeps: list[float] = []
-    a = sglang.SGLangAdapter(server.url, client=_client(server.url, "SGLang", sleeps))
+    a = _sglang(server, sleeps)
     with pytest.raises(EngineHTTPError) as ei:
         load_version(a, 5, _buckets(3), pause_generation=True)
     err = ei.value
     assert err.status == 500 and err.engine == "SGLang" and "/update_weights_from_tensor" in err.url
-    assert "CUDA OOM" in str(err) and err.attempts == 3
+    assert "CUDA OOM" in str(err) and err.attempts == 1  # a load is not idempotent: never retried blindly
     paths = server.paths()
-    assert paths[0] == "/pause_generation"
+    assert paths[:2] == ["/pause_generation", "/begin_weight_update"]
     assert paths[-1] == "/continue_generation", "resume must come last, also after a failed load"
-    assert paths.count("/update_weights_from_tensor") == 1 + 3  # bucket 0, then bucket 1 tried 3 times
+    assert paths.count("/update_weights_from_tensor") == 2 and paths.count("/end_weight_update") == 1
+    assert paths.index("/end_weight_update") < paths.index("/update_weight_version")
     # abort marks the version partial; it is never committed as version 5
     versions = [c.body["new_version"] for c in server.calls if c.path == "/update_weight_version"]
     assert versions == ["partial-5"]
-    assert a.served_version() is None
-    assert sleeps == backoff_delays(2, 0.01, 5.0)
+    assert a.served_version() is None and a.needs_restore
+    assert sleeps == []
+
+
+def test_sglang_needs_restore_only_once_a_bucket_was_sent(server: RecordingServer) -> None:
+    server.replies["/update_weights_from_tensor"] = [(400, {"success": False, "message": "bad"})]
+    a = _sglang(server)
+    with pytest.raises(EngineHTTPError):
+        load_version(a, 2, _buckets(1), pause_generation=True)
+    # the bucket was sent: the engine may hold part of it
+    assert a.needs_restore
+    b = _sglang(server)
+    server.replies["/begin_weight_update"] = [(400, {"success": False, "message": "refused"})]
+    with pytest.raises(EngineHTTPError):
+        load_version(b, 3, _buckets(1), pause_generation=True)
+    assert not b.needs_restore and server.paths()[-1] == "/continue_generation"
 
 
 def test_sglang_no_pause_when_not_asked(server: RecordingServer) -> None:
-    a = sglang.SGLangAdapter(server.url, client=_client(server.url, "SGLang"))
+    a = _sglang(server)
     load_version(a, 1, _buckets(1), pause_generation=False)
     assert "/pause_generation" not in server.paths() and "/continue_generation" not in server.paths()
 
