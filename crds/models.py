@@ -550,10 +550,25 @@ def _colocated_alignment_ok(s: WeightSyncJobSpec) -> bool:
     return i.gpus_per_replica // i.pods_per_replica == t.gpus_per_pod
 
 
+def _colocated_http_engine_has_gpus(s: Any) -> bool:
+    return not (s.placement.mode == "Colocated" and s.inference.engine.type != "Custom"
+                and s.inference.gpus_per_replica == 0)
+
+
 class WeightSyncJobSpec(_Model):
     """Desired state: trainer and inference pods, their placement and how weights move between them."""
 
     __rules__ = (
+        Rule(
+            cel="!(self.placement.mode == 'Colocated' && self.inference.engine.type != 'Custom' && "
+            "self.inference.gpusPerReplica == 0)",
+            message="spec.inference.gpusPerReplica: a Colocated SGLang or VLLM engine takes weights as CUDA IPC "
+            "handles on its own GPUs, and a CPU tensor cannot be handed to another container; give the "
+            "replicas GPUs, use placement Separated (the engine then receives over its weight-update group), "
+            "or engine type Custom",
+            check=_colocated_http_engine_has_gpus,
+            field_path=".inference.gpusPerReplica",
+        ),
         Rule(
             cel="self.transfer.mode != 'GDR' || self.placement.mode == 'Separated'",
             message="spec.transfer.mode: GDR (GPUDirect RDMA between pods) needs spec.placement.mode=Separated; "

@@ -326,6 +326,11 @@ def build_pod(
             _add_claim(agent)
         else:
             _add_env(agent, "NVIDIA_VISIBLE_DEVICES", "all")
+        if pod.role == contract.ROLE_COLOCATED:
+            # Colocated: the agent hands the engine CUDA IPC handles of buckets on the GPUs they share (named
+            # by GPU UUID, so indices may differ); CUDA IPC between containers needs them in one PID namespace.
+            _add_env(agent, contract.ENV_AGENT_DEVICE, "cuda")
+            pspec["shareProcessNamespace"] = True
     pspec["initContainers"] = [agent, *(pspec.get("initContainers") or [])]
     pspec["volumes"] = (pspec.get("volumes") or []) + _volumes(job, spec)
     if use_claim:

@@ -180,7 +180,8 @@ def test_colocated_multi_pod_replica_is_valid() -> None:
 def test_cpu_colocated_counts_pods() -> None:
     obj = colocated()
     obj["spec"]["trainer"].update(replicas=2, gpusPerPod=0, parallelism={"tensor": 1, "pipeline": 1, "data": 2})
-    obj["spec"]["inference"].update(replicas=2, gpusPerReplica=0, parallelism={"tensor": 1})
+    obj["spec"]["inference"].update(replicas=2, gpusPerReplica=0, parallelism={"tensor": 1},
+                                    engine={"type": "Custom"})  # a CPU-only colocated engine is a Custom one
     _spec(obj)
     obj["spec"]["inference"]["replicas"] = 1
     with pytest.raises(ValidationError, match=r"spec\.inference\.replicas"):

@@ -138,7 +138,7 @@ def test_cpu_only_colocated_with_empty_dra_needs_no_device_class(colocated):
     spec = colocated(
         placement={"mode": "Colocated", "dra": {}},
         trainer={"replicas": 2, "gpusPerPod": 0, "parallelism": {"tensor": 1, "pipeline": 1, "data": 2}},
-        inference={"replicas": 2, "gpusPerReplica": 0},
+        inference={"replicas": 2, "gpusPerReplica": 0, "engine": {"type": "Custom"}},
     )
     assert plan("co", spec).refusal is None
 

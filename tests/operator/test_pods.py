@@ -238,6 +238,16 @@ def test_colocated_pod_holds_trainer_inference_and_agent_on_the_same_gpus(job, c
     assert contract.LABEL_REPLICA not in pod["metadata"]["labels"]  # hosts replicas 4..7
 
 
+def test_colocated_gpu_pods_share_a_pid_namespace_and_the_agent_works_on_cuda(job, colocated, separated, cfg):
+    """CUDA IPC handles open across containers only in one PID namespace, from an agent on the GPUs."""
+    for pod in _pods(job, colocated(), cfg).values():
+        assert pod["spec"]["shareProcessNamespace"] is True
+        assert _env(_agent(pod))[contract.ENV_AGENT_DEVICE] == "cuda"
+    for pod in _pods(job, separated(), cfg).values():  # separated: HTTP + weight-update group, no IPC
+        assert "shareProcessNamespace" not in pod["spec"]
+        assert contract.ENV_AGENT_DEVICE not in _env(_agent(pod))
+
+
 def test_colocated_with_dra_shares_one_claim(job, colocated, cfg):
     spec = colocated(
         placement={"mode": "Colocated", "dra": {"deviceClassName": "gpu.nvidia.com"}},
