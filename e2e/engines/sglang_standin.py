@@ -265,11 +265,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--hidden", type=int, default=int(os.environ.get("WEIGHTSYNC_DEMO_HIDDEN", "64")),
                    help="the demo model's hidden size (WEIGHTSYNC_DEMO_HIDDEN, as the demo trainer)")
+    p.add_argument("--device", default="cpu", help="where the weights live and buckets are received (cuda on GPUs)")
     p.add_argument("--fail-load", default="", help="SESSION:BUCKET (1-based): that bucket load fails half-way, once")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     session, bucket = (int(x) for x in args.fail_load.split(":")) if args.fail_load else (None, None)
-    engine = Engine(demo_params(args.hidden), Faults(session, bucket))
+    params = {n: t.to(args.device) for n, t in demo_params(args.hidden).items()}
+    engine = Engine(params, Faults(session, bucket), device=args.device)
     srv = serve(engine, args.host, args.port)
     log.info("SGLang %s stand-in on http://%s:%s (pid %s)", sglang_code.version(), args.host, args.port, os.getpid())
     try:
