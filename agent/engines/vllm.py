@@ -1,88 +1,146 @@
-"""vLLM adapter: vLLM's native weight-transfer API with the `ipc` backend, over HTTP.
+"""vLLM adapter: vLLM 0.33's native weight-transfer API over HTTP, with the `nccl` or the `ipc` backend.
 
-Request types follow vLLM 0.33.0: routes in `vllm/entrypoints/rl/online/api_router.py`, bodies from
-`vllm/distributed/weight_transfer/base.py` (WeightTransferInitRequest, WeightTransferUpdateRequest) and
-`vllm/distributed/weight_transfer/ipc_engine.py` (IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo);
-tests/engines/fixtures/vllm-0.33.0.json holds the copied field lists for the contract test. The server
-runs with `--weight-transfer-config '{"backend":"ipc"}'`, VLLM_SERVER_DEV_MODE=1 (the RL routes are
-dev-gated) and VLLM_ALLOW_INSECURE_SERIALIZATION=1 (IPC handles travel pickled over HTTP, exactly as
-vLLM's own HTTPVLLMWeightSyncClient sends them).
+Protocol (vLLM 0.33.x: routes in `vllm/entrypoints/rl/online/api_router.py`, request types in
+`vllm/distributed/weight_transfer/base.py`, backends in `nccl_engine.py` / `nccl_common.py` /
+`ipc_engine.py`, packing in `packed_tensor.py`; the server runs with VLLM_SERVER_DEV_MODE=1, the RL routes
+are dev-gated, and `--weight-transfer-config '{"backend": "nccl"|"ipc"}'`):
 
-Life cycle per version: POST /init_weight_transfer_engine (once: {"init_info": {"packed": true}}),
-POST /start_weight_update, POST /update_weights per bucket, POST /finish_weight_update with
-weight_version (vLLM publishes the version only when finish succeeds). Pause: POST /pause?mode=...,
-POST /resume.
+    GET  /version                                   at start: a release this adapter does not speak is refused
+    POST /init_weight_transfer_engine {"init_info": ...}       once (again only after the group broke)
+    POST /pause?mode=keep                           (when updatePolicy.pauseGeneration)
+    POST /start_weight_update                       per version
+    POST /update_weights {"update_info": ...}       per bucket
+    POST /finish_weight_update {"weight_version": "<N>"}   vLLM publishes N only when finish succeeds
+    POST /resume                                    always, also after a failure
 
-Packed mode (default): each bucket is one contiguous buffer with `tensor_sizes` (vLLM splits it by
-those sizes, so there is no padding between tensors) and ONE IPC handle per GPU, keyed by the GPU's
-UUID so it resolves whatever CUDA_VISIBLE_DEVICES the workers have. With `devices`, each TP worker's
-GPU gets its own copy (vLLM loaders shard checkpoint tensors themselves, so every worker needs the
-whole bucket). On CPU the same code exports torch's CPU shared-memory handle (key "cpu"): vLLM itself
-only accepts CUDA handles; CPU exists so the payload path runs in CI.
+The bodies are FastAPI `Body(embed=True)` parameters, hence the one-key wrappers. Non-idempotent POSTs
+(init, start, update, finish) are never retried: vLLM answers 500 for a worker-side RuntimeError, and a
+second /start_weight_update or /update_weights is not the same request as the first. Pause, resume and
+GETs are retried.
+
+Backends:
+
+* `nccl` (Separated placement: the engine receives straight from the wire). The agent is rank 0 of the
+  NCCL group vLLM's `NCCLWeightTransferEngine` joins: `init_info` is the worker side of
+  `NCCLWeightTransferInitInfo` (rank_offset 1, world_size 1 + the engine's workers from GET
+  /get_world_size, so worker w of DP rank d joins as 1 + d * TP*PP + w), with the torch-free rendezvous
+  vLLM offers for foreign trainers: `nccl_unique_id_b64` (the agent mints the ncclUniqueId; the agent image
+  has no vLLM, so no StatelessProcessGroup/TCPStore). The engine blocks inside init until every rank joined
+  and then issues a one-element float32 all_reduce (`PyNcclCommunicator.from_unique_id_bytes`); the agent
+  posts init in a thread while it joins and answers that warm-up. Per bucket it posts /update_weights
+  (names, dtype_names, shapes) in a thread and broadcasts from rank 0 meanwhile, packed exactly as
+  `packed_nccl_broadcast_producer` does: uint8 chunks cut after the tensor that takes the running size
+  past `packed_buffer_size_bytes` (the consumer cuts the same way from the metadata). NCCL refuses two
+  ranks of one communicator on one GPU, so the agent needs a CUDA device of its own (`device`), not one
+  of the engine's.
+* `ipc` (Colocated: agent and engine share the GPUs). One packed buffer per bucket with `tensor_sizes`
+  and, for every engine worker's GPU (`devices`, one per TP rank), a copy of it exported with
+  `reduce_tensor` and keyed by that GPU's UUID (vLLM looks up `str(props.uuid)` of its own device, so
+  CUDA_VISIBLE_DEVICES may differ between containers). The handles travel pickled
+  (`ipc_handles_pickled`, as vLLM's HTTPVLLMWeightSyncClient sends them; the server needs
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1). A buffer is exported once per version (vLLM's importer caches the
+  mapping and releases it at finish) and stays alive until finish.
+
+Failure: vLLM cannot roll back. start_weight_update moves every layer to the meta device; finish
+(without a version: vLLM then leaves the served version alone) puts the kernel tensors of layers that got
+nothing back and processes the layers that got something, so after a bucket reached the engine its
+weights are a mix of two versions. `abort` therefore always closes the update (the engine is never left
+inside one, with layers on meta), marks the engine's version `partial-<N>` (/update_weight_version) and
+the adapter `partial` (served_version() is None) and sets `needs_restore`: the agent reloads the last
+good version while the engine stays paused (agent/main.py). An abort before any bucket reached the
+engine leaves the previous version whole. A dead agent's update left open is closed at the next begin.
+
+The CUDA calls sit behind two small seams, `NcclLib` (ncclGetUniqueId / CommInitRank / Broadcast through
+ctypes, the calls vLLM's pynccl_wrapper makes) and `CudaIpc` (UUIDs, device buffers, reduce_tensor), so
+everything up to them (bodies, packing, order, failure handling) runs on CPU in tests.
 """
 
 from __future__ import annotations
 
 import base64
+import ctypes
+import importlib.util
 import logging
+import os
 import pickle
-from collections.abc import Sequence
-from typing import Any, Literal
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
 
 import torch
-from torch.multiprocessing.reductions import reduce_tensor
 
 from .base import EngineError, NamedTensors
-from .http import HttpClient
+from .http import EngineHTTPError, HttpClient
 
 log = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"
+#: vLLM release series whose weight-transfer API this adapter speaks ("0.33" = any 0.33.x).
+SUPPORTED_VERSIONS = ("0.33",)
+Backend = Literal["nccl", "ipc"]
 PauseMode = Literal["abort", "wait", "keep"]
 
+#: vLLM's defaults (packed_tensor.py): the chunk limit of the packed NCCL broadcast and its buffer count.
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024
+DEFAULT_PACKED_NUM_BUFFERS = 2
+NCCL_UNIQUE_ID_BYTES = 128
 
-def device_key(device: torch.device) -> str:
-    """The key vLLM looks a handle up by: the physical GPU UUID (str(props.uuid))."""
-    if device.type == "cuda":
-        return str(torch.cuda.get_device_properties(device.index or 0).uuid)
-    return device.type
-
-
-def export_handle(t: torch.Tensor) -> tuple[Any, ...]:
-    """rebuild args for `t` (torch.multiprocessing.reductions.reduce_tensor), as vLLM's trainer does."""
-    _fn, args = reduce_tensor(t)
-    return tuple(args)
+# ---------------- version ----------------
 
 
-def pack(tensors: NamedTensors, out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
-    """Concatenate the tensors' bytes without padding (vLLM's packed layout); returns (buffer, sizes)."""
-    sizes = [t.numel() * t.element_size() for _, t in tensors]
-    total = sum(sizes)
-    device = tensors[0][1].device
-    buf = out[:total] if out is not None and out.numel() >= total and out.device == device else torch.empty(
-        total, dtype=torch.uint8, device=device)
-    pos = 0
-    for (_, t), n in zip(tensors, sizes, strict=True):
-        if n:
-            buf[pos : pos + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-        pos += n
-    return buf, sizes
+def supported(version: str) -> bool:
+    m = re.match(r"^(\d+)\.(\d+)\.\d+", version.strip())
+    return m is not None and f"{m[1]}.{m[2]}" in SUPPORTED_VERSIONS
 
 
-def unpack(buf: torch.Tensor, names: list[str], shapes: list[list[int]], dtype_names: list[str],
-           sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
-    """vLLM's unpack_tensor (packed_tensor.py), for tests."""
-    parts = buf[: sum(sizes)].split(sizes)
-    return [(n, p.contiguous().view(getattr(torch, d)).view(s))
-            for n, s, d, p in zip(names, shapes, dtype_names, parts, strict=True)]
+def check_version(version: str) -> str:
+    """Refuse a vLLM release whose weight-transfer API this adapter does not speak."""
+    if not supported(version):
+        series = ", ".join(f"{s}.x" for s in SUPPORTED_VERSIONS)
+        raise EngineError(f"vLLM {version or '(unknown version)'} is not supported: weightsync speaks the weight-"
+                          f"transfer API of vLLM {series} (tested with {VLLM_VERSION}); run a supported image "
+                          f"(e.g. vllm/vllm-openai:v{VLLM_VERSION})")
+    return version
 
 
-def init_body(packed: bool) -> dict[str, Any]:
-    """POST /init_weight_transfer_engine: WeightTransferInitRequest(init_info=IPCWeightTransferInitInfo)."""
-    return {"init_info": {"packed": packed}}
+# ---------------- bodies (FastAPI Body(embed=True): one key per parameter) ----------------
 
 
-def update_info(
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).split(".")[-1]
+
+
+def init_body(init_info: dict[str, Any]) -> dict[str, Any]:
+    """POST /init_weight_transfer_engine (WeightTransferInitRequest.init_info)."""
+    return {"init_info": init_info}
+
+
+def ipc_init_info(packed: bool) -> dict[str, Any]:
+    """IPCWeightTransferInitInfo."""
+    return {"packed": packed}
+
+
+def nccl_init_info(unique_id: bytes, world_size: int, *, packed: bool = True,
+                   packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+                   packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS) -> dict[str, Any]:
+    """NCCLWeightTransferInitInfo for the workers (rank_offset 1: the agent is rank 0) with the unique-id
+    rendezvous; unset fields (master_address / master_port) are left out, as worker_init_payload does."""
+    if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
+        raise EngineError(f"vLLM: an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+    return {"rank_offset": 1, "world_size": world_size,
+            "nccl_unique_id_b64": base64.b64encode(unique_id).decode("ascii"), "packed": packed,
+            "packed_buffer_size_bytes": packed_buffer_size_bytes, "packed_num_buffers": packed_num_buffers}
+
+
+def nccl_update_info(names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> dict[str, Any]:
+    """NCCLWeightTransferUpdateInfo (never empty: empty lists mean "the previous call's metadata")."""
+    return {"names": names, "dtype_names": dtype_names, "shapes": shapes}
+
+
+def ipc_update_info(
     names: list[str],
     dtype_names: list[str],
     shapes: list[list[int]],
@@ -103,13 +161,18 @@ def update_info(
 
 
 def update_body(info: dict[str, Any]) -> dict[str, Any]:
-    """POST /update_weights: WeightTransferUpdateRequest."""
+    """POST /update_weights (WeightTransferUpdateRequest.update_info)."""
     return {"update_info": info}
 
 
 def finish_body(version: str | None) -> dict[str, Any] | None:
-    """POST /finish_weight_update: the embedded `weight_version` body field."""
+    """POST /finish_weight_update: `weight_version`, or no body (vLLM then keeps the served version)."""
     return {"weight_version": version} if version is not None else None
+
+
+def weight_version_body(version: str) -> dict[str, Any]:
+    """POST /update_weight_version."""
+    return {"new_version": version}
 
 
 def pause_params(mode: PauseMode) -> dict[str, Any]:
@@ -124,36 +187,373 @@ def weight_checker_body(action: str = "checksum", baseline: dict[str, str] | Non
     return body
 
 
-def dtype_name(dt: torch.dtype) -> str:
-    return str(dt).split(".")[-1]
+def parse_version(value: Any) -> int | None:
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return None
+
+
+# ---------------- packing (vLLM's packed layout: the tensors' bytes back to back, no padding) ----------------
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def pack(tensors: NamedTensors, out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Concatenate the tensors' bytes without padding into `out` (any device, reused when large enough)
+    or a new buffer on the first tensor's device; returns (buffer, tensor_sizes)."""
+    sizes = [nbytes(t) for _, t in tensors]
+    total = sum(sizes)
+    if out is not None and out.numel() >= total:
+        buf = out[:total]
+    else:
+        buf = torch.empty(total, dtype=torch.uint8, device=tensors[0][1].device)
+    pos = 0
+    for (_, t), n in zip(tensors, sizes, strict=True):
+        if n:
+            buf[pos : pos + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        pos += n
+    return buf, sizes
+
+
+def chunk_ranges(sizes: Sequence[int], buffer_size_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) index ranges of the packed NCCL chunks: vLLM's `pack_tensors` / consumer rule, a chunk
+    ends after the tensor that takes its running size past `buffer_size_bytes`."""
+    out: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, n in enumerate(sizes):
+        total += n
+        if total > buffer_size_bytes:
+            out.append((start, i + 1))
+            start, total = i + 1, 0
+    if start < len(sizes):
+        out.append((start, len(sizes)))
+    return out
+
+
+# ---------------- NCCL (the calls vLLM's pynccl_wrapper makes, through ctypes) ----------------
+
+
+class _UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * NCCL_UNIQUE_ID_BYTES)]
+
+
+#: ncclDataType_t of the dtypes vLLM's PyNcclCommunicator broadcasts.
+NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
+               torch.float32: 7, torch.float64: 8, torch.bfloat16: 9, torch.float8_e4m3fn: 10}
+_NCCL_SUM = 0
+
+
+class Comm(Protocol):
+    """One rank-0 NCCL communicator. `broadcast` returns once the bytes left (stream synchronized)."""
+
+    device: torch.device
+
+    def broadcast(self, t: torch.Tensor) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+def _find_nccl() -> str:
+    for var in ("WEIGHTSYNC_NCCL_SO_PATH", "VLLM_NCCL_SO_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    spec = importlib.util.find_spec("nvidia.nccl") if importlib.util.find_spec("nvidia") else None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        so = Path(loc) / "lib" / "libnccl.so.2"
+        if so.is_file():
+            return str(so)
+    return "libnccl.so.2"
+
+
+class NcclLib:
+    """libnccl through ctypes (the agent image has torch's NCCL, not vLLM)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self._lib: Any = None
+
+    @property
+    def lib(self) -> Any:
+        if self._lib is None:
+            path = self.path or _find_nccl()
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as exc:
+                raise EngineError(f"vLLM nccl backend: cannot load the NCCL library {path} ({exc}); set "
+                                  "WEIGHTSYNC_NCCL_SO_PATH") from exc
+            lib.ncclGetErrorString.restype = ctypes.c_char_p
+            lib.ncclGetErrorString.argtypes = [ctypes.c_int]
+            lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(_UniqueId)]
+            lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, _UniqueId, ctypes.c_int]
+            lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+            lib.ncclBroadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+            lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
+            self._lib = lib
+        return self._lib
+
+    def check(self, result: int, what: str) -> None:
+        if result != 0:
+            msg = self.lib.ncclGetErrorString(result).decode(errors="replace")
+            raise EngineError(f"vLLM nccl backend: {what} failed: NCCL error {result}: {msg}")
+
+    def unique_id(self) -> bytes:
+        uid = _UniqueId()
+        self.check(self.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+        return bytes(bytearray(uid.internal))
+
+    def prepare(self, device: torch.device | None) -> torch.device:
+        """The agent's CUDA device for the group; checked before the engine is asked to join."""
+        if not torch.cuda.is_available():
+            raise EngineError("vLLM nccl backend: the agent needs a CUDA device of its own (NCCL refuses two "
+                              "ranks on one GPU); none is visible to it")
+        dev = device or torch.device("cuda", torch.cuda.current_device())
+        if dev.type != "cuda":
+            raise EngineError(f"vLLM nccl backend: the agent's device must be a CUDA device, got {dev}")
+        return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+    def connect(self, unique_id: bytes, rank: int, world_size: int, device: torch.device) -> Comm:
+        """ncclCommInitRank (blocks until every rank joined) and vLLM's one-element warm-up all_reduce."""
+        uid = _UniqueId()
+        ctypes.memmove(ctypes.addressof(uid), unique_id, NCCL_UNIQUE_ID_BYTES)
+        comm = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            self.check(self.lib.ncclCommInitRank(ctypes.byref(comm), world_size, uid, rank), "ncclCommInitRank")
+            c = _NcclComm(self, comm, device)
+            try:
+                warm = torch.zeros(1, device=device)
+                stream = torch.cuda.current_stream(device)
+                self.check(self.lib.ncclAllReduce(warm.data_ptr(), warm.data_ptr(), 1, NCCL_DTYPES[torch.float32],
+                                                  _NCCL_SUM, comm, stream.cuda_stream), "warm-up ncclAllReduce")
+                stream.synchronize()
+            except BaseException:
+                c.abort()
+                raise
+        return c
+
+
+class _NcclComm:
+    def __init__(self, nccl: NcclLib, comm: ctypes.c_void_p, device: torch.device) -> None:
+        self.nccl, self.comm, self.device = nccl, comm, device
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        if t.device != self.device or not t.is_contiguous():
+            t = t.to(self.device).contiguous()
+        dt = NCCL_DTYPES.get(t.dtype)
+        if dt is None:
+            raise EngineError(f"vLLM nccl backend: NCCL cannot broadcast {t.dtype}; use packed=True")
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream(self.device)
+            self.nccl.check(self.nccl.lib.ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), dt, 0, self.comm,
+                                                        stream.cuda_stream), "ncclBroadcast")
+            stream.synchronize()
+
+    def abort(self) -> None:
+        if self.comm:
+            self.nccl.lib.ncclCommAbort(self.comm)
+            self.comm = ctypes.c_void_p()
+
+
+# ---------------- CUDA IPC ----------------
+
+
+class CudaIpc:
+    """What the ipc backend needs from CUDA."""
+
+    def check(self, devices: Sequence[torch.device]) -> None:
+        if not devices or not all(d.type == "cuda" for d in devices):
+            raise EngineError("vLLM ipc backend needs `devices`: the CUDA device of every engine TP rank (CUDA "
+                              f"IPC handles keyed by GPU UUID); got {list(devices)}")
+
+    def uuid(self, device: torch.device) -> str:
+        """The key vLLM looks a handle up by: str(get_device_properties().uuid) of its own GPU."""
+        return str(torch.cuda.get_device_properties(device.index or 0).uuid)
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(list(shape), dtype=dtype, device=device)
+
+    def export(self, t: torch.Tensor) -> tuple[Any, ...]:
+        """rebuild_cuda_tensor args for `t` (torch.multiprocessing.reductions.reduce_tensor), as vLLM does."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _fn, args = reduce_tensor(t)
+        return tuple(args)
+
+    def synchronize(self, devices: Sequence[torch.device]) -> None:
+        for d in devices:
+            torch.cuda.synchronize(d)
+
+    def collect(self) -> None:
+        torch.cuda.ipc_collect()
+
+
+# ---------------- the adapter ----------------
+
+
+@dataclass
+class _Exported:
+    buf: torch.Tensor
+    args: tuple[Any, ...] | None = None
 
 
 class VLLMAdapter:
-    """EngineAdapter for a vLLM server with the native `ipc` weight-transfer backend."""
+    """EngineAdapter for a vLLM server (one replica behind one HTTP endpoint).
+
+    backend "nccl": `device` is the agent's own GPU (rank 0 of the group); `engine_world_size` the number of
+    engine workers (default: GET /get_world_size). backend "ipc": `devices` are the GPUs of the engine's
+    workers in rank order. `packed` selects vLLM's packed wire format (both backends)."""
 
     def __init__(
         self,
         url: str,
         *,
+        backend: Backend = "nccl",
         devices: Sequence[torch.device | str] | None = None,
+        device: torch.device | str | None = None,
+        engine_world_size: int | None = None,
         packed: bool = True,
+        packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
         pause_mode: PauseMode = "keep",
         client: HttpClient | None = None,
         timeout: float = 300.0,
+        nccl: NcclLib | None = None,
+        ipc: CudaIpc | None = None,
     ) -> None:
+        if backend not in ("nccl", "ipc"):
+            raise EngineError(f"vLLM: unknown weight-transfer backend {backend!r}; expected 'nccl' or 'ipc'")
         self.client = client or HttpClient(url, "vLLM", timeout=timeout)
-        self.devices = [torch.device(d) for d in devices] if devices is not None else None
+        self.backend: Backend = backend
         self.packed = packed
+        self.packed_buffer_size_bytes = packed_buffer_size_bytes
+        self.packed_num_buffers = packed_num_buffers
         self.pause_mode: PauseMode = pause_mode
+        self.timeout = timeout
+        self.device = torch.device(device) if device is not None else None
+        self.engine_world_size = engine_world_size
+        self.devices = [torch.device(d) for d in devices] if devices is not None else None
+        self.nccl = nccl or NcclLib()
+        self.ipc = ipc or CudaIpc()
+        if backend == "ipc":
+            self.ipc.check(self.devices or [])
         self.initialized = False
+        self.update_open = False
+        self.buckets_sent = 0
         self.partial: int | None = None
-        self._bufs: dict[str, torch.Tensor] = {}
+        self.needs_restore = False
+        self._comm: Comm | None = None
+        self._group_broken = False
+        self._pack_buf: torch.Tensor | None = None
+        self._ipc_bufs: dict[str, _Exported] = {}
         self._keep: list[torch.Tensor] = []
+        self._uuids: dict[torch.device, str] = {}
+
+    # -- engine facts --
+
+    def engine_version(self) -> str:
+        """The engine's release (GET /version)."""
+        info = self.client.get("/version")
+        return str(info.get("version", "")) if isinstance(info, dict) else ""
+
+    def check_engine_version(self) -> str:
+        """GET /version; raises EngineError ("... is not supported ... vLLM 0.33.x") for another release."""
+        return check_version(self.engine_version())
+
+    def engine_workers(self) -> int:
+        if self.engine_world_size is None:
+            info = self.client.get("/get_world_size", params={"include_dp": "true"})
+            n = info.get("world_size") if isinstance(info, dict) else None
+            if not isinstance(n, int) or n < 1:
+                raise EngineError(f"vLLM: GET /get_world_size answered {info!r}")
+            self.engine_world_size = n
+        return self.engine_world_size
+
+    # -- init --
 
     def _ensure_init(self) -> None:
-        if not self.initialized:
-            self.client.post("/init_weight_transfer_engine", init_body(self.packed))
-            self.initialized = True
+        if self.initialized:
+            return
+        if self.backend == "ipc":
+            self.client.post("/init_weight_transfer_engine", init_body(ipc_init_info(self.packed)), retry=False)
+        else:
+            self._init_group()
+        self.initialized = True
+
+    def _init_group(self) -> None:
+        device = self.nccl.prepare(self.device)  # fail here, before the engine waits for a rank that never comes
+        world = 1 + self.engine_workers()
+        uid = self.nccl.unique_id()
+        info = nccl_init_info(uid, world, packed=self.packed, packed_buffer_size_bytes=self.packed_buffer_size_bytes,
+                              packed_num_buffers=self.packed_num_buffers)
+        made: list[Comm] = []
+        try:
+            self._concurrently("/init_weight_transfer_engine", init_body(info),
+                               lambda: made.append(self.nccl.connect(uid, 0, world, device)))
+        except BaseException:
+            for comm in made:  # joined, but the engine's side failed: our half is of no use
+                comm.abort()
+            raise
+        self._comm = made[0]
+        self._group_broken = False
+        log.info("vllm.group_ready world_size=%s device=%s packed=%s", world, device, self.packed)
+
+    def _concurrently(self, route: str, body: dict[str, Any], collective: Callable[[], None]) -> None:
+        """POST `route` in a thread (the engine blocks in the matching NCCL call) while this side runs
+        `collective`, as vLLM's trainer does; whichever fails first is reported at once (a refused request
+        never waits for a peer that will not come). Any failure breaks the group: it is aborted here."""
+        done = threading.Event()
+        errors: dict[str, BaseException] = {}
+        finished: set[str] = set()
+
+        def run(name: str, fn: Callable[[], Any]) -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                errors[name] = exc
+            finally:
+                finished.add(name)
+                done.set()
+
+        threads = [threading.Thread(target=run, args=("http", lambda: self.client.post(route, body, retry=False)),
+                                    name=f"vllm{route}", daemon=True),
+                   threading.Thread(target=run, args=("collective", collective), name="vllm-nccl", daemon=True)]
+        for t in threads:
+            t.start()
+        expired = threading.Event()
+        timer = threading.Timer(self.timeout, expired.set)
+        timer.daemon = True
+        timer.start()
+        try:
+            while len(finished) < 2 and not errors and not expired.is_set():
+                done.wait(0.05)
+                done.clear()
+        finally:
+            timer.cancel()
+        if errors or len(finished) < 2:
+            self._break_group()
+            http_err, coll_err = errors.get("http"), errors.get("collective")
+            if isinstance(http_err, EngineError):
+                raise http_err
+            if isinstance(coll_err, EngineError):
+                raise coll_err
+            what = http_err or coll_err or f"no completion within {self.timeout:.0f}s"
+            raise EngineError(f"vLLM {route}: {what}") from (http_err or coll_err)
+
+    def _break_group(self) -> None:
+        """Abort our half of the group (a pending broadcast returns); the engine's half is shut down and the
+        group formed again at the next begin."""
+        comm, self._comm = self._comm, None
+        self._group_broken = True
+        self.initialized = False
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception as exc:  # already broken
+                log.debug("vllm.comm_abort error=%s", exc)
 
     # -- EngineAdapter --
 
@@ -165,69 +565,162 @@ class VLLMAdapter:
 
     def begin_update(self, version: int) -> None:
         self._ensure_init()
-        self.client.post("/start_weight_update")
-
-    def _copies(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The buffer to export on each engine device (one D2D copy per extra GPU)."""
-        if self.devices is None:
-            return {device_key(flat.device): flat}
-        out = {}
-        for dev in self.devices:
-            key = device_key(dev)
-            if dev == flat.device:
-                out[key] = flat
-                continue
-            buf = self._bufs.get(key)
-            if buf is None or buf.numel() < flat.numel():
-                buf = torch.empty(flat.numel(), dtype=torch.uint8, device=dev)
-                self._bufs[key] = buf
-            out[key] = buf[: flat.numel()]
-            out[key].copy_(flat)
-        return out
+        try:
+            self.client.post("/start_weight_update", None, retry=False)
+        except EngineHTTPError as exc:
+            if "already active" not in exc.detail:
+                raise
+            # A dead agent (or a failed finish) left an update open: close it, its load is superseded.
+            log.warning("vllm.update_left_open version=%s: finishing it first", version)
+            self.needs_restore = True
+            self.client.post("/finish_weight_update", finish_body(None), retry=False)
+            self.client.post("/start_weight_update", None, retry=False)
+        self.update_open = True
+        self.buckets_sent = 0
+        self._release_ipc()
+        log.info("vllm.begin_update version=%s backend=%s url=%s", version, self.backend, self.client.base_url)
 
     def load_bucket(self, tensors: NamedTensors) -> None:
+        if not self.update_open:
+            raise EngineError("vLLM: load_bucket outside a weight update (begin_update first)")
         if not tensors:
             raise EngineError("vLLM: cannot load an empty bucket")
         names = [n for n, _ in tensors]
         shapes = [list(t.shape) for _, t in tensors]
         dtypes = [dtype_name(t.dtype) for _, t in tensors]
+        if self.backend == "nccl":
+            self._nccl_bucket(tensors, nccl_update_info(names, dtypes, shapes))
+        else:
+            self._ipc_bucket(tensors, names, dtypes, shapes)
+
+    def _nccl_bucket(self, tensors: NamedTensors, info: dict[str, Any]) -> None:
+        comm = self._comm
+        if comm is None:
+            raise EngineError("vLLM nccl backend: no group (init failed or broke)")
+
+        def send() -> None:
+            if not self.packed:
+                for _, t in tensors:
+                    comm.broadcast(t.detach().contiguous())
+                return
+            sizes = [nbytes(t) for _, t in tensors]
+            for start, end in chunk_ranges(sizes, self.packed_buffer_size_bytes):
+                part = tensors[start:end]
+                need = sum(sizes[start:end])
+                if self._pack_buf is None or self._pack_buf.numel() < need:
+                    self._pack_buf = torch.empty(need, dtype=torch.uint8, device=comm.device)
+                buf, _ = pack(part, self._pack_buf)
+                comm.broadcast(buf)
+
+        self.buckets_sent += 1  # from here on the engine's weights may be touched
+        self._concurrently("/update_weights", update_body(info), send)
+
+    def _uuid(self, d: torch.device) -> str:
+        if d not in self._uuids:
+            self._uuids[d] = self.ipc.uuid(d)
+        return self._uuids[d]
+
+    def _ipc_bucket(self, tensors: NamedTensors, names: list[str], dtypes: list[str],
+                    shapes: list[list[int]]) -> None:
+        assert self.devices
         handles: dict[str, tuple[Any, ...]] | list[dict[str, tuple[Any, ...]]]
         if self.packed:
-            flat, sizes = pack(tensors, self._bufs.get("flat"))
-            if self._bufs.get("flat") is None or flat.numel() > self._bufs["flat"].numel():
-                self._bufs["flat"] = flat
-            copies = self._copies(flat)
-            handles = {k: export_handle(t) for k, t in copies.items()}
-            self._keep = list(copies.values())
-            info = update_info(names, dtypes, shapes, handles, sizes)
+            sizes = [nbytes(t) for _, t in tensors]
+            total = sum(sizes)
+            first: torch.Tensor | None = None
+            handles = {}
+            for d in self.devices:
+                key = self._uuid(d)
+                ex = self._ipc_bufs.get(key)
+                if ex is None or ex.buf.numel() < total:
+                    ex = _Exported(self.ipc.empty([max(total, 1)], torch.uint8, d))
+                    self._ipc_bufs[key] = ex  # a new buffer: exported again below
+                if first is None:
+                    first, _ = pack(tensors, ex.buf)
+                else:
+                    ex.buf[:total].copy_(first)
+                if ex.args is None:
+                    ex.args = self.ipc.export(ex.buf)  # once per version and buffer, as packed_ipc_producer
+                handles[key] = ex.args
+            info = ipc_update_info(names, dtypes, shapes, handles, sizes)
         else:
-            self._keep = [t.contiguous() for _, t in tensors]
-            handles = [{device_key(t.device): export_handle(t)} for t in self._keep]
-            info = update_info(names, dtypes, shapes, handles, None)
-        if self._keep and self._keep[0].is_cuda:
-            torch.cuda.synchronize()
-        self.client.post("/update_weights", update_body(info))
+            per_tensor: list[dict[str, tuple[Any, ...]]] = []
+            for _, t in tensors:
+                h = {}
+                for d in self.devices:
+                    copy = self.ipc.empty(list(t.shape), t.dtype, d)
+                    copy.copy_(t.detach())
+                    self._keep.append(copy)  # vLLM's layerwise reload may read it until finish
+                    h[self._uuid(d)] = self.ipc.export(copy)
+                per_tensor.append(h)
+            handles = per_tensor
+            info = ipc_update_info(names, dtypes, shapes, handles, None)
+        self.ipc.synchronize(self.devices)
+        self.buckets_sent += 1  # from here on the engine's weights may be touched
+        self.client.post("/update_weights", update_body(info), retry=False)
+
+    def _release_ipc(self, collect: bool = False) -> None:
+        """Forget this version's exports (the engine released its mappings at finish) and the unpacked
+        copies; buffers are kept and exported afresh for the next version. `collect`: let CUDA reclaim what
+        the engine no longer maps (torch.cuda.ipc_collect, as vLLM's trainer does after a send)."""
+        for ex in self._ipc_bufs.values():
+            ex.args = None
+        self._keep = []
+        if collect and self.backend == "ipc":
+            self.ipc.collect()
 
     def commit(self, version: int) -> None:
-        self.client.post("/finish_weight_update", finish_body(str(version)))
+        try:
+            self.client.post("/finish_weight_update", finish_body(str(version)), retry=False)
+        except EngineError:
+            # Unknown whether vLLM finalized: its weights are not version N for sure, maybe mixed.
+            self.update_open = False
+            self.partial = version
+            self.needs_restore = True
+            raise
+        self.update_open = False
         self.partial = None
-        self._keep = []
+        self.needs_restore = False
+        self._release_ipc(collect=True)
+        log.info("vllm.commit version=%s buckets=%s", version, self.buckets_sent)
 
     def abort(self, version: int, reason: str) -> None:
-        # vLLM publishes a version only in finish_weight_update, which is not called: the served
-        # version stays the old one, but the weights may be partially replaced -> report unknown.
-        self.partial = version
-        self._keep = []
-        log.warning("vllm.abort version=%s reason=%s: weights may be partially updated", version, reason)
+        """Close the open update (finish without a version: vLLM keeps its served version string but puts
+        back only the layers that got nothing) and, when a bucket reached the engine, mark the weights
+        partial: the engine's version becomes `partial-<N>` and `needs_restore` is set."""
+        touched = self.buckets_sent > 0
+        log.warning("vllm.abort version=%s buckets_sent=%s reason=%s", version, self.buckets_sent, reason)
+        errors: list[BaseException] = []
+        if touched:
+            self.partial = version
+            self.needs_restore = True
+        if self.update_open:
+            self.update_open = False
+            try:
+                self.client.post("/finish_weight_update", finish_body(None), retry=False)
+            except EngineError as exc:
+                # e.g. vLLM closed the update itself when update_weights raised (its layers may be left on
+                # meta): only a full reload (start / all buckets / finish) repairs that.
+                log.error("vllm.abort finish failed version=%s: %s", version, exc)
+                self.partial = version
+                self.needs_restore = True
+                errors.append(exc)
+        if self._group_broken:
+            try:  # the engine's half of the broken group; formed again at the next begin
+                self.client.post("/shutdown_weight_transfer_engine", None, retry=False, timeout=30.0)
+            except EngineError as exc:
+                log.info("vllm.shutdown_weight_transfer_engine error=%s", exc)
+        self._release_ipc(collect=True)
+        if touched:
+            self.client.post("/update_weight_version", weight_version_body(f"partial-{version}"))
+        if errors:
+            raise errors[0]
 
     def served_version(self) -> int | None:
         if self.partial is not None:
             return None
         info = self.client.get("/weight_info")
-        try:
-            return int(str(info.get("weight_version"))) if isinstance(info, dict) else None
-        except (TypeError, ValueError):
-            return None
+        return parse_version(info.get("weight_version")) if isinstance(info, dict) else None
 
     # -- extras --
 
@@ -236,5 +729,14 @@ class VLLMAdapter:
         return self.client.post("/weight_checker", weight_checker_body(action, baseline))
 
     def shutdown(self) -> None:
-        self.client.post("/shutdown_weight_transfer_engine")
+        """Release the transfer group on both sides (POST /shutdown_weight_transfer_engine)."""
+        self.client.post("/shutdown_weight_transfer_engine", None, retry=False)
         self.initialized = False
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.abort()
+
+    def close(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.abort()

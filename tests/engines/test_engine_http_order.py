@@ -9,6 +9,7 @@ import socket
 import pytest
 import torch
 from recording_server import RecordingServer
+from test_vllm_released import FakeIpc
 from weightsync.agent.engines import sglang, vllm
 from weightsync.agent.engines.base import EngineError, load_version
 from weightsync.agent.engines.http import EngineHTTPError, HttpClient, backoff_delays
@@ -79,25 +80,33 @@ def test_sglang_no_pause_when_not_asked(server: RecordingServer) -> None:
     assert "/pause_generation" not in server.paths() and "/continue_generation" not in server.paths()
 
 
+def _vllm(server: RecordingServer) -> vllm.VLLMAdapter:
+    # the ipc backend with CPU stand-ins for its CUDA calls (test_vllm_released.FakeIpc); the HTTP is real
+    return vllm.VLLMAdapter(server.url, backend="ipc", devices=["cuda:0"], client=_client(server.url, "vLLM"),
+                            ipc=FakeIpc())
+
+
 def test_vllm_order_and_failed_load(server: RecordingServer) -> None:
-    a = vllm.VLLMAdapter(server.url, client=_client(server.url, "vLLM"))
+    a = _vllm(server)
     load_version(a, 1, _buckets(2), pause_generation=True)
     assert server.paths() == ["/pause", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                               "/update_weights", "/finish_weight_update", "/resume"]
+    assert server.calls[-2].body == {"weight_version": "1"}
     server.calls.clear()
     server.replies["/update_weights"] = [(500, {"error": "worker died"})]
-    with pytest.raises(EngineHTTPError, match="worker died"):
+    with pytest.raises(EngineHTTPError, match="worker died") as ei:
         load_version(a, 2, _buckets(2), pause_generation=True)
-    paths = server.paths()
-    assert paths[0] == "/pause" and paths[-1] == "/resume"
-    assert "/finish_weight_update" not in paths, "a failed version must never be finished (published)"
-    assert "/init_weight_transfer_engine" not in paths, "the engine is initialized once"
-    assert a.served_version() is None
+    assert ei.value.attempts == 1, "a failed /update_weights is never retried blindly"
+    # the update is closed (vLLM is never left inside one) without publishing 2; the version is marked partial
+    assert server.paths() == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                              "/update_weight_version", "/resume"]
+    assert server.calls[3].body is None and server.calls[4].body == {"new_version": "partial-2"}
+    assert a.served_version() is None and a.needs_restore
 
 
 def test_resume_even_when_begin_fails(server: RecordingServer) -> None:
     server.replies["/start_weight_update"] = [(400, {"error": "no weight transfer engine"})]
-    a = vllm.VLLMAdapter(server.url, client=_client(server.url, "vLLM"))
+    a = _vllm(server)
     with pytest.raises(EngineError):
         load_version(a, 1, _buckets(1), pause_generation=True)
     assert server.paths() == ["/pause", "/init_weight_transfer_engine", "/start_weight_update", "/resume"]
