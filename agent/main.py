@@ -39,6 +39,7 @@ from weightsync.agent.plan import TensorShard, TransferPlan
 from weightsync.agent.podstatus import Desired, PodLink, synced_state
 from weightsync.agent.server import StagedVersion, StagingError, StagingStore, WeightServer
 from weightsync.agent.staging import cleanup_stale
+from weightsync.crds import contract
 from weightsync.crds.topology import InferenceReplicaTopology, PodMember, Topology
 
 log = logging.getLogger("weightsync.agent")
@@ -74,8 +75,34 @@ def make_adapter(cfg: AgentConfig, registry: AppRegistry, ranks: list[int], tp_s
         # pickled for another container cannot be rebuilt there).
         options.update(tp_size=tp_size, path="tensor" if cfg.device.startswith("cuda") else "distributed")
         if cfg.device.startswith("cuda"):
-            options["devices"] = [cfg.device] * tp_size if ":" in cfg.device else [f"cuda:{r}" for r in range(tp_size)]
+            options["devices"] = engine_devices(cfg.device, tp_size)
+    elif cfg.engine_type == "VLLM":
+        # Colocated (the agent on the engine's GPUs): CUDA IPC handles keyed by GPU UUID. Separated: vLLM's
+        # NCCL group, the agent as rank 0 on a GPU of its own (vllm_unusable refuses an agent without one).
+        if cfg.role == contract.ROLE_COLOCATED:
+            options.update(backend="ipc", devices=engine_devices(cfg.device, tp_size))
+        else:
+            options.update(backend="nccl", device=cfg.device)
     return factory.make_adapter(cfg.engine_type, url=cfg.engine_url, **options)
+
+
+def engine_devices(device: str, tp_size: int) -> list[str]:
+    """The CUDA device of each engine TP rank as the agent sees it (a pinned cuda:N: all on N)."""
+    return [device] * tp_size if ":" in device else [f"cuda:{r}" for r in range(tp_size)]
+
+
+def vllm_unusable(cfg: AgentConfig) -> str | None:
+    """Why a vLLM engine cannot take weights from this agent, or None. vLLM's backends need CUDA: a CPU
+    agent would fail every load, so it is refused at start with the fix instead."""
+    if cfg.engine_type != "VLLM" or cfg.device.startswith("cuda"):
+        return None
+    if cfg.role == contract.ROLE_COLOCATED:
+        return ("vLLM takes colocated weights only as CUDA IPC handles, and this agent has no GPU "
+                f"({contract.ENV_AGENT_DEVICE}={cfg.device}); give the inference replicas GPUs")
+    return ("vLLM receives separated weights only over NCCL (its nccl weight-transfer backend) from an agent "
+            f"with a GPU of its own, and this agent has none ({contract.ENV_AGENT_DEVICE}={cfg.device}); "
+            "use engine type SGLang (its weight-update group works from a CPU agent) or Custom until the "
+            "operator gives separated inference agents a GPU")
 
 
 #: Staged versions a trainer agent keeps: the newest and the one before it, so that an engine that cannot
@@ -457,6 +484,9 @@ class Agent:
             return
         if self.engine_refused is not None:
             return
+        if (why := vllm_unusable(self.cfg)) is not None:
+            self._refuse_engine(why, "EngineConfigUnsupported")
+            return
         if not self._engine_known:
             if self.cfg.engine_type != "Custom":
                 try:  # an HTTP engine that outlived a restarted agent already serves some version
@@ -467,7 +497,7 @@ class Agent:
                     self.served = self.adapter.served_version()
                 except EngineError as exc:
                     if "not supported" in str(exc):
-                        self._refuse_engine(str(exc))
+                        self._refuse_engine(str(exc), "EngineVersionUnsupported")
                         return
                     log.info("engine not reachable yet: %s", exc)
                     return
@@ -480,16 +510,17 @@ class Agent:
             return
         self._fetch(target)
 
-    def _refuse_engine(self, message: str) -> None:
-        """An engine release this agent cannot drive: reported once on the pod (Synced=False, reason
-        EngineVersionUnsupported) and in the log; no load is attempted (it could not succeed)."""
+    def _refuse_engine(self, message: str, reason: str) -> None:
+        """An engine this agent cannot drive (an unsupported release, a configuration that cannot work):
+        reported once on the pod (Synced=False with `reason`) and in the log; no load is attempted (it
+        could not succeed)."""
         self.engine_refused = message
         self.last_error = message
         self._engine_known = True
         log.error("engine refused: %s", message)
         if self.pod is not None:
             self.pod.update(served_version=self.served, sync_error=message, synced=False,
-                            synced_reason="EngineVersionUnsupported", synced_message=message)
+                            synced_reason=reason, synced_message=message)
 
     def _restore(self, version: int, fetch: Any) -> None:
         """Reload `version` (the last good one) into an engine a failed load left with mixed weights, while

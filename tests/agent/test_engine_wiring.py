@@ -1,0 +1,43 @@
+"""Which last hop the agent picks per engine and placement (agent/main.py make_adapter), and the
+configurations it refuses at start instead of failing every load."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from weightsync.agent import main
+from weightsync.agent.engines.custom import AppRegistry
+from weightsync.agent.engines.sglang import SGLangAdapter
+from weightsync.agent.engines.vllm import VLLMAdapter
+from weightsync.crds import contract
+
+
+def _cfg(engine: str, device: str, role: str = contract.ROLE_INFERENCE) -> Any:
+    return SimpleNamespace(engine_type=engine, device=device, role=role, timeout_seconds=30,
+                           engine_url="http://127.0.0.1:30000")
+
+
+def test_sglang_cpu_agent_uses_the_weight_update_group_and_cuda_agents_ipc() -> None:
+    a = main.make_adapter(_cfg("SGLang", "cpu"), AppRegistry(), [0], 2)
+    assert isinstance(a, SGLangAdapter) and a.path == "distributed" and a.tp_size == 2
+    b = main.make_adapter(_cfg("SGLang", "cuda", contract.ROLE_COLOCATED), AppRegistry(), [0], 2)
+    assert isinstance(b, SGLangAdapter) and b.path == "tensor"
+    assert [str(d) for d in b.devices or []] == ["cuda:0", "cuda:1"]
+
+
+def test_vllm_backend_follows_the_placement() -> None:
+    a = main.make_adapter(_cfg("VLLM", "cuda:1"), AppRegistry(), [0], 2)
+    assert isinstance(a, VLLMAdapter) and a.backend == "nccl"
+    b = main.make_adapter(_cfg("VLLM", "cuda", contract.ROLE_COLOCATED), AppRegistry(), [0], 2)
+    assert isinstance(b, VLLMAdapter) and b.backend == "ipc"
+
+
+@pytest.mark.parametrize("role, needle", [(contract.ROLE_INFERENCE, "nccl weight-transfer backend"),
+                                          (contract.ROLE_COLOCATED, "CUDA IPC")])
+def test_a_cpu_agent_in_front_of_vllm_is_refused_with_the_fix(role: str, needle: str) -> None:
+    why = main.vllm_unusable(_cfg("VLLM", "cpu", role))
+    assert why is not None and needle in why and contract.ENV_AGENT_DEVICE in why
+    assert main.vllm_unusable(_cfg("VLLM", "cuda", role)) is None
+    assert main.vllm_unusable(_cfg("SGLang", "cpu", role)) is None
