@@ -47,7 +47,6 @@ import itertools
 import logging
 import os
 import socket
-import threading
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
@@ -60,6 +59,7 @@ from torch.multiprocessing import reductions
 
 from .base import EngineError, NamedTensors
 from .http import EngineHTTPError, HttpClient
+from .overlap import post_during
 
 log = logging.getLogger(__name__)
 
@@ -386,46 +386,13 @@ class SGLangAdapter:
                          update_weights_from_distributed_body(meta, group_name=group.group_name))
 
     def _call_while(self, collective: Any, route: str, body: dict[str, Any]) -> None:
-        """POST `route` (the engine then blocks in the collective) while this side runs `collective`.
-        Whichever fails first is reported at once: a refused request never waits out the collective's
-        timeout (the abandoned collective thread ends with its own timeout)."""
-        done = threading.Event()
-        errors: dict[str, BaseException] = {}
-        finished: set[str] = set()
-
-        def run(name: str, fn: Any) -> None:
-            try:
-                fn()
-            except BaseException as exc:
-                errors[name] = exc
-            finally:
-                finished.add(name)
-                done.set()
-
-        threads = [threading.Thread(target=run, args=("http", lambda: self.client.post(route, body, retry=False)),
-                                    name=f"sglang{route}", daemon=True),
-                   threading.Thread(target=run, args=("collective", collective), name="sglang-collective",
-                                    daemon=True)]
-        for t in threads:
-            t.start()
-        deadline = threading.Event()
-        timer = threading.Timer(self.timeout, deadline.set)
-        timer.daemon = True
-        timer.start()
-        try:
-            while len(finished) < 2 and not errors and not deadline.is_set():
-                done.wait(0.05)
-                done.clear()
-        finally:
-            timer.cancel()
-        if errors or len(finished) < 2:
-            http_err, coll_err = errors.get("http"), errors.get("collective")
-            if coll_err is not None or "collective" not in finished or route == "/init_weights_update_group":
-                self._drop_group()  # the group is out of step with the engine: form a new one next time
-            if isinstance(http_err, EngineError):
-                raise http_err
-            what = http_err or coll_err or f"no completion within {self.timeout:.0f}s"
-            raise EngineError(f"SGLang {route}: {what}") from (http_err or coll_err)
+        """POST `route` (the engine then blocks in the collective) while this side runs `collective`."""
+        res = post_during(self.client, route, body, collective, timeout=self.timeout, name=f"sglang{route}")
+        if res.ok:
+            return
+        if res.collective_error is not None or not res.collective_done or route == "/init_weights_update_group":
+            self._drop_group()  # the group is out of step with the engine: form a new one next time
+        res.raise_error(f"SGLang {route}")
 
     def _drop_group(self) -> None:
         """Forget the group on both sides (the engine's half is destroyed best-effort)."""

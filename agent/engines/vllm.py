@@ -64,7 +64,6 @@ import logging
 import os
 import pickle
 import re
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +73,7 @@ import torch
 
 from .base import EngineError, NamedTensors
 from .http import EngineHTTPError, HttpClient
+from .overlap import post_during
 
 log = logging.getLogger(__name__)
 
@@ -505,43 +505,10 @@ class VLLMAdapter:
         """POST `route` in a thread (the engine blocks in the matching NCCL call) while this side runs
         `collective`, as vLLM's trainer does; whichever fails first is reported at once (a refused request
         never waits for a peer that will not come). Any failure breaks the group: it is aborted here."""
-        done = threading.Event()
-        errors: dict[str, BaseException] = {}
-        finished: set[str] = set()
-
-        def run(name: str, fn: Callable[[], Any]) -> None:
-            try:
-                fn()
-            except BaseException as exc:
-                errors[name] = exc
-            finally:
-                finished.add(name)
-                done.set()
-
-        threads = [threading.Thread(target=run, args=("http", lambda: self.client.post(route, body, retry=False)),
-                                    name=f"vllm{route}", daemon=True),
-                   threading.Thread(target=run, args=("collective", collective), name="vllm-nccl", daemon=True)]
-        for t in threads:
-            t.start()
-        expired = threading.Event()
-        timer = threading.Timer(self.timeout, expired.set)
-        timer.daemon = True
-        timer.start()
-        try:
-            while len(finished) < 2 and not errors and not expired.is_set():
-                done.wait(0.05)
-                done.clear()
-        finally:
-            timer.cancel()
-        if errors or len(finished) < 2:
+        res = post_during(self.client, route, body, collective, timeout=self.timeout, name=f"vllm{route}")
+        if not res.ok:
             self._break_group()
-            http_err, coll_err = errors.get("http"), errors.get("collective")
-            if isinstance(http_err, EngineError):
-                raise http_err
-            if isinstance(coll_err, EngineError):
-                raise coll_err
-            what = http_err or coll_err or f"no completion within {self.timeout:.0f}s"
-            raise EngineError(f"vLLM {route}: {what}") from (http_err or coll_err)
+            res.raise_error(f"vLLM {route}")
 
     def _break_group(self) -> None:
         """Abort our half of the group (a pending broadcast returns); the engine's half is shut down and the

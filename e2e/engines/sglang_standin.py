@@ -34,6 +34,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 from weightsync.agent.client import checksums
+from weightsync.agent.demo.jsonhttp import JsonHandler
 
 from . import sglang_code
 
@@ -186,18 +187,7 @@ def checksums_of(engine: Engine) -> dict[str, Any]:
 def make_handler(engine: Engine, max_body: int) -> type[BaseHTTPRequestHandler]:
     sg_routes = sglang_code.routes()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, fmt: str, *args: Any) -> None:
-            log.debug("http %s", fmt % args)
-
-        def _json(self, code: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def _body(self) -> Any:
             n = int(self.headers.get("Content-Length") or 0)
             if n > max_body:
