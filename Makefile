@@ -37,7 +37,7 @@ test-unit: $(STAMP)
 
 ## test-engines: the adapters against the engines' own released code (part of `make test` too).
 test-engines: $(STAMP)
-	$(VENV)/bin/pytest -m 'engines and not gpu' $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m engines $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(VENV)/bin/pytest -m gpu $(PYTEST_ARGS)

@@ -9,12 +9,15 @@ request never waits out the collective's timeout (an abandoned collective thread
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .base import EngineError
 from .http import HttpClient
+
+ERROR_GRACE_SECONDS = 2.0
 
 
 @dataclass
@@ -64,8 +67,15 @@ def post_during(client: HttpClient, route: str, body: dict[str, Any], collective
     timer = threading.Timer(timeout, expired.set)
     timer.daemon = True
     timer.start()
+    grace_until: float | None = None
     try:
-        while len(finished) < 2 and not errors and not expired.is_set():
+        while len(finished) < 2 and not expired.is_set():
+            if errors:
+                # An engine that refuses after receiving answers right after the collective ends: give the
+                # other side a moment so a finished collective is not taken for a broken one.
+                grace_until = grace_until or time.monotonic() + ERROR_GRACE_SECONDS
+                if time.monotonic() >= grace_until:
+                    break
             done.wait(0.05)
             done.clear()
     finally:

@@ -18,7 +18,7 @@ from weightsync.agent.client import checksums
 from weightsync.agent.engines import sglang
 from weightsync.agent.engines.base import load_version
 
-pytestmark = [pytest.mark.engines, pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu]  # not `engines`: that tier runs without a GPU, with no skips
 
 MOUNT_ONLY = ["unshare", "--mount", "--propagation", "private"]  # one PID namespace (shareProcessNamespace)
 
