@@ -1,7 +1,6 @@
-"""Adapter contract: every request body the SGLang and vLLM adapters send (captured from a real HTTP
-server) validates against the engine's request types, copied with version and source path into
-fixtures/ (the engines' own classes need their whole serving stack to import), and the flattened
-buckets decode back to the exact bytes on the engine side."""
+"""The hand-copied field lists in fixtures/ are documentation only (they name the engine release and the
+source file they were read from); the checks run against the engines' own released code in
+test_sglang_released.py and test_vllm_released.py. Plus the adapter factory."""
 
 from __future__ import annotations
 
