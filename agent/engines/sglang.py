@@ -222,30 +222,33 @@ def check_version(version: str) -> str:
     return version
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sk:
-        sk.bind((host, 0))
-        return int(sk.getsockname()[1])
-
-
 class _SenderGroup:
     """Rank 0 of SGLang's weight-update group, formed exactly as the engine forms its side
-    (`init_custom_process_group`): c10d rendezvous on tcp://host:port, `PrefixStore(group_name)`, then
-    torch's process-group helper with the same group name, so every store key matches."""
+    (`init_custom_process_group`): the c10d store the engine's tcp:// rendezvous reaches, `PrefixStore(
+    group_name)`, then torch's process-group helper with the same group name, so every store key matches.
+
+    The store listens only on `host` (the engine URL's host: 127.0.0.1 in a real pod, so nothing outside
+    the pod reaches it; SGLang's rendezvous carries no credentials). The socket is bound here and handed
+    to the store, which also avoids a free-port race."""
 
     def __init__(self, host: str, world_size: int, group_name: str, timeout: float) -> None:
-        self.host, self.port, self.world_size = host, _free_port(host), world_size
+        self.host, self.world_size = host, world_size
         self.group_name = group_name
         self.timeout = datetime.timedelta(seconds=timeout)
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.bind((host, 0))
+        self._sock.listen(max(16, world_size))
+        self.port = int(self._sock.getsockname()[1])
+        self._handed = False
         self.pg: Any = None
 
     def join(self) -> None:
         """Blocks until every engine rank joined (they do inside /init_weights_update_group)."""
         from torch.distributed import distributed_c10d as c10d
 
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        store, _, _ = next(c10d.rendezvous(f"tcp://{host}:{self.port}", 0, self.world_size, timeout=self.timeout))
-        store.set_timeout(self.timeout)
+        self._handed = True  # the store owns the listening socket from here on
+        store = dist.TCPStore(self.host, self.port, self.world_size, True, timeout=self.timeout,
+                              wait_for_workers=True, master_listen_fd=self._sock.fileno())
         pg, _ = c10d._new_process_group_helper(
             self.world_size, 0, [], c10d.Backend("gloo"), c10d.PrefixStore(self.group_name, store),
             group_name=c10d.GroupName(self.group_name), backend_options=None, timeout=self.timeout)
@@ -262,6 +265,8 @@ class _SenderGroup:
             except Exception as exc:  # already broken: nothing left to free
                 log.debug("sglang.group_destroy error=%s", exc)
         self.pg = None
+        if not self._handed:
+            self._sock.close()
 
 
 class SGLangAdapter:

@@ -253,3 +253,15 @@ def test_a_load_failing_at_bucket_k_closes_the_session_and_resumes(standin: Any)
     load_version(a, 1, _buckets(items), pause_generation=True)
     assert eng.get("/standin/checksums")["checksums"] == checksums(items) and not a.needs_restore
     assert a.served_version() == 1
+
+
+def test_the_rendezvous_store_listens_only_on_the_engine_host() -> None:
+    """SGLang's rendezvous has no credentials: the agent's store listens on the engine URL's host only
+    (127.0.0.1 in a real pod), never on every interface."""
+    a = sglang.SGLangAdapter("http://127.0.0.1:1")
+    assert a.group_host == "127.0.0.1"
+    g = sglang._SenderGroup(a.group_host, 2, "weightsync-test", 5.0)
+    try:
+        assert g._sock.getsockname()[0] == "127.0.0.1" and g.port > 0
+    finally:
+        g.close()
