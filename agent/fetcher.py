@@ -150,7 +150,8 @@ class TrainerPeers:
     def report_served(self, version: int) -> None:
         """Tell every trainer agent that this agent committed `version` into its engine (ws.served), now and
         after every reconnect. Only versions this agent loaded itself are reported, never a version the
-        engine claims (an app container could claim anything): trainer agents answer wait_served from these."""
+        engine claims (an app container could claim anything): trainer agents answer wait_served from these.
+        0 withdraws the report: the engine holds no complete version (a failed load whose restore failed)."""
         with self._served_lock:
             self._served = version
             with self._lock:

@@ -533,6 +533,8 @@ class Agent:
             log.info("restored version=%s", version)
         except (FetchError, EngineError, StagingError) as exc:
             self.served = None  # the engine's weights are mixed: not served until a full version loads
+            if self.peers is not None:
+                self.peers.report_served(0)  # wait_served must not count this replica any more
             log.error("restore of version=%s failed: %s; the engine serves no complete version", version, exc)
         finally:
             self.held_paused = False
@@ -587,6 +589,8 @@ class Agent:
             self.restore_version = None
             if getattr(self.adapter, "needs_restore", False):
                 self.served = None  # mixed weights: not served until a complete version is loaded
+                if prev is None and self.peers is not None:
+                    self.peers.report_served(0)
                 if self.held_paused and prev is not None:
                     self._attempt += 1  # a new proposal: the failed version's plan agreement is spent
                     self.cache.drop(g.name, role_prefix="dst")

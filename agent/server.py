@@ -267,7 +267,7 @@ class ServedTracker:
 
     def __init__(self) -> None:
         self._links: dict[str, int] = {}  # pod -> its newest control link
-        self._reports: dict[str, int] = {}  # pod -> the version reported on that link
+        self._reports: dict[str, int | None] = {}  # pod -> the version reported on that link (None: withdrawn)
         self._cond = threading.Condition()
 
     def link_opened(self, pod: str, key: int) -> None:
@@ -284,7 +284,7 @@ class ServedTracker:
                 self._reports.pop(pod, None)
                 self._cond.notify_all()
 
-    def report(self, pod: str, key: int, version: int) -> None:
+    def report(self, pod: str, key: int, version: int | None) -> None:
         with self._cond:
             if self._links.get(pod) == key:  # a late frame from a replaced link is ignored
                 self._reports[pod] = version
@@ -441,9 +441,10 @@ class WeightServer:
         version = P.require(h, "version", int)
         if pod is None:
             raise P.ProtocolError("a served report on a control link whose hello named no pod")
-        if version < 1:
-            raise P.ProtocolError(f"a served report needs a version >= 1, got {version}")
-        self.served.report(pod, id(link), version)
+        if version < 0:
+            raise P.ProtocolError(f"a served report needs a version >= 1 (or 0: serves no complete version), got {version}")
+        # 0 withdraws the pod's report: its engine holds no complete version (a failed load and restore)
+        self.served.report(pod, id(link), version if version >= 1 else None)
         log.debug("peer.served pod=%s version=%s", pod, version)
 
     def _control_request(self, link: Link, h: dict[str, Any]) -> None:

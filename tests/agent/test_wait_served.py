@@ -148,6 +148,21 @@ def test_inference_agent_reports_commits_and_reports_again_after_a_reconnect(ser
     wait_until(lambda: server.served.fleet(t, False).replicas == {0: None})
 
 
+def test_a_zero_report_withdraws_the_replica(server: WeightServer) -> None:
+    """An engine left with no complete version (failed load, failed restore) no longer counts as serving."""
+    link = connect("127.0.0.1", server.port, TOKEN)
+    try:
+        link.send({"kind": P.HELLO, "pod": "j-inference-0-0", "replica": 0, "session": "x"})
+        assert link.recv(timeout=10)[0]["kind"] == P.WELCOME
+        t = topo({0: [[0]]})
+        link.send({"kind": P.SERVED, "version": 5})
+        wait_until(lambda: server.served.fleet(t, False).replicas == {0: 5})
+        link.send({"kind": P.SERVED, "version": 0})
+        wait_until(lambda: server.served.fleet(t, False).replicas == {0: None})
+    finally:
+        link.close()
+
+
 def test_a_bad_served_report_is_refused(server: WeightServer) -> None:
     link = connect("127.0.0.1", server.port, TOKEN)
     try:
@@ -156,7 +171,7 @@ def test_a_bad_served_report_is_refused(server: WeightServer) -> None:
         link.send({"kind": P.SERVED, "version": "7"})
         h, _ = link.recv(timeout=10)
         assert h["kind"] == P.ERROR and "version" in h["message"]
-        link.send({"kind": P.SERVED, "version": 0})
+        link.send({"kind": P.SERVED, "version": -1})
         h, _ = link.recv(timeout=10)
         assert h["kind"] == P.ERROR and ">= 1" in h["message"]
         assert server.served.fleet(topo({0: [[0]]}), False).replicas == {0: None}
