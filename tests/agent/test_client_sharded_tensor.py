@@ -9,6 +9,7 @@ every staged byte against the unsharded model, and that the two ranks' boxes til
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -164,10 +165,16 @@ def _rank_main(rank: int, world: int, root: str) -> None:
                         off, shape = b[name]
                         covered[tuple(slice(o, o + n) for o, n in zip(off, shape, strict=True))] += 1
                 assert bool((covered == 1).all()), f"{name}: the ranks' boxes do not tile the tensor exactly"
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException:
         traceback.print_exc()
         raise
+    # Leave without interpreter teardown: gloo's C++ threads at exit aborted a rank once under load
+    # ("terminate called without an active exception"); the checks above already passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_two_ranks_real_fsdp1_publish_truthful_boxes(tmp_path: Path) -> None:
