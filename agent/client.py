@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from weightsync.agent import buckets, local, staging
+from weightsync.agent import protocol as P
 from weightsync.crds import contract
 
 log = logging.getLogger(__name__)
@@ -208,10 +209,7 @@ class ServedState:
     @property
     def version(self) -> int | None:
         """The version every replica serves at least (the lowest one); None while a replica serves nothing."""
-        vs = list(self.replicas.values())
-        if not vs or any(v is None for v in vs):
-            return None
-        return min(v for v in vs if v is not None)
+        return P.lowest_served(self.replicas)
 
     @classmethod
     def from_reply(cls, reply: Mapping[str, Any]) -> ServedState:

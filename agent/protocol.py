@@ -46,6 +46,16 @@ class ProtocolError(RuntimeError):
     """A peer agent sent a message this agent cannot act on; the message says which and why."""
 
 
+def lowest_served(replicas: Mapping[int, int | None]) -> int | None:
+    """The version every inference replica serves at least, from per-replica `ws.served` reports (the
+    lowest one); None while some replica serves nothing or there is none. Shared by the trainer agent's
+    fleet view and the client's answer to wait_served."""
+    vs = list(replicas.values())
+    if not vs or any(v is None for v in vs):
+        return None
+    return min(v for v in vs if v is not None)
+
+
 def encode_meta(ranks: Mapping[int, Sequence[TensorShard]], aliases: Mapping[str, str]) -> bytes:
     doc = {"ranks": {str(r): [s.to_dict() for s in shards] for r, shards in ranks.items()}, "aliases": dict(aliases)}
     return json.dumps(doc, separators=(",", ":")).encode()

@@ -246,10 +246,7 @@ class FleetServed:
     @property
     def version(self) -> int | None:
         """The lowest version served by every replica (None while some replica serves nothing)."""
-        vs = list(self.replicas.values())
-        if not vs or any(v is None for v in vs):
-            return None
-        return min(v for v in vs if v is not None)
+        return P.lowest_served(self.replicas)
 
     def to_dict(self) -> dict[str, Any]:
         return {"replicas": [{"replica": r, "served": v, "pods": self.pods.get(r, {})}
