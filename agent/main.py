@@ -29,7 +29,7 @@ from weightsync.agent import local
 from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
 from weightsync.agent.delta import DeltaConfig
 from weightsync.agent.engines import factory
-from weightsync.agent.engines.base import EngineAdapter, EngineError
+from weightsync.agent.engines.base import EngineAdapter, EngineError, EngineUnsupported
 from weightsync.agent.engines.custom import AppRegistry, CustomEngineAdapter
 from weightsync.agent.fetcher import FetchError, TrainerPeers, fetch_version
 from weightsync.agent.groups import TransportCache, group_for, proposal_of
@@ -495,10 +495,10 @@ class Agent:
                         release = check()
                         log.info("engine release %s %s is supported", self.cfg.engine_type, release)
                     self.served = self.adapter.served_version()
+                except EngineUnsupported as exc:
+                    self._refuse_engine(str(exc), "EngineVersionUnsupported")
+                    return
                 except EngineError as exc:
-                    if "not supported" in str(exc):
-                        self._refuse_engine(str(exc), "EngineVersionUnsupported")
-                        return
                     log.info("engine not reachable yet: %s", exc)
                     return
             self._engine_known = True

@@ -22,6 +22,11 @@ class EngineError(RuntimeError):
     """The engine refused or failed an operation; the message says which and why."""
 
 
+class EngineUnsupported(EngineError):
+    """The engine is a release this adapter does not speak: retrying cannot help (the agent reports it once
+    and attempts no load)."""
+
+
 @runtime_checkable
 class EngineAdapter(Protocol):
     """What the inference agent needs from an engine. Methods raise EngineError on failure."""

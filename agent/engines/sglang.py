@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing import reductions
 
-from .base import EngineError, NamedTensors
+from .base import EngineError, EngineUnsupported, NamedTensors
 from .http import EngineHTTPError, HttpClient
 from .overlap import post_during
 
@@ -216,7 +216,7 @@ def parse_version(value: Any) -> int | None:
 def check_version(version: str) -> str:
     """Refuse an SGLang release whose weight-update protocol this adapter does not speak."""
     if version not in SUPPORTED_VERSIONS:
-        raise EngineError(f"SGLang {version or '(unknown version)'} is not supported: weightsync speaks the weight-"
+        raise EngineUnsupported(f"SGLang {version or '(unknown version)'} is not supported: weightsync speaks the weight-"
                           f"update protocol of SGLang {', '.join(SUPPORTED_VERSIONS)}; run a supported image "
                           f"(e.g. lmsysorg/sglang:v{SUPPORTED_VERSIONS[-1]})")
     return version

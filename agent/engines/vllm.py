@@ -71,7 +71,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from .base import EngineError, NamedTensors
+from .base import EngineError, EngineUnsupported, NamedTensors
 from .http import EngineHTTPError, HttpClient
 from .overlap import post_during
 
@@ -100,7 +100,7 @@ def check_version(version: str) -> str:
     """Refuse a vLLM release whose weight-transfer API this adapter does not speak."""
     if not supported(version):
         series = ", ".join(f"{s}.x" for s in SUPPORTED_VERSIONS)
-        raise EngineError(f"vLLM {version or '(unknown version)'} is not supported: weightsync speaks the weight-"
+        raise EngineUnsupported(f"vLLM {version or '(unknown version)'} is not supported: weightsync speaks the weight-"
                           f"transfer API of vLLM {series} (tested with {VLLM_VERSION}); run a supported image "
                           f"(e.g. vllm/vllm-openai:v{VLLM_VERSION})")
     return version
@@ -460,7 +460,7 @@ class VLLMAdapter:
         return str(info.get("version", "")) if isinstance(info, dict) else ""
 
     def check_engine_version(self) -> str:
-        """GET /version; raises EngineError ("... is not supported ... vLLM 0.33.x") for another release."""
+        """GET /version; raises EngineUnsupported ("... is not supported ... vLLM 0.33.x") for another release."""
         return check_version(self.engine_version())
 
     def engine_workers(self) -> int:

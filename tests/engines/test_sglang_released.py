@@ -21,7 +21,7 @@ import torch
 from weightsync.agent.client import checksums
 from weightsync.agent.demo.model import DemoModel
 from weightsync.agent.engines import sglang
-from weightsync.agent.engines.base import EngineError, load_version
+from weightsync.agent.engines.base import EngineError, EngineUnsupported, load_version
 from weightsync.e2e.engines import released, sglang_code
 from weightsync.e2e.procs import free_port
 
@@ -187,7 +187,7 @@ def test_cpu_tensor_payload_cannot_cross_into_another_container(tmp_path: Path) 
 
 def test_unsupported_release_is_refused_with_the_versions_that_work() -> None:
     assert sglang.check_version("0.5.23") == "0.5.23"
-    with pytest.raises(EngineError, match=r"SGLang 0\.5\.5 is not supported.*0\.5\.23"):
+    with pytest.raises(EngineUnsupported, match=r"SGLang 0\.5\.5 is not supported.*0\.5\.23"):
         sglang.check_version("0.5.5")
 
 

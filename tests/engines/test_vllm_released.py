@@ -33,7 +33,7 @@ import pytest
 import torch
 from recording_server import Call, RecordingServer
 from weightsync.agent.engines import vllm
-from weightsync.agent.engines.base import EngineError, load_version
+from weightsync.agent.engines.base import EngineError, EngineUnsupported, load_version
 from weightsync.agent.engines.http import HttpClient
 from weightsync.e2e.engines import released
 
@@ -673,7 +673,7 @@ def test_unsupported_release_is_refused_with_the_versions_that_work(server: Reco
     assert ("GET", "/version") in route_table()
     for bad in ("0.32.1", "0.10.2", "", "1.0.0"):
         server.replies["/version"] = [(200, {"version": bad})]
-        with pytest.raises(EngineError, match=r"vLLM .* is not supported.*vLLM 0\.33\.x"):
+        with pytest.raises(EngineUnsupported, match=r"vLLM .* is not supported.*vLLM 0\.33\.x"):
             a.check_engine_version()
     server.replies["/version"] = [(200, {"version": "0.33.2+cu129"})]
     assert a.check_engine_version() == "0.33.2+cu129"
