@@ -102,11 +102,6 @@ def flatten(tensors: NamedTensors, out: torch.Tensor | None = None) -> tuple[tor
     return buf, meta
 
 
-def reconstruct(flat: torch.Tensor, meta: Sequence[Any]) -> list[tuple[str, torch.Tensor]]:
-    """The engine side of `flatten` (FlattenedTensorBucket.reconstruct_tensors), for tests and checks."""
-    return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in meta]
-
-
 def _gpu_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 

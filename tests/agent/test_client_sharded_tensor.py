@@ -20,8 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from weightsync.agent import staging
 from weightsync.agent.client import TrainerSession, local_shards
-from weightsync.agent.local import LocalServer
-from weightsync.agent.server import StagingError, StagingStore
+from weightsync.agent.server import StagingStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "agent_process"))
+from staging_agent import serve_staging
 
 
 def _default_group() -> Any:
@@ -102,24 +104,6 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 7), torch.nn.Linear(7, 1))
 
 
-def _agent(path: Path, store: StagingStore) -> LocalServer:
-    def handler(conn: Any) -> None:
-        conn.recv()
-        conn.reply_ok()
-        while True:
-            h, _ = conn.recv()
-            try:
-                if h["op"] == "stage":
-                    conn.reply_ok(segment=store.stage(h["rank"], h["version"], h["nbytes"], h["device"]).handle())
-                else:
-                    store.publish(h["rank"], h["version"], h["segment"], h["tensors"], h["aliases"])
-                    conn.reply_ok()
-            except StagingError as exc:
-                conn.reply_error(str(exc))
-
-    return LocalServer(path, handler).start()
-
-
 def _rank_main(rank: int, world: int, root: str) -> None:
     try:
         os.environ[staging.SHM_DIR_ENV] = root
@@ -135,7 +119,7 @@ def _rank_main(rank: int, world: int, root: str) -> None:
         assert all(type(v).__name__ == "ShardedTensor" for v in sd.values()), {k: type(v) for k, v in sd.items()}
 
         store = StagingStore([rank], f"wstest-st{rank}")
-        server = _agent(Path(root) / f"agent{rank}.sock", store)
+        server = serve_staging(Path(root) / f"agent{rank}.sock", store)
         try:
             with TrainerSession(Path(root) / f"agent{rank}.sock", rank=rank) as s:
                 s.publish(sd, version=1)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from staging_agent import serve_staging
 from weightsync.agent import staging
 from weightsync.agent.client import InferenceSession, TensorShard, TrainerSession, checksums, local_shards
 from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
@@ -203,22 +204,7 @@ def test_custom_engine_over_socket_and_shm_always_resumes(tmp_path: Path, monkey
 def test_trainer_session_publish_is_bit_exact_in_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
     store = StagingStore([0], "wstest")
-
-    def handler(conn: Any) -> None:
-        conn.recv()
-        conn.reply_ok()
-        while True:
-            h, _ = conn.recv()
-            try:
-                if h["op"] == "stage":
-                    conn.reply_ok(segment=store.stage(h["rank"], h["version"], h["nbytes"], h["device"]).handle())
-                else:
-                    store.publish(h["rank"], h["version"], h["segment"], h["tensors"], h["aliases"])
-                    conn.reply_ok()
-            except StagingError as exc:
-                conn.reply_error(str(exc))
-
-    server = LocalServer(tmp_path / "agent.sock", handler).start()
+    server = serve_staging(tmp_path / "agent.sock", store)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     weights = {**{k: v.detach().clone() for k, v in model.state_dict().items()},
                "mask": torch.tensor([True, False]), "scale": torch.tensor(3, dtype=torch.int64),

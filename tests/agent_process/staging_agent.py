@@ -1,0 +1,28 @@
+"""A minimal trainer agent for client tests: answers a TrainerSession's hello, stage and publish on a real
+Unix socket straight from a real StagingStore (no control plane, no peers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from weightsync.agent.local import LocalServer
+from weightsync.agent.server import StagingError, StagingStore
+
+
+def serve_staging(path: Path, store: StagingStore) -> LocalServer:
+    def handler(conn: Any) -> None:
+        conn.recv()
+        conn.reply_ok()
+        while True:
+            h, _ = conn.recv()
+            try:
+                if h["op"] == "stage":
+                    conn.reply_ok(segment=store.stage(h["rank"], h["version"], h["nbytes"], h["device"]).handle())
+                else:
+                    store.publish(h["rank"], h["version"], h["segment"], h["tensors"], h["aliases"])
+                    conn.reply_ok()
+            except StagingError as exc:
+                conn.reply_error(str(exc))
+
+    return LocalServer(path, handler).start()
