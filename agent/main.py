@@ -105,9 +105,12 @@ def vllm_unusable(cfg: AgentConfig) -> str | None:
             "operator gives separated inference agents a GPU")
 
 
-#: Staged versions a trainer agent keeps: the newest and the one before it, so that an engine that cannot
-#: roll back (SGLang, vLLM) is reloaded with the last good version after a load failed half-way.
-KEEP_STAGED_VERSIONS = 2
+def staged_versions_to_keep(engine_type: str) -> int:
+    """Complete versions a trainer agent keeps staged. SGLang and vLLM load in place and cannot roll back,
+    so the version before the newest stays staged: the last good version is reloaded after a load failed
+    half-way. A Custom engine applies a version only at commit, so one is enough (and costs one model copy
+    of staging less)."""
+    return 2 if engine_type in ("SGLang", "VLLM") else 1
 
 
 def engine_takes_full_tensors(engine_type: str) -> bool:
@@ -256,7 +259,7 @@ class Agent:
         self.server: WeightServer | None = None
         if self.tmember is not None:
             self.store = StagingStore(self.tmember.ranks, self.prefix, on_complete=self._on_complete,
-                                      keep=KEEP_STAGED_VERSIONS)
+                                      keep=staged_versions_to_keep(cfg.engine_type))
             self.server = WeightServer(
                 host=cfg.pod_ip, port=cfg.control_port, token=self.token, pod=cfg.pod_name, store=self.store,
                 transport_for=lambda g, p, role: self.cache.get(g, p, role=role), metrics=self.metrics, mode=self.mode,

@@ -41,3 +41,8 @@ def test_a_cpu_agent_in_front_of_vllm_is_refused_with_the_fix(role: str, needle:
     assert why is not None and needle in why and contract.ENV_AGENT_DEVICE in why
     assert main.vllm_unusable(_cfg("VLLM", "cuda", role)) is None
     assert main.vllm_unusable(_cfg("SGLang", "cpu", role)) is None
+
+
+def test_the_previous_version_stays_staged_only_for_engines_that_cannot_roll_back() -> None:
+    assert main.staged_versions_to_keep("SGLang") == main.staged_versions_to_keep("VLLM") == 2
+    assert main.staged_versions_to_keep("Custom") == 1
