@@ -98,8 +98,10 @@ def test_late_joiner_and_agent_restart_catch_up(tmp_path: Path, clusters: list[C
     # late joiner: the inference pod starts after versions were published and pulls the current one
     c.start_agent(i)
     c.start_engine(i)
-    wait_for(lambda: (engine_version(i) or 0) >= 2, 60, "late joiner loaded a version", c)
-    first = engine_version(i)
+    # the version seen by the wait itself: a second read could already see the next version
+    # (the trainer publishes every second), which made `seq[0] == first` flaky under CI load
+    first = wait_for(lambda: v if (v := engine_version(i) or 0) >= 2 else None, 60,
+                     "late joiner loaded a version", c)
     # the inference agent dies (SIGKILL) and restarts: the engine keeps serving and reconnects
     c.kill(i, "agent")
     code, body = get_json(f"{i.demo_url}/predict?x=0.5")
