@@ -65,6 +65,15 @@ RDMA_RESOURCE_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-
 # Owned pods are named `<job>-inference-<replica>-<index>`; keeping the job name short keeps every owned
 # name a valid DNS label (63 characters) and a valid label value.
 MAX_JOB_NAME_LENGTH = 40
+# The job's Service is named after the job, and a Service name is a DNS-1035 label: lowercase letters,
+# digits and '-', starting with a letter. The API server accepts any DNS-1123 subdomain for a custom
+# resource ('grpo.run-2', '7b-grpo'), so without this rule such a job is stored and its Service never is.
+JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+JOB_NAME_MESSAGE = (
+    f"metadata.name must be a DNS-1035 label of at most {MAX_JOB_NAME_LENGTH} characters: lowercase letters, "
+    "digits and '-', starting with a letter and ending with a letter or digit (no dots), because the job's "
+    "Service, pods (<job>-inference-<replica>-<index>), Secret and ServiceAccount are named after it"
+)
 _PERCENT_RE = re.compile(r"^(100|[1-9][0-9]?)%$")
 
 
@@ -729,13 +738,10 @@ class WeightSyncJob(_Model):
 
     @field_validator("metadata")
     @classmethod
-    def _name_length(cls, v: dict[str, Any]) -> dict[str, Any]:
+    def _name_is_a_dns_1035_label(cls, v: dict[str, Any]) -> dict[str, Any]:
         name = v.get("name")
-        if isinstance(name, str) and len(name) > MAX_JOB_NAME_LENGTH:
-            raise ValueError(
-                f"metadata.name must be at most {MAX_JOB_NAME_LENGTH} characters so owned object names "
-                "(<job>-inference-<replica>-<index>) stay valid DNS labels"
-            )
+        if isinstance(name, str) and (len(name) > MAX_JOB_NAME_LENGTH or not re.match(JOB_NAME_PATTERN, name)):
+            raise ValueError(JOB_NAME_MESSAGE)
         return v
 
     @classmethod
@@ -840,6 +846,8 @@ def validation_messages(err: ValidationError) -> list[str]:
 __all__ = [
     "DEFAULT_RDMA_RESOURCE",
     "HOSTNAME_TOPOLOGY_KEY",
+    "JOB_NAME_MESSAGE",
+    "JOB_NAME_PATTERN",
     "MAX_JOB_NAME_LENGTH",
     "POD_TEMPLATE_SCHEMA",
     "RDMA_RESOURCE_PATTERN",

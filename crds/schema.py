@@ -16,7 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 from weightsync.crds import contract
-from weightsync.crds.models import MAX_JOB_NAME_LENGTH, WeightSyncJobSpec, WeightSyncJobStatus
+from weightsync.crds.models import (
+    JOB_NAME_MESSAGE,
+    JOB_NAME_PATTERN,
+    MAX_JOB_NAME_LENGTH,
+    WeightSyncJobSpec,
+    WeightSyncJobStatus,
+)
 
 # Keys copied unchanged from a pydantic schema node (everything else is dropped or rewritten).
 _KEEP = (
@@ -167,17 +173,17 @@ def root_schema() -> dict[str, Any]:
             "kind": {"type": "string", "description": "Kind: WeightSyncJob."},
             "metadata": {
                 "type": "object",
-                "properties": {"name": {"type": "string", "description": "Job name (at most 40 characters)."}},
+                "properties": {"name": {"type": "string", "description": f"Job name: a DNS-1035 label of at most {MAX_JOB_NAME_LENGTH} characters."}},
             },
             "spec": spec,
             "status": status,
         },
         _VALIDATIONS: [
             {
-                "rule": f"!has(self.metadata.name) || size(self.metadata.name) <= {MAX_JOB_NAME_LENGTH}",
+                "rule": f"!has(self.metadata.name) || (size(self.metadata.name) <= {MAX_JOB_NAME_LENGTH} && "
+                f"self.metadata.name.matches('{JOB_NAME_PATTERN}'))",
                 "fieldPath": ".metadata.name",
-                "message": f"metadata.name must be at most {MAX_JOB_NAME_LENGTH} characters so owned object "
-                "names (<job>-inference-<replica>-<index>) stay valid DNS labels",
+                "message": JOB_NAME_MESSAGE,
             }
         ],
     }

@@ -186,6 +186,10 @@ CASES: list[Case] = [
     Case("engine-url-scheme", _set("spec.inference.engine.url", "ftp://engine:30000"),
          "spec.inference.engine.url", "CEL"),
     Case("name-too-long", _set("metadata.name", "a" * 41), "metadata.name", "CEL"),
+    # F1 (hostile-input issue): the API server takes any DNS-1123 subdomain for a custom resource, but the
+    # job's Service name must be a DNS-1035 label; the operator's Service create got 422 forever
+    Case("name-with-a-dot", _set("metadata.name", "grpo.run-2"), "metadata.name", "CEL", also="DNS-1035"),
+    Case("name-leading-digit", _set("metadata.name", "7b-grpo"), "metadata.name", "CEL", also="starting with a letter"),
     # --- CEL: immutable fields on a running job (update) -----------------------------------------------
     Case("immutable-placement", _set("spec.placement.topologyKey", "kubernetes.io/hostname"), "spec.placement",
          "immutable", op="update", also="immutable"),
