@@ -1,4 +1,5 @@
-"""Write the WeightSyncJob CRD YAML generated from the pydantic models (`make crds`).
+"""Write the WeightSyncJob CRD YAML generated from the pydantic models (`make crds`), and the chart's
+template-policy file generated from crds/template_policy.py.
 
     python -m weightsync.crds.generate          # (re)write crds/ and helm/weightsync-operator/crds/
     python -m weightsync.crds.generate --check  # exit 1 with a diff when a checked-in file differs
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import logging
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import yaml
 from weightsync.crds import contract
 from weightsync.crds.schema import crd
+from weightsync.crds.template_policy import chart_policy_file
 
 log = logging.getLogger("weightsync.crds.generate")
 
@@ -35,6 +38,18 @@ def repo_root() -> Path:
 def targets(root: Path | None = None) -> list[Path]:
     root = root or repo_root()
     return [root / "crds" / CRD_FILENAME, root / "helm" / "weightsync-operator" / "crds" / CRD_FILENAME]
+
+
+POLICY_FILE = ("helm", "weightsync-operator", "files", "template-policy.json")
+
+
+def policy_target(root: Path | None = None) -> Path:
+    return (root or repo_root()).joinpath(*POLICY_FILE)
+
+
+def render_policy() -> str:
+    """The chart's ValidatingAdmissionPolicy validations (templates/template-policy.yaml reads them)."""
+    return json.dumps(chart_policy_file(), indent=2) + "\n"
 
 
 def render() -> str:
@@ -65,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 
-    text = render()
     stale = 0
-    for path in targets(args.root):
+    outputs = [(path, render()) for path in targets(args.root)] + [(policy_target(args.root), render_policy())]
+    for path, text in outputs:
         delta = diff(path, text)
         if not delta:
             log.info("crd up to date path=%s", path)

@@ -47,6 +47,7 @@ def _selector(raw: str) -> dict[str, str]:
     return out
 
 
+ENV_HOST_ACCESS_NAMESPACES = "WEIGHTSYNC_HOST_ACCESS_NAMESPACES"
 ENV_AGENT_METRICS_ALLOW_FROM = "WEIGHTSYNC_AGENT_METRICS_ALLOW_FROM"
 _PEER_KEYS = ("namespaceSelector", "podSelector")
 _SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
@@ -137,6 +138,9 @@ class OperatorConfig:
     # NetworkPolicy peers (namespaceSelector / podSelector) that may reach the agents' metrics port (a
     # Prometheus); empty: the agent ports admit only the job's own pods.
     agent_metrics_allow_from: tuple[dict[str, Any], ...] = ()
+    # Namespaces whose templates may ask for host access (chart templatePolicy.allowHostAccessNamespaces);
+    # everywhere else such a template is refused (crds/template_policy.py).
+    host_access_namespaces: frozenset[str] = frozenset()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> OperatorConfig:
@@ -157,6 +161,8 @@ class OperatorConfig:
             health_port=_int(e, "WEIGHTSYNC_HEALTH_PORT", 8081),
             dry_run_templates=_bool(e.get("WEIGHTSYNC_DRY_RUN_TEMPLATES"), True),
             agent_metrics_allow_from=_metrics_peers(e.get(ENV_AGENT_METRICS_ALLOW_FROM, "")),
+            host_access_namespaces=frozenset(
+                n.strip() for n in e.get(ENV_HOST_ACCESS_NAMESPACES, "").split(",") if n.strip()),
         )
         if base.node_gpu_count < 1:
             raise ValueError("WEIGHTSYNC_NODE_GPU_COUNT must be >= 1 (the GPUs of one GPU node)")

@@ -15,6 +15,7 @@ from typing import Any
 
 from weightsync.crds import contract
 from weightsync.crds.models import WeightSyncJobSpec
+from weightsync.crds.template_policy import template_violations
 from weightsync.operator.common import JobRef, job_selector, metadata, stable_hash
 from weightsync.operator.config import OperatorConfig
 from weightsync.operator.placement import Plan, PodPlan
@@ -230,6 +231,18 @@ def agent_container(
     return c
 
 
+# --- what a template may ask for -------------------------------------------------------------------------------
+def check_template_policy(job: JobRef, spec: WeightSyncJobSpec, cfg: OperatorConfig) -> None:
+    """Refuse host access (unless the namespace is allowed) and the agent's ports in either template: the
+    chart's admission policy refuses them at `kubectl apply`; this catches a cluster without the policy or
+    a job stored before it. Raises TemplateError naming every refused field."""
+    allow = job.namespace in cfg.host_access_namespaces
+    refused = [v for role, t in (("trainer", spec.trainer.template), ("inference", spec.inference.template))
+               for v in template_violations(role, t, allow_host_access=allow)]
+    if refused:
+        raise TemplateError("; ".join(refused))
+
+
 # --- the pod ---------------------------------------------------------------------------------------------------
 def _template_for(spec: WeightSyncJobSpec, pod: PodPlan) -> tuple[dict[str, Any], list[str], list[str]]:
     """The base template and which of its containers come from the trainer / the inference template."""
@@ -278,6 +291,7 @@ def build_pod(
     tmeta = template.get("metadata") or {}
     pspec: dict[str, Any] = template["spec"]
 
+    check_template_policy(job, spec, cfg)
     for v in pspec.get("volumes") or []:
         if v.get("name") in OUR_VOLUMES:
             raise TemplateError(f"volume name {v.get('name')!r} is reserved by weightsync; rename it in the template")
