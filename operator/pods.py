@@ -243,6 +243,40 @@ def check_template_policy(job: JobRef, spec: WeightSyncJobSpec, cfg: OperatorCon
         raise TemplateError("; ".join(refused))
 
 
+def _gpu_count(container: dict[str, Any], resource: str) -> set[str]:
+    res = container.get("resources") or {}
+    return {str(v) for part in ("requests", "limits") if (v := (res.get(part) or {}).get(resource)) is not None}
+
+
+def check_gpu_requests(spec: WeightSyncJobSpec, pspec: dict[str, Any], trainer_names: list[str], first_gpus: int,
+                       resource: str) -> None:
+    """The operator owns GPU requests: it gives gpusPerPod / gpusPerReplica to the first app container (the
+    others see them through NVIDIA_VISIBLE_DEVICES or the DRA claim). A template that also asks for GPUs
+    is honoured when it asks for exactly that, refused otherwise, instead of being silently rewritten; an
+    initContainer never gets GPUs (it would hold them, or pass them through, behind the operator's back)."""
+    refused = []
+    first = pspec["containers"][0]["name"]
+    for c in pspec["containers"]:
+        asked = _gpu_count(c, resource)
+        want = str(first_gpus) if c["name"] == first else "0"
+        if asked and asked != {want}:
+            role = "trainer" if c["name"] in trainer_names else "inference"
+            source = "spec.trainer.gpusPerPod" if role == "trainer" else "spec.inference.gpusPerReplica"
+            refused.append(
+                f"spec.{role}.template.spec.containers[name={c['name']}].resources: asks for "
+                f"{'/'.join(sorted(asked))} {resource}, but weightsync assigns {want} to this container "
+                f"({source} goes to the pod's first container): remove the request or make it {want}")
+    trainer_inits = {c.get("name") for c in spec.trainer.template["spec"].get("initContainers") or []}
+    for c in pspec.get("initContainers") or []:
+        if _gpu_count(c, resource) - {"0"}:
+            role = "trainer" if c.get("name") in trainer_inits else "inference"
+            refused.append(
+                f"spec.{role}.template.spec.initContainers[name={c.get('name')}].resources: "
+                f"initContainers get no {resource}: GPUs are assigned from gpusPerPod / gpusPerReplica only")
+    if refused:
+        raise TemplateError("; ".join(refused))
+
+
 # --- the pod ---------------------------------------------------------------------------------------------------
 def _template_for(spec: WeightSyncJobSpec, pod: PodPlan) -> tuple[dict[str, Any], list[str], list[str]]:
     """The base template and which of its containers come from the trainer / the inference template."""
@@ -320,6 +354,7 @@ def build_pod(
 
     use_claim = plan.use_dra and pod.gpus > 0
     first_app = pspec["containers"][0]["name"]
+    check_gpu_requests(spec, pspec, trainer_names, pod.gpus if not use_claim else 0, cfg.gpu_resource)
     for c in pspec["containers"]:
         env = trainer_env if c["name"] in trainer_names else inference_env
         c["env"] = _merge_env(c.get("env"), env)

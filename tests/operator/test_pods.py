@@ -126,10 +126,37 @@ def test_gpu_requests_and_readiness_gate(job, separated, cfg):
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in i["spec"]["tolerations"]
 
 
-def test_user_gpu_request_is_replaced(job, separated, cfg):
-    tmpl = {"spec": {"containers": [{"name": "t", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "2"}}}]}}
+def _gpu_template(limits: dict[str, str], **extra):
+    return {"spec": {"containers": [{"name": "t", "image": "x", "resources": {"limits": limits}}], **extra}}
+
+
+def test_user_gpu_request_equal_to_ours_is_honoured(job, separated, cfg):
+    tmpl = _gpu_template({"nvidia.com/gpu": "4", "cpu": "2"})
     pod = _pods(job, separated(trainer={"template": tmpl}), cfg)["demo-trainer-0"]
     assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "4", "cpu": "2"}
+
+
+def test_user_gpu_request_that_disagrees_is_refused_not_rewritten(job, separated, cfg):
+    """F7 of the hostile-input issue: 1 GPU asked, 4 assigned by gpusPerPod; was silently replaced."""
+    spec = separated(trainer={"template": _gpu_template({"nvidia.com/gpu": "1"})})
+    with pytest.raises(TemplateError, match=r"spec\.trainer\.template\.spec\.containers\[name=t\].*asks for 1 "
+                                            r"nvidia\.com/gpu.*assigns 4.*gpusPerPod"):
+        _pods(job, spec, cfg)
+
+
+def test_gpu_request_on_a_second_container_is_refused(job, separated, cfg):
+    tmpl = {"spec": {"containers": [{"name": "engine", "image": "x"},
+                                    {"name": "side", "image": "y", "resources": {"requests": {"nvidia.com/gpu": "2"}}}]}}
+    with pytest.raises(TemplateError, match=r"spec\.inference\.template\.spec\.containers\[name=side\].*assigns 0"):
+        _pods(job, separated(inference={"template": tmpl}), cfg)
+
+
+def test_init_containers_never_receive_gpus(job, separated, cfg):
+    """F7: a GPU request on an initContainer used to pass through unchecked."""
+    init = [{"name": "warm", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]
+    spec = separated(trainer={"template": {"spec": {"containers": [{"name": "t", "image": "x"}], "initContainers": init}}})
+    with pytest.raises(TemplateError, match=r"spec\.trainer\.template\.spec\.initContainers\[name=warm\]"):
+        _pods(job, spec, cfg)
 
 
 def test_cpu_only_pods_request_no_gpu_and_no_affinity(job, separated, cfg):
