@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from weightsync.agent import buckets, local, staging
@@ -31,6 +31,7 @@ from weightsync.agent import protocol as P
 from weightsync.crds import contract
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -249,20 +250,70 @@ class ServedTimeout(TimeoutError):
                          f"{behind} of {len(state.replicas)} replicas are behind: {state.describe(below=version)}")
 
 
+class AgentUnavailable(ConnectionError):
+    """The agent went away and did not come back within the session's `reconnect_timeout`: the call did not
+    happen (a publish is not staged). Training may go on and publish the next version later."""
+
+
+def _link_lost(exc: BaseException) -> bool:
+    """A lost agent connection (worth a reconnect), as opposed to an answer or a deadline."""
+    return isinstance(exc, (ConnectionError, local.LocalProtocolError, OSError)) and not isinstance(
+        exc, TimeoutError) and not (isinstance(exc, local.LocalProtocolError) and " failed: " in str(exc))
+
+
 class TrainerSession:
-    """A trainer rank's connection to its agent. Not thread-safe: one publish at a time per session."""
+    """A trainer rank's connection to its agent. Not thread-safe: one publish at a time per session.
+
+    When the agent restarts (its container is restarted, or upgraded), a call in flight reconnects with
+    back-off for up to `reconnect_timeout` seconds and is done again from the start (a publish is staged
+    again: the new agent holds nothing of the old one); after that it raises AgentUnavailable. An answer
+    from the agent (e.g. a version that does not increase) is raised at once, never retried.
+    """
 
     def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, rank: int | None = None,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, reconnect_timeout: float = 120.0) -> None:
         self.socket_path = Path(socket_path) if socket_path else default_socket_path()
         self.rank = int(os.environ.get(contract.ENV_RANK, "0")) if rank is None else rank
         self.timeout = timeout
+        self.reconnect_timeout = reconnect_timeout
+        self.reconnects = 0
         self._conn: local.LocalConn | None = None
         self._segments: dict[str, staging.Segment] = {}
 
+    def _drop_connection(self) -> None:
+        """Forget the agent: its connection and the staging segments it handed out."""
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _retrying(self, what: str, call: Callable[[], T]) -> T:
+        """CALL, done again after a reconnect whenever the agent connection is lost mid-way."""
+        deadline: float | None = None
+        delay = 0.1
+        while True:
+            try:
+                return call()
+            except BaseException as exc:
+                if not _link_lost(exc):
+                    raise
+                self._drop_connection()
+                now = time.monotonic()
+                deadline = deadline if deadline is not None else now + self.reconnect_timeout
+                if now >= deadline:
+                    raise AgentUnavailable(
+                        f"{what}: the weightsync agent at {self.socket_path} went away and did not come back "
+                        f"within {self.reconnect_timeout:g}s ({exc}); nothing was done") from exc
+                log.warning("agent connection lost during %s, reconnecting: %s", what, exc)
+                self.reconnects += 1
+                time.sleep(min(delay, max(0.0, deadline - now)))
+                delay = min(delay * 2, 2.0)
+
     def _connection(self) -> local.LocalConn:
         if self._conn is None:
-            conn = local.connect(self.socket_path, self.timeout)
+            conn = local.connect(self.socket_path, min(self.timeout, self.reconnect_timeout))
             conn.request({"op": "hello", "kind": "trainer", "rank": self.rank, "pid": os.getpid()})
             self._conn = conn
         return self._conn
@@ -276,9 +327,13 @@ class TrainerSession:
         return seg
 
     def publish(self, weights: Weights, version: int) -> PublishResult:
-        """Stage this rank's shards of `version` with the agent; returns when `weights` may be reused."""
+        """Stage this rank's shards of `version` with the agent; returns when `weights` may be reused.
+        Raises AgentUnavailable when the agent is gone for longer than `reconnect_timeout`."""
         if version < 1:
             raise ValueError(f"version must be >= 1, got {version}")
+        return self._retrying(f"publish({version})", lambda: self._publish_once(weights, version))
+
+    def _publish_once(self, weights: Weights, version: int) -> PublishResult:
         t0 = time.perf_counter()
         shards, aliases = local_shards(weights)
         sizes = [staging.tensor_nbytes(s.tensor) for s in shards]
@@ -305,7 +360,7 @@ class TrainerSession:
 
     def served(self) -> ServedState:
         """What every inference replica serves now (see ServedState for where it comes from)."""
-        return ServedState.from_reply(self._connection().request({"op": "served"}))
+        return self._retrying("served()", lambda: ServedState.from_reply(self._connection().request({"op": "served"})))
 
     def wait_served(self, version: int, timeout: float = 600.0) -> ServedState:
         """Block until every inference replica serves `version` or newer, i.e. its loading agents committed
@@ -321,14 +376,20 @@ class TrainerSession:
             raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
         if version < 1:
             return self.served()
-        conn = self._connection()
+        end = time.monotonic() + timeout
+
+        def ask() -> dict[str, Any]:
+            left = max(0.0, end - time.monotonic())
+            # the agent answers within `left`; the slack covers a busy agent, not a lost one
+            return self._connection().request({"op": "wait_served", "version": int(version), "timeout": left},
+                                              timeout=left + 30.0)
+
         try:
-            # the agent answers within `timeout`; the slack covers a busy agent, not a lost one
-            reply = conn.request({"op": "wait_served", "version": int(version), "timeout": float(timeout)},
-                                 timeout=timeout + 30.0)
+            reply = self._retrying(f"wait_served({version})", ask)  # asked again after an agent restart
         except TimeoutError:
-            conn.close()  # a late reply would answer the next request
-            self._conn = None
+            if self._conn is not None:
+                self._conn.close()  # a late reply would answer the next request
+                self._conn = None
             raise TimeoutError(f"the weightsync agent at {self.socket_path} did not answer wait_served({version}) "
                                f"within {timeout + 30.0:g}s") from None
         state = ServedState.from_reply(reply)
@@ -337,12 +398,7 @@ class TrainerSession:
         return state
 
     def close(self) -> None:
-        for seg in self._segments.values():
-            seg.close()
-        self._segments.clear()
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._drop_connection()
 
     def __enter__(self) -> TrainerSession:
         return self
