@@ -100,12 +100,14 @@ def test_default_cluster_wide_install_with_crds(cluster: Any, namespace: str, ws
     objs = _dry_run(cluster, namespace, include_crds=True)
     kinds = sorted(o["kind"] for o in objs)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "Service",
-                     "ServiceAccount"]
+                     "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicy",
+                     "ValidatingAdmissionPolicyBinding", "ValidatingAdmissionPolicyBinding"]
 
 
 def test_namespaced_install(cluster: Any, namespace: str, wsj_crd: str) -> None:
     objs = _dry_run(cluster, namespace, f"watchNamespaces={{{namespace}}}")
-    assert {o["kind"] for o in objs} == {"Role", "RoleBinding", "Deployment", "Service", "ServiceAccount"}
+    assert {o["kind"] for o in objs} == {"Role", "RoleBinding", "Deployment", "Service", "ServiceAccount",
+                                         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 
 
 def test_two_replicas_with_peering(cluster: Any, namespace: str, wsj_crd: str) -> None:

@@ -53,7 +53,9 @@ def test_lint(helm):
 
 def test_cluster_wide_install(helm):
     objs = docs(helm)
-    assert sorted({o["kind"] for o in objs}) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert sorted({o["kind"] for o in objs}) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
+                                                 "ServiceAccount", "ValidatingAdmissionPolicy",
+                                                 "ValidatingAdmissionPolicyBinding"]
     (dep,) = by_kind(objs, "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert "--all-namespaces" in c["args"] and not any(a.startswith("--peering") for a in c["args"])
@@ -309,3 +311,44 @@ def test_agent_pod_monitor_is_opt_in_and_selects_the_agents(helm, job, separated
 def test_values_schema_refuses_bad_agent_metrics_values(helm, bad):
     r = render(helm, bad, check=False)
     assert r.returncode != 0 and "values don't meet the specifications of the schema" in r.stderr, (bad, r.stderr)
+
+
+def _policies(objs: list[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """Each ValidatingAdmissionPolicy by name, with its binding."""
+    bindings = {b["spec"]["policyName"]: b for b in by_kind(objs, "ValidatingAdmissionPolicyBinding")}
+    return {p["metadata"]["name"]: (p, bindings[p["metadata"]["name"]]) for p in by_kind(objs, "ValidatingAdmissionPolicy")}
+
+
+def test_template_policy_renders_the_generated_validations(helm):
+    from weightsync.crds.template_policy import admission_policy_validations
+
+    pol = _policies(docs(helm))
+    host, binding = pol["ws-weightsync-operator-host-access"]
+    ports, pbinding = pol["ws-weightsync-operator-agent-ports"]
+    assert host["spec"]["validations"] == admission_policy_validations(True)
+    assert ports["spec"]["validations"] == admission_policy_validations(False)
+    assert host["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == [contract.PLURAL]
+    assert host["spec"]["failurePolicy"] == "Fail" and binding["spec"]["validationActions"] == ["Deny"]
+    assert "matchResources" not in binding["spec"] and "matchResources" not in pbinding["spec"]
+
+
+def test_template_policy_allowed_namespaces_and_watch_scope(helm):
+    objs = docs(helm, "templatePolicy.allowHostAccessNamespaces={infra}", "watchNamespaces={team-a,infra}")
+    pol = _policies(objs)
+    _, host = pol["ws-weightsync-operator-host-access"]
+    _, ports = pol["ws-weightsync-operator-agent-ports"]
+    watch = {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "infra"]}
+    assert host["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"] == [
+        watch, {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["infra"]}]
+    assert ports["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"] == [watch]  # never exempt
+    (dep,) = by_kind(objs, "Deployment")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["WEIGHTSYNC_HOST_ACCESS_NAMESPACES"] == "infra"
+    assert OperatorConfig.from_env(env).host_access_namespaces == frozenset({"infra"})
+
+
+def test_template_policy_can_be_turned_off(helm):
+    kinds = {o["kind"] for o in docs(helm, "templatePolicy.enabled=false")}
+    assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+    bad = render(helm, "templatePolicy.allowHostAccessNamespaces={Not_A_Namespace}", check=False)
+    assert bad.returncode != 0 and "allowHostAccessNamespaces" in bad.stderr
