@@ -377,9 +377,12 @@ class TrainerSession:
         if version < 1:
             return self.served()
         end = time.monotonic() + timeout
+        asked: list[float] = []
 
         def ask() -> dict[str, Any]:
-            left = max(0.0, end - time.monotonic())
+            # the whole timeout the first time; after a reconnect, what is left of it
+            left = float(timeout) if not asked else max(0.0, end - time.monotonic())
+            asked.append(left)
             # the agent answers within `left`; the slack covers a busy agent, not a lost one
             return self._connection().request({"op": "wait_served", "version": int(version), "timeout": left},
                                               timeout=left + 30.0)
