@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from weightsync.agent.limits import ConnectionLimiter
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +19,8 @@ HealthFn = Callable[[], tuple[bool, dict[str, Any]]]
 
 def _handler(registry: CollectorRegistry, health: HealthFn) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_TIMEOUT_S  # an idle or slow client is dropped, its thread freed
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
@@ -45,10 +48,46 @@ def _handler(registry: CollectorRegistry, health: HealthFn) -> type[BaseHTTPRequ
     return Handler
 
 
+# A request must arrive (and its reply drain) within this many seconds, or the connection is closed.
+REQUEST_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 32
+MAX_CONNECTIONS_PER_PEER = 4
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, but at most MAX_CONNECTIONS of them (MAX_CONNECTIONS_PER_PEER per client
+    address), each closed after REQUEST_TIMEOUT_S idle: a flood of idle connections from one client can
+    neither exhaust threads nor keep the kubelet's readiness probe (another address) out."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 limiter: ConnectionLimiter) -> None:
+        self.limiter = limiter
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.limiter.acquire(str(client_address[0])):
+            log.debug("http.reject peer=%s reason=connection limit", client_address[0])
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.limiter.release(str(client_address[0]))
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.limiter.release(str(client_address[0]))
+
+
 class HealthServer:
     def __init__(self, host: str, port: int, registry: CollectorRegistry, health: HealthFn) -> None:
-        self.server = ThreadingHTTPServer((host, port), _handler(registry, health))
-        self.server.daemon_threads = True
+        self.limiter = ConnectionLimiter(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER)
+        self.server = _BoundedHTTPServer((host, port), _handler(registry, health), self.limiter)
         self.port = self.server.server_address[1]
         self._thread = threading.Thread(target=self.server.serve_forever, name="health-http", daemon=True)
 

@@ -35,6 +35,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from weightsync.agent.limits import ConnectionLimiter
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"WSL1"
@@ -325,6 +327,7 @@ class LinkListener:
         *,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
         max_pending: int = 64,
+        max_pending_per_peer: int = 8,
         max_header: int = DEFAULT_MAX_HEADER,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         io_timeout: float = DEFAULT_IO_TIMEOUT,
@@ -337,7 +340,9 @@ class LinkListener:
         self._sock.settimeout(0.2)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._ready: queue.Queue[Link] = queue.Queue()
-        self._slots = threading.BoundedSemaphore(max_pending)
+        # Handshakes in progress, bounded in total and per client address: a flood of idle connections
+        # from one client holds at most max_pending_per_peer slots, each for at most handshake_timeout s.
+        self._slots = ConnectionLimiter(max_pending, max_pending_per_peer)
         self._stop = threading.Event()
         self.accepted = 0
         self.rejected = 0
@@ -362,15 +367,16 @@ class LinkListener:
                 time.sleep(0.1)
                 continue
             peer = f"{addr[0]}:{addr[1]}"
-            if not self._slots.acquire(blocking=False):
+            if not self._slots.acquire(addr[0]):
                 self.rejected += 1
-                log.warning("link.reject peer=%s reason=too many pending handshakes", peer)
+                log.warning("link.reject peer=%s reason=too many pending handshakes (%d from this address, "
+                            "%d in all)", peer, self._slots.per_peer, self._slots.total)
                 conn.close()
                 continue
-            threading.Thread(target=self._handshake, args=(conn, peer), daemon=True,
+            threading.Thread(target=self._handshake, args=(conn, peer, addr[0]), daemon=True,
                              name=f"link-handshake-{peer}").start()
 
-    def _handshake(self, conn: socket.socket, peer: str) -> None:
+    def _handshake(self, conn: socket.socket, peer: str, address: str) -> None:
         try:
             conn.settimeout(self._handshake_timeout)
             send_key, recv_key = _server_handshake(conn, self._token)
@@ -382,7 +388,7 @@ class LinkListener:
                 conn.close()
             return
         finally:
-            self._slots.release()
+            self._slots.release(address)
         self.accepted += 1
         log.debug("link.accept peer=%s", peer)
         self._ready.put(link)
