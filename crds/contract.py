@@ -134,6 +134,10 @@ ENV_KUBE_ENABLED: Final = "WEIGHTSYNC_KUBE"                   # "false": agent r
 ENV_APP_SOCKET: Final = "WEIGHTSYNC_AGENT_SOCKET"             # app side: full path of the agent's Unix socket
 
 # --- Operator bookkeeping on owned objects (written and read by the operator only) ---------------------
+# On a pod template: app containers (comma-separated names) that also get the pod's Kubernetes API token.
+# By default only the agent has it: with the token, an app container could annotate its own pod.
+ANN_API_TOKEN_CONTAINERS: Final = f"{GROUP}/api-token-containers"
+SERVICE_ACCOUNT_DIR: Final = "/var/run/secrets/kubernetes.io/serviceaccount"  # where in-cluster clients look
 ANN_SPEC_HASH: Final = f"{GROUP}/spec-hash"              # hash of an owned object as built; differs => outdated
 ANN_MEMBERSHIP_HASH: Final = f"{GROUP}/membership-hash"  # on the topology ConfigMap: hash of pods, ranks, IPs
 

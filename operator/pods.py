@@ -24,7 +24,8 @@ VOL_SOCKET = "weightsync-socket"
 VOL_SHM = "weightsync-shm"
 VOL_TOPOLOGY = "weightsync-topology"
 VOL_TOKEN = "weightsync-token"
-OUR_VOLUMES = (VOL_SOCKET, VOL_SHM, VOL_TOPOLOGY, VOL_TOKEN)
+VOL_KUBE_API = "weightsync-kube-api-access"
+OUR_VOLUMES = (VOL_SOCKET, VOL_SHM, VOL_TOPOLOGY, VOL_TOKEN, VOL_KUBE_API)
 DRA_CLAIM = "weightsync-gpus"
 SHM_HEADROOM_MB = 256
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
@@ -107,7 +108,39 @@ def _volumes(job: JobRef, spec: WeightSyncJobSpec) -> list[dict[str, Any]]:
         {"name": VOL_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_size_mb(spec.transfer.bucket_size_mb)}Mi"}},
         {"name": VOL_TOPOLOGY, "configMap": {"name": contract.topology_configmap_name(job.name)}},
         {"name": VOL_TOKEN, "secret": {"secretName": contract.token_secret_name(job.name), "defaultMode": 0o400}},
+        _kube_api_volume(),
     ]
+
+
+def _kube_api_volume() -> dict[str, Any]:
+    """What the ServiceAccount admission plugin would mount in every container, as one volume that only the
+    agent (and containers the user names) mounts: the pod itself sets automountServiceAccountToken false."""
+    return {
+        "name": VOL_KUBE_API,
+        "projected": {
+            "defaultMode": 0o444,
+            "sources": [
+                {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace",
+                                            "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
+            ],
+        },
+    }
+
+
+KUBE_API_MOUNT = {"name": VOL_KUBE_API, "mountPath": contract.SERVICE_ACCOUNT_DIR, "readOnly": True}
+
+
+def api_token_containers(template_meta: dict[str, Any], names: list[str]) -> set[str]:
+    """App containers the template opts in to the Kubernetes API token (ANN_API_TOKEN_CONTAINERS)."""
+    raw = str((template_meta.get("annotations") or {}).get(contract.ANN_API_TOKEN_CONTAINERS, ""))
+    wanted = {n.strip() for n in raw.split(",") if n.strip()}
+    unknown = sorted(wanted - set(names))
+    if unknown:
+        raise TemplateError(f"annotation {contract.ANN_API_TOKEN_CONTAINERS} names container(s) {unknown} that the "
+                            f"pod does not have (its containers: {names})")
+    return wanted
 
 
 def _app_mounts(container: dict[str, Any]) -> list[dict[str, Any]]:
@@ -126,6 +159,7 @@ def _agent_mounts() -> list[dict[str, Any]]:
         {"name": VOL_SHM, "mountPath": contract.SHM_DIR},
         {"name": VOL_TOPOLOGY, "mountPath": contract.TOPOLOGY_DIR, "readOnly": True},
         {"name": VOL_TOKEN, "mountPath": contract.TOKEN_DIR, "readOnly": True},
+        KUBE_API_MOUNT,
     ]
 
 
@@ -354,11 +388,15 @@ def build_pod(
 
     use_claim = plan.use_dra and pod.gpus > 0
     first_app = pspec["containers"][0]["name"]
+    with_token = api_token_containers(tmeta, [c["name"] for c in pspec["containers"]])
     check_gpu_requests(spec, pspec, trainer_names, pod.gpus if not use_claim else 0, cfg.gpu_resource)
     for c in pspec["containers"]:
         env = trainer_env if c["name"] in trainer_names else inference_env
         c["env"] = _merge_env(c.get("env"), env)
         c["volumeMounts"] = (c.get("volumeMounts") or []) + _app_mounts(c)
+        if c["name"] in with_token and not any(m.get("mountPath") == contract.SERVICE_ACCOUNT_DIR
+                                               for m in c["volumeMounts"]):
+            c["volumeMounts"].append(dict(KUBE_API_MOUNT))
         _set_resource(c, cfg.gpu_resource, None)  # GPUs are ours to assign
         if pod.gpus > 0:
             if use_claim:
@@ -389,7 +427,9 @@ def build_pod(
 
     pspec["serviceAccountName"] = contract.service_account_name(job.name)
     pspec.pop("serviceAccount", None)
-    pspec["automountServiceAccountToken"] = True  # the agent reports through its own pod
+    # The agent reports through its own pod with the job's ServiceAccount. Only the agent mounts the token
+    # (VOL_KUBE_API): with it an app container could annotate its pod (e.g. a forged published version).
+    pspec["automountServiceAccountToken"] = False
     pspec["hostname"] = pod.name
     pspec["subdomain"] = contract.service_name(job.name)
     if pod.is_inference:

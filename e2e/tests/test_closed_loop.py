@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from typing import Any
 
@@ -111,6 +112,24 @@ def test_demo_example_serves_every_version_bit_exact(cluster, kube, namespace, o
         assert commits == sorted(set(commits)) and commits[-1] == last, events
         assert not demo.engine_state(pod)["paused"]
         assert served(pod) == last and demo.pod_condition(pod, contract.POD_CONDITION_SYNCED) == "True"
+    _only_agents_hold_the_api_token(kube, namespace, name)
+
+
+def _only_agents_hold_the_api_token(kube: Any, namespace: str, name: str) -> None:
+    """F4 of the hostile-input issue: an app container with the pod's ServiceAccount token could annotate its
+    pod (a forged published version wedged the job). Look into each running container's own mount namespace:
+    the agent has the token, app containers do not."""
+    token = f"{contract.SERVICE_ACCOUNT_DIR}/token"
+    for pod in demo.job_pods(kube.api, namespace, name).values():
+        st = pod["status"]
+        for cs in (st.get("containerStatuses") or []) + (st.get("initContainerStatuses") or []):
+            pid = (cs.get("containerID") or "").removeprefix("process://")
+            if not pid.isdigit() or "running" not in (cs.get("state") or {}):
+                continue
+            # enter the container's own mount namespace (where its volumes are bound) and look for the file
+            has = subprocess.run(["nsenter", "-t", pid, "-m", "test", "-f", token], timeout=10).returncode == 0
+            want = cs["name"] == contract.AGENT_CONTAINER
+            assert has == want, f"{pod['metadata']['name']}/{cs['name']}: API token mounted={has}, expected {want}"
 
 
 # --- (2) pause / resume ----------------------------------------------------------------------------------------

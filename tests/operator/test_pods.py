@@ -38,7 +38,8 @@ def test_agent_is_a_native_sidecar_with_configured_image(job, separated, cfg):
         assert agent["image"] == "agent:test" and agent["command"] == ["weightsync-agent"]
         assert {p["containerPort"] for p in agent["ports"]} == set(contract.AGENT_PORTS)
         mounts = {m["mountPath"] for m in agent["volumeMounts"]}
-        assert mounts == {contract.SOCKET_DIR, contract.SHM_DIR, contract.TOPOLOGY_DIR, contract.TOKEN_DIR}
+        assert mounts == {contract.SOCKET_DIR, contract.SHM_DIR, contract.TOPOLOGY_DIR, contract.TOKEN_DIR,
+                          contract.SERVICE_ACCOUNT_DIR}
         assert _env(agent)[contract.ENV_TOKEN_PATH] == f"{contract.TOKEN_DIR}/{contract.TOKEN_FILE}"
 
 
@@ -325,3 +326,33 @@ def test_builder_does_not_mutate_the_spec(job, separated, cfg):
     before = spec.model_dump()
     _pods(job, spec, cfg)
     assert spec.model_dump() == before
+
+
+def _sa_mounted(container):
+    return any(m["mountPath"] == contract.SERVICE_ACCOUNT_DIR for m in container.get("volumeMounts") or [])
+
+
+@pytest.mark.parametrize("placement", ["separated", "colocated"])
+def test_only_the_agent_gets_the_kubernetes_api_token(job, separated, colocated, cfg, placement):
+    """F4 of the hostile-input issue: with the pod's token every app container could annotate its pod (a
+    forged published version wedged the job); automount was forced on for all containers."""
+    spec = (separated if placement == "separated" else colocated)()
+    for pod in _pods(job, spec, cfg).values():
+        assert pod["spec"]["automountServiceAccountToken"] is False
+        assert _sa_mounted(_agent(pod))
+        apps = pod["spec"]["containers"] + [c for c in pod["spec"]["initContainers"] if c["name"] != contract.AGENT_CONTAINER]
+        assert apps and not any(_sa_mounted(c) for c in apps)
+        (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == "weightsync-kube-api-access"]
+        assert vol["projected"]["sources"][0]["serviceAccountToken"]["path"] == "token"
+
+
+def test_a_container_can_opt_in_to_the_token(job, separated, cfg):
+    tmpl = {"metadata": {"annotations": {contract.ANN_API_TOKEN_CONTAINERS: "side"}},
+            "spec": {"containers": [{"name": "t", "image": "x"}, {"name": "side", "image": "y"}]}}
+    pod = _pods(job, separated(trainer={"template": tmpl}), cfg)["demo-trainer-0"]
+    by_name = {c["name"]: c for c in pod["spec"]["containers"]}
+    assert _sa_mounted(by_name["side"]) and not _sa_mounted(by_name["t"])
+    bad = {"metadata": {"annotations": {contract.ANN_API_TOKEN_CONTAINERS: "nope"}},
+           "spec": {"containers": [{"name": "t", "image": "x"}]}}
+    with pytest.raises(TemplateError, match=r"names container\(s\) \['nope'\]"):
+        _pods(job, separated(trainer={"template": bad}), cfg)
