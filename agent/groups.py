@@ -7,17 +7,16 @@ counter it bumps after every failed fetch); the trainer agent of each source ran
 proposals of all destinations into the epoch (`ws.epoch`), and both ends key their transports by it,
 so a restart or a failure always leads to fresh groups on every member instead of a hang on a stale one.
 
-NCCL mode: the first member of each group (trainer pod 0) hosts the TCPStore on its transport port; all
+NCCL mode: the first member of each group (trainer pod 0) hosts the rendezvous store on its transport
+port, behind the job token (transports/store.py: torch's TCPStore would let anyone read and write it); all
 groups live under `<job>/<group>/g<generation>/<epoch>/` prefixes in it. IPC mode needs no store.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import hashlib
 import logging
-import socket
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +34,8 @@ from weightsync.agent.transports.base import (
     WorldMap,
 )
 from weightsync.agent.transports.ipc import IpcTransport
-from weightsync.agent.transports.nccl import NcclTransport, make_store
+from weightsync.agent.transports.nccl import NcclTransport
+from weightsync.agent.transports.store import LinkStore, StoreServer
 from weightsync.crds import contract
 from weightsync.crds.topology import Topology, TransportGroup
 
@@ -148,7 +148,9 @@ class TransportCache:
     A new generation or epoch means a new transport with an empty base: its first version is sent in full."""
 
     def __init__(self, *, mode: str, job: str, pod_ip: str, transport_port: int, timeout: float = 600.0,
-                 shm_prefix: str = "weightsync", delta: DeltaConfig | None = None) -> None:
+                 shm_prefix: str = "weightsync", delta: DeltaConfig | None = None,
+                 token: bytes | None = None) -> None:
+        self.token = token
         self.mode = mode
         self.delta = delta if mode == "GDR" else None
         self.job = job
@@ -159,30 +161,24 @@ class TransportCache:
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, int, str, str], Transport] = {}
         self._order: list[tuple[str, int, str, str]] = []
-        self._master: dist.TCPStore | None = None
-        self._listen: socket.socket | None = None
+        self._master: StoreServer | None = None
+
+    def _job_token(self) -> bytes:
+        if not self.token:
+            raise ValueError("NCCL mode needs the job token: the rendezvous store accepts no one without it")
+        return self.token
 
     def host_store(self) -> None:
-        """Trainer pod 0 in NCCL mode: host the rendezvous store every group of the job uses.
-
-        The store listens on the pod IP only (a socket we bind and hand over by fd): TCPStore alone binds
-        every address, which collides when pods share a network namespace (the local process runtime)."""
+        """Trainer pod 0 in NCCL mode: host the rendezvous store every group of the job uses, on the pod IP
+        only and behind the job token."""
         if self.mode != "NCCL" or self._master is not None:
             return
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((self.pod_ip, self.transport_port))
+            self._master = StoreServer(self.pod_ip, self.transport_port, self._job_token(), timeout=self.timeout)
         except OSError as exc:
-            sock.close()
             raise OSError(f"cannot host the rendezvous store on {self.pod_ip}:{self.transport_port}: {exc} "
                           f"(another process holds the transport port; set {contract.ENV_TRANSPORT_PORT})") from exc
-        sock.listen(128)
-        self._listen = sock
-        self._master = dist.TCPStore(self.pod_ip, self.transport_port, None, True,
-                                     timeout=datetime.timedelta(seconds=self.timeout), wait_for_workers=False,
-                                     master_listen_fd=sock.fileno(), use_libuv=True)
-        log.info("rendezvous store hosted at %s:%s", self.pod_ip, self.transport_port)
+        log.info("rendezvous store hosted at %s:%s (authenticated)", self.pod_ip, self.transport_port)
 
     def get(self, group: dict[str, Any], plan: TransferPlan, *, role: str) -> tuple[Transport, WorldMap | None]:
         """The transport for `group` ({name, generation, epoch, store: [host, port]}), created on first use.
@@ -210,9 +206,9 @@ class TransportCache:
             return IpcTransport(prefix=self.shm_prefix)
         if self.mode == "NCCL":
             host, port = group["store"]
-            base = make_store(str(host), int(port), is_master=False, timeout=self.timeout)
+            base = LinkStore(str(host), int(port), self._job_token(), timeout=self.timeout)
             store = dist.PrefixStore(f"{self.job}/{key[0]}/g{key[1]}/{key[2]}/", base)
-            return NcclTransport(store, generation=key[1], host=self.pod_ip, timeout=self.timeout)
+            return NcclTransport(store, generation=key[1], host=self.pod_ip, timeout=self.timeout, owned=base)
         if self.mode == "GDR":
             # imported only here so other modes never need NIXL installed (it also registers "gdr")
             from weightsync.agent.transports.gdr import GdrTransport
@@ -245,3 +241,6 @@ class TransportCache:
                     log.debug("closing a transport failed", exc_info=True)
             self._cache.clear()
             self._order.clear()
+            if self._master is not None:
+                self._master.close()
+                self._master = None

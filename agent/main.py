@@ -246,7 +246,8 @@ class Agent:
         self.delta = delta_config(cfg, self.mode)
         # group formation and single bucket operations: a dead peer must not hold a trainer for 10 minutes
         self.cache = TransportCache(mode=self.mode, job=cfg.job, pod_ip=cfg.pod_ip, transport_port=cfg.transport_port,
-                                    timeout=min(cfg.timeout_seconds, TRANSPORT_TIMEOUT), delta=self.delta)
+                                    timeout=min(cfg.timeout_seconds, TRANSPORT_TIMEOUT), delta=self.delta,
+                                    token=self.token)
         self.tmember = trainer_member(topo, cfg.pod_name) if cfg.is_trainer else None
         self.islot = inference_slot(topo, cfg.pod_name) if cfg.is_inference else None
         if cfg.is_trainer and self.tmember is None:

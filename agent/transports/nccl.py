@@ -77,11 +77,14 @@ class NcclTransport(Transport):
         host: str | None = None,
         backend: str | None = None,
         timeout: float = 600.0,
+        owned: Any = None,
     ) -> None:
         """`store`: the generation's shared Store (see make_store). `host`: the local address gloo binds
         to (the pod IP; default 127.0.0.1 or $WEIGHTSYNC_POD_IP). `backend`: "gloo" / "nccl" (default
-        from the device of the first bind)."""
+        from the device of the first bind). `owned`: a Python store under `store` (transports/store.py
+        LinkStore) that this transport keeps alive and closes."""
         self.store = store
+        self._owned = owned
         self.generation = generation
         self.host = host or os.environ.get("WEIGHTSYNC_POD_IP") or "127.0.0.1"
         self._backend = backend
@@ -228,6 +231,8 @@ class NcclTransport(Transport):
                 log.debug("nccl.shutdown_failed", exc_info=True)
         self._groups.clear()
         self._slots = [None] * self.num_slots
+        if self._owned is not None and hasattr(self._owned, "close"):
+            self._owned.close()
 
     def describe(self) -> dict[str, object]:
         return {"transport": self.name, "backend": self.backend, "generation": self.generation,
