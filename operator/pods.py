@@ -261,8 +261,19 @@ def agent_container(
     }
     if plan.mode == "GDR":
         _set_resource(c, spec.transfer.rdma_resource_name or cfg.rdma_resource_name, 1)
-        c["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    c["securityContext"] = agent_security_context(plan.mode)
     return c
+
+
+def agent_security_context(mode: str) -> dict[str, Any]:
+    """Pod Security `restricted` for the injected agent (non-root, no privilege escalation, every capability
+    dropped, RuntimeDefault seccomp), so it never stands between a job and a restricted namespace. GDR alone
+    adds IPC_LOCK, to pin memory for RDMA; `restricted` and `baseline` refuse that (PodSecurityRefused)."""
+    caps: dict[str, list[str]] = {"drop": ["ALL"]}
+    if mode == "GDR":
+        caps["add"] = ["IPC_LOCK"]
+    return {"allowPrivilegeEscalation": False, "capabilities": caps, "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 # --- what a template may ask for -------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from weightsync.operator.status import (
     REASON_INVALID_SPEC,
     REASON_INVALID_TEMPLATE,
     REASON_PERMISSION_DENIED,
+    REASON_POD_SECURITY,
     Problem,
     aggregate,
     ordered,
@@ -323,7 +324,7 @@ class Reconciler:
             elif err.forbidden_by_rbac:
                 raise err  # the operator's own permissions, not the template: reported as PermissionDenied
             elif err.invalid:
-                problem = problem or Problem(REASON_INVALID_TEMPLATE, f"pod {name} was refused: {err.message}")
+                problem = problem or refused_pod_problem(f"pod {name} was refused", err, mode_of(missing))
             else:
                 raise err
         return problem
@@ -344,10 +345,8 @@ class Reconciler:
                 if err.conflict:
                     continue
                 if err.invalid:
-                    return Problem(
-                        REASON_INVALID_TEMPLATE,
-                        f"the {role} template does not make a valid pod (server-side dry-run): {err.message}",
-                    )
+                    return refused_pod_problem(
+                        f"the {role} template does not make a valid pod (server-side dry-run)", err, mode_of([pod]))
                 raise
         return None
 
@@ -416,3 +415,30 @@ def permission_message(err: KubeError) -> str:
         "ServiceAccount (the chart's RBAC has every permission the operator uses: `helm upgrade` with "
         "rbac.create=true, or add the rule to your Role/ClusterRole); the operator retries on its own."
     )[:1000]
+
+
+def mode_of(pods: list[Obj]) -> str:
+    """The transfer mode the agents of these pods were built for (their contract env)."""
+    for pod in pods:
+        for c in pod["spec"].get("initContainers") or []:
+            if c.get("name") == contract.AGENT_CONTAINER:
+                for e in c.get("env") or []:
+                    if e.get("name") == contract.ENV_TRANSFER_MODE:
+                        return str(e.get("value"))
+    return ""
+
+
+def refused_pod_problem(what: str, err: KubeError, mode: str) -> Problem:
+    """A pod the API server refused: PodSecurityRefused (with what to do) when the namespace's Pod Security
+    level refused it, else InvalidTemplate with the API server's answer."""
+    if "violates PodSecurity" not in err.message:
+        return Problem(REASON_INVALID_TEMPLATE, f"{what}: {err.message}")
+    if mode == "GDR" and "IPC_LOCK" in err.message:
+        hint = ("the GDR agent needs the IPC_LOCK capability to pin memory for RDMA, which Pod Security "
+                "'baseline' and 'restricted' refuse: run GDR jobs in a namespace labelled "
+                "pod-security.kubernetes.io/enforce=privileged, or use transfer.mode NCCL")
+    else:
+        hint = ("the injected agent meets 'restricted'; make the template's containers meet the namespace's "
+                "level (allowPrivilegeEscalation: false, capabilities drop ALL, runAsNonRoot, "
+                "seccompProfile RuntimeDefault)")
+    return Problem(REASON_POD_SECURITY, f"{what}: {err.message}; {hint}")

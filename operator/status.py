@@ -27,6 +27,7 @@ from weightsync.operator.placement import Plan
 from weightsync.operator.replicas import ReplicaState, replica_states, trainer_version
 
 REASON_INVALID_TEMPLATE = "InvalidTemplate"
+REASON_POD_SECURITY = "PodSecurityRefused"
 REASON_INVALID_SPEC = "InvalidSpec"
 REASON_PERMISSION_DENIED = "PermissionDenied"
 

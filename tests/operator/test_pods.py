@@ -178,7 +178,7 @@ def test_gdr_adds_rdma_and_ipc_lock_to_the_agent(job, separated, cfg):
         assert agent["resources"]["limits"]["rdma/hca_a"] == "1"
         assert agent["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
     nccl = _pods(job, separated(), cfg)["demo-trainer-0"]
-    assert "securityContext" not in _agent(nccl)
+    assert "add" not in _agent(nccl)["securityContext"]["capabilities"]  # only GDR adds a capability
 
 
 def test_gdr_without_an_rdma_resource_in_the_spec_uses_the_operators(job, separated, cfg):
@@ -356,3 +356,12 @@ def test_a_container_can_opt_in_to_the_token(job, separated, cfg):
            "spec": {"containers": [{"name": "t", "image": "x"}]}}
     with pytest.raises(TemplateError, match=r"names container\(s\) \['nope'\]"):
         _pods(job, separated(trainer={"template": bad}), cfg)
+
+
+@pytest.mark.parametrize("mode", ["NCCL", "GDR"])
+def test_agent_meets_pod_security_restricted_but_for_gdrs_ipc_lock(job, separated, cfg, mode):
+    for pod in _pods(job, separated(transfer={"mode": mode, "bucketSizeMB": 64}), cfg).values():
+        sc = _agent(pod)["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["runAsNonRoot"] is True
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"} and sc["capabilities"]["drop"] == ["ALL"]
+        assert sc["capabilities"].get("add") == (["IPC_LOCK"] if mode == "GDR" else None)
