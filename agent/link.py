@@ -32,7 +32,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightsync.agent.limits import ConnectionLimiter
@@ -392,6 +392,15 @@ class LinkListener:
         self.accepted += 1
         log.debug("link.accept peer=%s", peer)
         self._ready.put(link)
+
+    def serve(self, handle: Callable[[Link], None], stop: threading.Event, name: str) -> None:
+        """Until STOP: every authenticated link to HANDLE, each in a thread of its own (`name-<peer>`)."""
+        while not stop.is_set():
+            try:
+                link = self.accept(timeout=0.5)
+            except LinkTimeout:
+                continue
+            threading.Thread(target=handle, args=(link,), name=f"{name}-{link.peer}", daemon=True).start()
 
     def accept(self, timeout: float | None = None) -> Link:
         """The next authenticated link; LinkTimeout if none within `timeout` seconds."""

@@ -365,12 +365,7 @@ class WeightServer:
         return self
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                link = self.listener.accept(timeout=0.5)
-            except LinkTimeout:
-                continue
-            threading.Thread(target=self._handle, args=(link,), name=f"ws-peer-{link.peer}", daemon=True).start()
+        self.listener.serve(self._handle, self._stop, "ws-peer")
 
     def _reject(self, link: Link, reason: str, exc: BaseException) -> None:
         self.metrics.rejected_frames.labels(reason).inc()

@@ -121,12 +121,7 @@ class StoreServer:
         self._thread.start()
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                link = self.listener.accept(timeout=0.5)
-            except LinkTimeout:
-                continue
-            threading.Thread(target=self._serve, args=(link,), name=f"store-peer-{link.peer}", daemon=True).start()
+        self.listener.serve(self._serve, self._stop, "store-peer")
 
     def _serve(self, link: Link) -> None:
         with contextlib.closing(link):
