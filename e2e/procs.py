@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,9 +28,40 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port nobody listens on right now, for a process that binds it a moment later.
+
+    Picked at random outside the kernel's ephemeral range: a port the kernel picked (bind to 0) could be
+    handed out again as the source port of any outgoing connection before its user bound it ("address
+    already in use" for an operator's health port under CI load). Bindable both on HOST and on every
+    address (servers such as kopf's health endpoint listen on 0.0.0.0)."""
+    lo, hi = _ephemeral_range()
+    pool = range(20000, lo) if lo > 21000 else range(hi + 1, 65535)
+    rng = random.SystemRandom()
+    for _ in range(500):
+        port = rng.choice(pool)
+        if port in _handed_out:
+            continue
+        try:
+            for addr in dict.fromkeys((host, "0.0.0.0")):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((addr, port))
+        except OSError:
+            continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded machine: the kernel's pick
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
