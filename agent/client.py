@@ -257,8 +257,8 @@ class AgentUnavailable(ConnectionError):
 
 def _link_lost(exc: BaseException) -> bool:
     """A lost agent connection (worth a reconnect), as opposed to an answer or a deadline."""
-    return isinstance(exc, (ConnectionError, local.LocalProtocolError, OSError)) and not isinstance(
-        exc, TimeoutError) and not (isinstance(exc, local.LocalProtocolError) and " failed: " in str(exc))
+    return isinstance(exc, (OSError, local.LocalProtocolError)) and not isinstance(
+        exc, (TimeoutError, local.PeerAnswer))
 
 
 class TrainerSession:

@@ -49,6 +49,11 @@ class LocalProtocolError(RuntimeError):
     """The peer on the local socket sent something that is not a valid frame, or replied with an error."""
 
 
+class PeerAnswer(LocalProtocolError):
+    """The peer answered the request with an error (e.g. a version that does not increase): a reply, so
+    the connection is fine and asking again would get the same answer."""
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -116,7 +121,7 @@ class LocalConn:
                 with contextlib.suppress(OSError):
                     self.sock.settimeout(previous)
         if reply.get("op") == "error":
-            raise LocalProtocolError(f"{header.get('op')} failed: {reply.get('message', 'no message')}")
+            raise PeerAnswer(f"{header.get('op')} failed: {reply.get('message', 'no message')}")
         return reply
 
     def recv(self) -> tuple[Header, bytes]:
