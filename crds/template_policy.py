@@ -22,8 +22,7 @@ from typing import Any
 
 from weightsync.crds import contract
 
-AGENT_PORTS = contract.AGENT_PORTS
-PORT_LOW, PORT_HIGH = min(AGENT_PORTS), max(AGENT_PORTS)
+PORT_LOW, PORT_HIGH = min(contract.AGENT_PORTS), max(contract.AGENT_PORTS)
 ROLES = ("trainer", "inference")
 CONTAINER_LISTS = ("initContainers", "containers", "ephemeralContainers")
 HOST_ACCESS_HOW_TO_ALLOW = (
@@ -47,9 +46,12 @@ class TemplateCheck:
     find: Callable[[PodSpec], list[str]]
     host_access: bool
 
+    @property
+    def why(self) -> str:
+        return HOST_ACCESS_HOW_TO_ALLOW if self.host_access else PORTS_WHY
+
     def message(self, role: str) -> str:
-        why = HOST_ACCESS_HOW_TO_ALLOW if self.host_access else PORTS_WHY
-        return f"spec.{role}.template.spec.{self.field}: {why}"
+        return f"spec.{role}.template.spec.{self.field}: {self.why}"
 
 
 def _flag(key: str) -> Callable[[PodSpec], list[str]]:
@@ -121,8 +123,7 @@ def template_violations(role: str, template: dict[str, Any], *, allow_host_acces
     for check in CHECKS:
         if check.host_access and allow_host_access:
             continue
-        why = HOST_ACCESS_HOW_TO_ALLOW if check.host_access else PORTS_WHY
-        out += [f"spec.{role}.template.spec.{path}: {why}" for path in check.find(spec)]
+        out += [f"spec.{role}.template.spec.{path}: {check.why}" for path in check.find(spec)]
     return out
 
 

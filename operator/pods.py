@@ -370,7 +370,6 @@ def build_pod(
     tmeta = template.get("metadata") or {}
     pspec: dict[str, Any] = template["spec"]
 
-    check_template_policy(job, spec, cfg)
     for v in pspec.get("volumes") or []:
         if v.get("name") in OUR_VOLUMES:
             raise TemplateError(f"volume name {v.get('name')!r} is reserved by weightsync; rename it in the template")
@@ -474,4 +473,5 @@ def build_pods(
     desired_annotations: dict[str, dict[str, str]] | None = None,
 ) -> list[dict[str, Any]]:
     desired_annotations = desired_annotations or {}
+    check_template_policy(job, spec, cfg)  # the templates, once per job (not once per pod)
     return [build_pod(job, spec, plan, p, cfg, desired_annotations.get(p.name)) for p in plan.pods]

@@ -186,7 +186,7 @@ class Reconciler:
             self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
             return out
 
-        problem = self._sync_pods(job, desired_pods, pods, out)
+        problem = self._sync_pods(job, desired_pods, pods, out, plan.mode)
         if problem is not None:
             self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
             return out
@@ -271,14 +271,15 @@ class Reconciler:
             _log_change("created", "Secret", job, name)
         self._tokens_present.add(key)
 
-    def _sync_pods(self, job: JobRef, desired: list[Obj], observed: dict[str, Obj], out: Outcome) -> Problem | None:
+    def _sync_pods(self, job: JobRef, desired: list[Obj], observed: dict[str, Obj], out: Outcome,
+                   mode: str) -> Problem | None:
         wanted = {p["metadata"]["name"]: p for p in desired}
         missing = [p for n, p in wanted.items() if n not in observed]
         if missing and self.cfg.dry_run_templates:
-            problem = self._dry_run(missing)
+            problem = self._dry_run(missing, mode)
             if problem is not None:
                 return problem
-        problem = self._create_pods(job, missing, out)
+        problem = self._create_pods(job, missing, out, mode)
         if problem is not None:
             return problem
         for name, pod in observed.items():
@@ -300,7 +301,7 @@ class Reconciler:
                 out.patched.append(f"Pod/{name}")
         return None
 
-    def _create_pods(self, job: JobRef, missing: list[Obj], out: Outcome) -> Problem | None:
+    def _create_pods(self, job: JobRef, missing: list[Obj], out: Outcome, mode: str) -> Problem | None:
         """Create pods concurrently (a 64-replica job is 65 POSTs); the first refusal is reported."""
 
         def create(pod: Obj) -> tuple[str, KubeError | None]:
@@ -324,12 +325,12 @@ class Reconciler:
             elif err.forbidden_by_rbac:
                 raise err  # the operator's own permissions, not the template: reported as PermissionDenied
             elif err.invalid:
-                problem = problem or refused_pod_problem(f"pod {name} was refused", err, mode_of(missing))
+                problem = problem or refused_pod_problem(f"pod {name} was refused", err, mode)
             else:
                 raise err
         return problem
 
-    def _dry_run(self, missing: list[Obj]) -> Problem | None:
+    def _dry_run(self, missing: list[Obj], mode: str) -> Problem | None:
         """Server-side dry-run of one pod per role: a bad template is refused before any pod is created."""
         seen: set[str] = set()
         for pod in missing:
@@ -346,7 +347,7 @@ class Reconciler:
                     continue
                 if err.invalid:
                     return refused_pod_problem(
-                        f"the {role} template does not make a valid pod (server-side dry-run)", err, mode_of([pod]))
+                        f"the {role} template does not make a valid pod (server-side dry-run)", err, mode)
                 raise
         return None
 
@@ -415,17 +416,6 @@ def permission_message(err: KubeError) -> str:
         "ServiceAccount (the chart's RBAC has every permission the operator uses: `helm upgrade` with "
         "rbac.create=true, or add the rule to your Role/ClusterRole); the operator retries on its own."
     )[:1000]
-
-
-def mode_of(pods: list[Obj]) -> str:
-    """The transfer mode the agents of these pods were built for (their contract env)."""
-    for pod in pods:
-        for c in pod["spec"].get("initContainers") or []:
-            if c.get("name") == contract.AGENT_CONTAINER:
-                for e in c.get("env") or []:
-                    if e.get("name") == contract.ENV_TRANSFER_MODE:
-                        return str(e.get("value"))
-    return ""
 
 
 def refused_pod_problem(what: str, err: KubeError, mode: str) -> Problem:
