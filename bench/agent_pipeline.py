@@ -12,7 +12,9 @@ version is measured alone.
 Per version: `publish_s` (TrainerSession.publish: the copy into staging + the agent's ack, i.e. how long
 training is held), `commit_latency_s` (publish returned -> engine commit callback), `end_to_end_s`
 (publish called -> commit), and the effective rate size / end_to_end. The last version's bytes are checked
-bit for bit (sha256 of every tensor on both sides).
+bit for bit (sha256 of every tensor on both sides). NCCL mode then measures, in the same run and between
+the same two pod addresses, the raw transport the product uses (a gloo group, the same bytes in the same
+bucket sizes, real processes): `raw_s_p50` and `ratio` = raw / product (1.0: no overhead over the wire).
 """
 
 from __future__ import annotations
@@ -91,6 +93,47 @@ def run_engine(size_mb: int, count: int, versions: int, out: Path) -> None:
     threading.Event().wait()
 
 
+def run_raw(rank: int, ip: str, store_host: str, store_port: int, size_mb: int, bucket_mb: int, iters: int,
+            out: Path) -> None:
+    """The raw transport the NCCL-mode product path uses: a gloo group between the two pods' addresses,
+    rank 0 sending the same bytes in the same bucket sizes to rank 1; rank 1 writes each iteration's time."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(store_host, store_port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
+    opts._timeout = datetime.timedelta(seconds=120)
+    pg = dist.ProcessGroupGloo(store, rank, 2, opts)
+    total, step = size_mb << 20, bucket_mb << 20
+    bufs = [torch.ones(min(step, total - o), dtype=torch.uint8) for o in range(0, total, step)]
+    times = []
+    for _ in range(iters + 1):  # the first one warms the connections up
+        pg.barrier().wait()
+        t0 = time.perf_counter()
+        for b in bufs:
+            (pg.send([b], 1, 0) if rank == 0 else pg.recv([b], 0, 0)).wait()
+        times.append(time.perf_counter() - t0)
+    if rank == 1:
+        out.write_text(json.dumps(times[1:]))
+    pg.barrier().wait()
+
+
+def raw_reference(c: Any, t: Any, i: Any, size_mb: int, bucket_mb: int, iters: int) -> list[float]:
+    """Seconds per iteration of the raw gloo transfer between the same two pod addresses (real processes)."""
+    from weightsync.e2e.procs import free_port
+
+    me, out, port = str(Path(__file__).resolve()), c.root / "raw.json", free_port(t.ip)
+    procs = [c.spawn(pod, f"raw{rank}", [sys.executable, me, "raw", "--rank", str(rank), "--ip", pod.ip,
+                                         "--store", f"{t.ip}:{port}", "--size-mb", str(size_mb),
+                                         "--bucket-mb", str(bucket_mb), "--iters", str(iters), "--out", str(out)])
+             for rank, pod in ((0, t), (1, i))]
+    for proc in procs:
+        proc.wait(300)
+    return [float(x) for x in json.loads(out.read_text())]
+
+
 def run(mode: str, size_mb: int, count: int, versions: int, bucket_mb: int) -> dict[str, Any]:
     from podprocs import Cluster, wait_for
     from weightsync.crds import contract
@@ -120,6 +163,10 @@ def run(mode: str, size_mb: int, count: int, versions: int, bucket_mb: int) -> d
         done = _commits(commits)
         engine_sums = json.loads((root / f"engine-sums-{versions}.json").read_text())
         bit_exact = engine_sums == pubs[versions]["checksums"]
+        if mode == "nccl":
+            for p in pods:  # the agents are done: measure the raw transport alone on the same addresses
+                c.kill(p, "agent")
+            raw = raw_reference(c, t, i, size_mb, bucket_mb, max(versions - 1, 1))
     finally:
         c.stop_all()
     nbytes = sum(t.numel() * 4 for t in _tensors(size_mb, count).values())
@@ -138,6 +185,8 @@ def run(mode: str, size_mb: int, count: int, versions: int, bucket_mb: int) -> d
         "end_to_end_s_p50": statistics.median(e2e), "end_to_end_s_max": max(e2e),
         "effective_gbps_p50": nbytes / statistics.median(e2e) / 1e9,
         "first_version_end_to_end_s": rows[0]["end_to_end_s"],
+        **({"raw_s_p50": statistics.median(raw), "raw_gbps_p50": nbytes / statistics.median(raw) / 1e9,
+            "ratio": statistics.median(raw) / statistics.median(e2e)} if mode == "nccl" else {}),
         "per_version": rows,
         "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(),
         "note": "CPU only, shared machine (see load_avg_1m); steady-state figures exclude version 1",
@@ -147,6 +196,10 @@ def run(mode: str, size_mb: int, count: int, versions: int, bucket_mb: int) -> d
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd")
+    rp = sub.add_parser("raw")
+    for flag, kind in (("--rank", int), ("--ip", str), ("--store", str), ("--size-mb", int), ("--bucket-mb", int),
+                       ("--iters", int), ("--out", str)):
+        rp.add_argument(flag, type=kind, required=True)
     for name in ("trainer", "engine"):
         sp = sub.add_parser(name)
         sp.add_argument("--size-mb", type=int, required=True)
@@ -165,6 +218,9 @@ def main() -> None:
     a = p.parse_args()
     if a.cmd == "trainer":
         run_trainer(a.size_mb, a.count, a.versions, Path(a.log), Path(a.commits))
+    elif a.cmd == "raw":
+        host, port = a.store.rsplit(":", 1)
+        run_raw(a.rank, a.ip, host, int(port), a.size_mb, a.bucket_mb, a.iters, Path(a.out))
     elif a.cmd == "engine":
         run_engine(a.size_mb, a.count, a.versions, Path(a.out))
     else:
