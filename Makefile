@@ -58,6 +58,7 @@ bench: setup
 	$(VPY) -m weightsync.agent.bench --transport gdr --size-mb 1024 --json | tee bench/results/gdr.json
 	$(VPY) -m weightsync.agent.bench --transport gdr --size-mb 256 --iters 3 --verify --delta-fraction 0.05 --json | tee bench/results/gdr-verify-delta.json
 	$(VPY) bench/status_latency.py --versions 50 --pods 8 | tee bench/results/status-latency.json
+	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 64 --versions 8 | tee bench/results/agent-pipeline-nccl.json
 	$(VPY) bench/operator_scale.py --replicas 8 32 64 | tee bench/results/operator-scale.json
 	$(VPY) -m weightsync.e2e.runtime.bench --pods 8 | tee bench/results/process-runtime.json
 
