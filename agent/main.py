@@ -285,7 +285,8 @@ class Agent:
         if self.server is not None:
             self.server.start()
         if self.cfg.kube_enabled:
-            self.pod = PodLink(self.cfg.namespace, self.cfg.pod_name, self._on_desired, self.metrics).start()
+            self.pod = PodLink(self.cfg.namespace, self.cfg.pod_name, self._on_desired, self.metrics,
+                               token=self.token).start()
             self.desired = self.pod.desired
             self._report()
         threading.Thread(target=self._loop, name="agent-loop", daemon=True).start()

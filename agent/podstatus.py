@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from weightsync.agent.metrics import AgentMetrics
-from weightsync.crds import contract
+from weightsync.crds import contract, version_proof
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +126,17 @@ class PodLink:
     """Watches this pod's annotations and writes its observed state, each in its own thread."""
 
     def __init__(self, namespace: str, name: str, on_desired: Callable[[Desired], None],
-                 metrics: AgentMetrics | None = None, api: Any = None) -> None:
+                 metrics: AgentMetrics | None = None, api: Any = None, token: bytes | None = None) -> None:
         self.namespace = namespace
         self.name = name
         self.on_desired = on_desired
         self.metrics = metrics
         self.api = api
+        # With the job's token every version written carries a proof (crds/version_proof.py) and versions
+        # found on the pod that this agent did not write are never signed: they are removed.
+        self.token = token
+        self.uid = ""
+        self._mine: dict[str, str | None] = {}  # the version annotations this agent wrote (or verified at start)
         self.desired = Desired()
         self.stats = WriteStats()
         self._want = Observed()
@@ -156,7 +161,22 @@ class PodLink:
 
     def _seed(self, pod: Any) -> None:
         ann = dict(pod.metadata.annotations or {})
+        first = not self.uid
+        self.uid = str(pod.metadata.uid or "")
         self._written_ann = {k: v for k, v in ann.items() if k.startswith(f"{contract.GROUP}/")}
+        if self.token is not None and not first:
+            with self._cond:  # a re-read after a lost watch: the next write restores whatever is not ours
+                self._dirty = True
+                self._cond.notify_all()
+        elif self.token is not None:
+            if version_proof.verify(self.token, self.uid, ann):
+                self._mine = {k: ann.get(k) for k in contract.VERSION_PROOF_KEYS}
+            else:  # written by someone else: dropped with the next write (which this forces)
+                log.warning("versions on own pod carry no valid proof, removing them: %s",
+                            {k: ann.get(k) for k in contract.VERSION_PROOF_KEYS if ann.get(k)})
+                self._mine = {}
+                with self._cond:
+                    self._dirty = True
         for c in (pod.status.conditions or []) if pod.status else []:
             if c.type == contract.POD_CONDITION_SYNCED:
                 self._written_cond = (c.status, c.reason or "")
@@ -186,6 +206,7 @@ class PodLink:
                         return
                     obj = ev["object"]
                     if ev["type"] in ("ADDED", "MODIFIED"):
+                        self._heal(obj.metadata.annotations)
                         self._apply(obj.metadata.annotations)
                     self._rv = w.resource_version or self._rv
             except ApiException as exc:
@@ -197,6 +218,24 @@ class PodLink:
             except Exception as exc:
                 log.warning("pod watch interrupted: %s", exc)
                 time.sleep(1.0)
+
+    def _heal(self, annotations: dict[str, str] | None) -> None:
+        """Someone else changed a version annotation or the proof this agent wrote: write ours again (the
+        operator ignores the changed values meanwhile, their proof no longer verifies)."""
+        if self.token is None:
+            return
+        ann = annotations or {}
+        changed = [k for k in (*contract.VERSION_PROOF_KEYS, contract.ANN_VERSION_PROOF)
+                   if k in self._written_ann and ann.get(k) != self._written_ann.get(k)]
+        if not changed:
+            return
+        log.warning("version annotations on own pod changed by someone else, writing them again: %s",
+                    {k: ann.get(k) for k in changed})
+        with self._cond:
+            for k in changed:
+                self._written_ann[k] = ann.get(k)
+            self._dirty = True
+            self._cond.notify_all()
 
     def report(self, obs: Observed) -> None:
         with self._cond:
@@ -236,8 +275,21 @@ class PodLink:
             self.metrics.api_writes.labels(kind).inc()
             self.metrics.api_write_seconds.labels(kind).observe(took)
 
+    def _wanted(self, obs: Observed) -> dict[str, str | None]:
+        want = annotations_for(obs)
+        if self.token is None:
+            return want
+        for k in contract.VERSION_PROOF_KEYS:
+            if k in want:
+                self._mine[k] = want[k]
+            want[k] = self._mine.get(k)  # never leave (and so sign) a value this agent did not write
+        proven = {k: want[k] for k in contract.VERSION_PROOF_KEYS}
+        want[contract.ANN_VERSION_PROOF] = (version_proof.version_proof(self.token, self.uid, proven)
+                                            if any(proven.values()) else None)
+        return want
+
     def _write(self, obs: Observed) -> None:
-        patch = annotation_patch(annotations_for(obs), self._written_ann)
+        patch = annotation_patch(self._wanted(obs), self._written_ann)
         if patch:
             body = {"metadata": {"annotations": patch}}
             self._timed("annotations", lambda: self.api.patch_namespaced_pod(
@@ -257,7 +309,7 @@ class PodLink:
             with self._cond:
                 if not self._dirty:
                     obs = self._want
-                    if not annotation_patch(annotations_for(obs), self._written_ann):
+                    if not annotation_patch(self._wanted(obs), self._written_ann):
                         return True
             time.sleep(0.02)
         return False

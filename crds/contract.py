@@ -41,6 +41,13 @@ ANN_PUBLISHED_VERSION: Final = f"{GROUP}/published-version"  # trainer: last ver
 ANN_ENGINE_PAUSED: Final = f"{GROUP}/engine-paused"       # "true" once the engine confirmed a pause
 ANN_LAST_SYNC: Final = f"{GROUP}/last-sync"               # JSON: {version, durationSeconds, bytes, mode}
 ANN_SYNC_ERROR: Final = f"{GROUP}/sync-error"             # last failure message, cleared on success
+# HMAC (job token) over the pod uid and the version annotations below: only the agent, which holds the
+# job's token, can write a version the operator believes (crds/version_proof.py).
+ANN_VERSION_PROOF: Final = f"{GROUP}/version-proof"
+VERSION_PROOF_KEYS: Final = (ANN_PUBLISHED_VERSION, ANN_SERVED_VERSION)
+# On the WeightSyncJob (operator-written): the id of the operator key its token was derived from. Version
+# proofs are enforced for a job only when this matches the running operator's key.
+ANN_VERSION_PROOF_KEY: Final = f"{GROUP}/version-proof-key"
 
 # --- Pod condition / readiness gate --------------------------------------------------------------------
 POD_CONDITION_SYNCED: Final = f"{GROUP}/synced"

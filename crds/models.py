@@ -710,6 +710,12 @@ class WeightSyncJobStatus(_Model):
     )
     replicas: ReplicaCounts | None = Field(default=None, description="Inference replica counts.")
     last_sync: LastSync | None = Field(default=None, alias="lastSync", description="The most recent completed sync.")
+    version_proof_key: str | None = Field(
+        default=None, alias="versionProofKey", max_length=16, pattern="^[0-9a-f]{16}$",
+        description="Fingerprint of the operator key the job's token was derived from. While it matches the "
+                    "running operator's key, versions written on pods are believed only with the agent's proof "
+                    "(annotation weightsync.io/version-proof).",
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=16,

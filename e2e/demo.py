@@ -114,6 +114,19 @@ class OperatorProcess:
         return self.proc.returncode
 
 
+def operator_key_file(kubeconfig: Path) -> Path:
+    """One operator key per cluster, next to its kubeconfig (as the chart keeps one Secret per release): an
+    operator restarted by a test keeps checking the version proofs of the jobs it already runs."""
+    path = kubeconfig.parent / "weightsync-operator-key"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        os.replace(tmp, path)
+    return path
+
+
 def start_operator(kubeconfig: Path, namespace: str | None, log_dir: Path, *, resync_seconds: float = 5.0,
                    agent_image: str = "ghcr.io/weightsync/weightsync-agent:0.1.0") -> OperatorProcess:
     """Start the operator for NAMESPACE (None: all namespaces); metrics and health ports off (parallel runs)."""
@@ -121,7 +134,8 @@ def start_operator(kubeconfig: Path, namespace: str | None, log_dir: Path, *, re
     log_path = log_dir / f"operator-{namespace or 'all'}-{time.strftime('%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}.log"
     scope = ["--namespace", namespace] if namespace else ["--all-namespaces"]
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "WEIGHTSYNC_AGENT_IMAGE": agent_image,
-           "WEIGHTSYNC_RESYNC_SECONDS": str(resync_seconds), "PYTHONUNBUFFERED": "1"}
+           "WEIGHTSYNC_RESYNC_SECONDS": str(resync_seconds), "PYTHONUNBUFFERED": "1",
+           "WEIGHTSYNC_OPERATOR_KEY_FILE": str(operator_key_file(kubeconfig))}
     if not OPERATOR_BIN.exists():
         raise DemoError(f"{OPERATOR_BIN} not found: install the repository into the venv "
                         "(`make setup` or `.venv/bin/pip install -e '.[agent,gdr,dev]'`)")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from weightsync.crds.models import DEFAULT_RDMA_RESOURCE, RDMA_RESOURCE_PATTERN
+from weightsync.crds.version_proof import MIN_KEY_BYTES
 
 DEFAULT_AGENT_IMAGE = "ghcr.io/weightsync/weightsync-agent:0.1.0"
 
@@ -48,6 +49,7 @@ def _selector(raw: str) -> dict[str, str]:
 
 
 ENV_HOST_ACCESS_NAMESPACES = "WEIGHTSYNC_HOST_ACCESS_NAMESPACES"
+ENV_OPERATOR_KEY_FILE = "WEIGHTSYNC_OPERATOR_KEY_FILE"
 ENV_AGENT_METRICS_ALLOW_FROM = "WEIGHTSYNC_AGENT_METRICS_ALLOW_FROM"
 _PEER_KEYS = ("namespaceSelector", "podSelector")
 _SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
@@ -108,6 +110,21 @@ def _metrics_peers(raw: str) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+def read_operator_key(path: str) -> bytes | None:
+    """The operator key from its file ("" = none configured); a configured but unusable file is an error."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            key = f.read().strip()
+    except OSError as err:
+        raise ValueError(f"{ENV_OPERATOR_KEY_FILE}={path}: cannot read the operator key: {err.strerror}") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"{ENV_OPERATOR_KEY_FILE}={path}: the operator key has {len(key)} bytes, at least "
+                         f"{MIN_KEY_BYTES} are needed (the chart generates 64)")
+    return key
+
+
 @dataclass(frozen=True)
 class OperatorConfig:
     """Everything the builders need beyond the WeightSyncJob itself."""
@@ -141,6 +158,10 @@ class OperatorConfig:
     # Namespaces whose templates may ask for host access (chart templatePolicy.allowHostAccessNamespaces);
     # everywhere else such a template is refused (crds/template_policy.py).
     host_access_namespaces: frozenset[str] = frozenset()
+    # The operator key (chart Secret, WEIGHTSYNC_OPERATOR_KEY_FILE): job tokens are derived from it, so the
+    # operator can check the agents' version proofs without reading Secrets. None: random tokens, versions
+    # on pods believed unchecked (development only; the operator warns at start).
+    operator_key: bytes | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> OperatorConfig:
@@ -163,6 +184,7 @@ class OperatorConfig:
             agent_metrics_allow_from=_metrics_peers(e.get(ENV_AGENT_METRICS_ALLOW_FROM, "")),
             host_access_namespaces=frozenset(
                 n.strip() for n in e.get(ENV_HOST_ACCESS_NAMESPACES, "").split(",") if n.strip()),
+            operator_key=read_operator_key(e.get(ENV_OPERATOR_KEY_FILE, "")),
         )
         if base.node_gpu_count < 1:
             raise ValueError("WEIGHTSYNC_NODE_GPU_COUNT must be >= 1 (the GPUs of one GPU node)")

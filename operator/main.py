@@ -69,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"weightsync-operator: {err}", file=sys.stderr)
         return 2
+    if cfg.operator_key is None:
+        log.warning("no operator key (WEIGHTSYNC_OPERATOR_KEY_FILE): job tokens are random and versions written "
+                    "on pods are believed without proof; the Helm chart always sets one")
 
     namespaces = list(args.namespace)
     if not namespaces and not args.all_namespaces:

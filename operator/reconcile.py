@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 from weightsync.crds import contract
 from weightsync.crds.models import ReplicaCounts, WeightSyncJob, validation_messages
-from weightsync.operator import dra, networkpolicy, podstate, rbac, secret, service
+from weightsync.operator import dra, networkpolicy, podstate, proofs, rbac, secret, service
 from weightsync.operator import metrics as m
 from weightsync.operator import topology as topo
 from weightsync.operator.common import JobRef, job_selector, stable_hash
@@ -44,6 +44,7 @@ from weightsync.operator.status import (
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 REASON_OBJECT_CONFLICT = "ObjectConflict"
+REASON_UNPROVEN_VERSION = "UnprovenVersion"  # Event: a version on a pod without a valid agent proof
 CREATE_CONCURRENCY = 8
 
 # Fields of each owned kind the reconciler may patch in place (everything else is fixed at creation).
@@ -108,6 +109,9 @@ class Reconciler:
         self.clock = clock
         self._tokens_present: set[tuple[str, str, str]] = set()  # (namespace, job, uid) with a token Secret
         self._denials_posted: dict[tuple[str, str], str] = {}  # last PermissionDenied Event per job (no spam)
+        self._tokens_derived: set[tuple[str, str, str]] = set()  # jobs whose token this process derived
+        self._unproven_posted: dict[tuple[str, str], list[str]] = {}  # pods last named in an UnprovenVersion Event
+        self._unchecked_warned: set[tuple[str, str, str]] = set()
 
     # --- entry points ----------------------------------------------------------------------------------
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
@@ -162,6 +166,7 @@ class Reconciler:
             self._ensure(job, service.build_service(job, spec), out)
             self._ensure(job, networkpolicy.build_network_policy(job, self.cfg.agent_metrics_allow_from), out)
             self._ensure_secret(job, out)
+            pods = self._believe(job, pods, prev_status)
             rct = dra.build_resource_claim_template(job, spec, self.cfg)
             if rct is not None:
                 self._ensure(job, rct, out)
@@ -191,7 +196,7 @@ class Reconciler:
             self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
             return out
         if out.created or out.deleted:
-            pods = self._owned_pods(job)
+            pods = self._believe(job, self._owned_pods(job), prev_status, report=False)
             states = replica_states(plan, pods)
 
         built = {p["metadata"]["name"]: p["metadata"]["annotations"].get(contract.ANN_SPEC_HASH) for p in desired_pods}
@@ -262,14 +267,46 @@ class Reconciler:
             return
         name = contract.token_secret_name(job.name)
         try:
-            self.kube.create(secret.build_secret(job))
+            self.kube.create(secret.build_secret(job, proofs.token_for(self.cfg.operator_key, job)))
         except KubeError as err:
             if not err.conflict:
                 raise
         else:
             out.created.append(f"Secret/{name}")
             _log_change("created", "Secret", job, name)
+            if self.cfg.operator_key is not None:
+                self._tokens_derived.add(key)
         self._tokens_present.add(key)
+
+    def _proof_key(self, job: JobRef, status: Mapping[str, Any]) -> str | None:
+        """The operator key id the job's versions are checked under (None: not checked)."""
+        key = (job.namespace, job.name, job.uid)
+        return proofs.enforced_key(self.cfg.operator_key, status, key in self._tokens_derived)
+
+    def _believe(self, job: JobRef, pods: dict[str, Obj], status: Mapping[str, Any], report: bool = True) -> dict[str, Obj]:
+        """Drop versions on pods that carry no valid proof (a forged annotation moves nothing) and say so
+        once per change with a Warning Event naming the pods."""
+        if self._proof_key(job, status) is None:
+            key = (job.namespace, job.name, job.uid)
+            if self.cfg.operator_key is not None and key not in self._unchecked_warned:
+                self._unchecked_warned.add(key)
+                log.warning("versions on the pods of job=%s/%s are not checked: its token predates this operator's "
+                            "key (re-create the job to have them checked)", job.namespace, job.name)
+            return pods
+        token = proofs.token_for(self.cfg.operator_key, job)
+        assert token is not None
+        believed, unproven = proofs.believed(pods, token)
+        jkey = (job.namespace, job.name)
+        if report and unproven != self._unproven_posted.get(jkey, []):
+            self._unproven_posted[jkey] = unproven
+            if unproven:
+                log.warning("unproven versions ignored job=%s/%s pods=%s", job.namespace, job.name, unproven,
+                            extra={"job": f"{job.namespace}/{job.name}", "reason": REASON_UNPROVEN_VERSION})
+                self.events.warning(job, REASON_UNPROVEN_VERSION, (
+                    f"ignored versions written on pods {', '.join(unproven)} without a valid "
+                    f"{contract.ANN_VERSION_PROOF}: only the pod's agent can write a version; something else "
+                    "patched the pod")[:1000])
+        return believed
 
     def _sync_pods(self, job: JobRef, desired: list[Obj], observed: dict[str, Obj], out: Outcome,
                    mode: str) -> Problem | None:
@@ -353,6 +390,9 @@ class Reconciler:
 
     # --- status ------------------------------------------------------------------------------------------
     def _write_status(self, job: JobRef, previous: Obj, status: Obj, out: Outcome) -> None:
+        kid = self._proof_key(job, previous)
+        if kid is not None:
+            status = {**status, "versionProofKey": kid}
         out.status = status
         if previous == status:
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -355,3 +356,54 @@ def test_colocated_two_pods_each_engine_loads_from_its_own_pod(cluster, kube, na
     _served_at_least(kube, namespace, "col2", last)
     _final_status(kube, namespace, "col2", last, 2)
     assert_bit_exact(kube, namespace, "col2", last, 2)
+
+
+# --- forged versions: a principal that may patch pods writes versions on them --------------------------------
+def test_forged_version_annotations_move_nothing(cluster, kube, namespace, operator, demo_job):
+    """Issue 15 (F4): `weightsync.io/published-version=100000` on a trainer pod (and a forged served version
+    on an inference pod), written again and again while the trainer publishes. The operator believes only
+    versions carrying the agent's proof: status.trainerVersion never takes the forged value, served versions
+    keep advancing to the last one, the agents write their own values back, and a Warning Event names the
+    pods."""
+    operator()
+    body = demo_job("separated", versions=10, interval=1.0)
+    name, last = body["metadata"]["name"], demo.trainer_versions(body)
+    _served_at_least(kube, namespace, name, 1)
+    forged = "100000"
+    trainer_pod = f"{name}-trainer-0"
+    inference_pod = sorted(inference_pods(kube, namespace, name))[0]
+    seen: list[tuple[Any, Any]] = []
+    stop = threading.Event()
+
+    def forge() -> None:
+        while not stop.is_set():
+            for pod, key in ((trainer_pod, contract.ANN_PUBLISHED_VERSION), (inference_pod, contract.ANN_SERVED_VERSION)):
+                kube.core.patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": {key: forged}}},
+                                               _content_type="application/merge-patch+json")
+            stop.wait(0.3)
+
+    forger = threading.Thread(target=forge, daemon=True)
+    forger.start()
+    try:
+        deadline = time.monotonic() + 12.0
+        while time.monotonic() < deadline:
+            st = job(kube, namespace, name).get("status") or {}
+            seen.append((st.get("trainerVersion"), st.get("servedVersion")))
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        forger.join(10)
+    assert all(t != int(forged) and s != int(forged) for t, s in seen), seen
+    trainer_seen = [t for t, _ in seen if t is not None]
+    assert trainer_seen == sorted(trainer_seen) and trainer_seen[-1] > trainer_seen[0], (
+        f"trainerVersion must keep advancing while the forger writes: {trainer_seen}")
+
+    j = _served_at_least(kube, namespace, name, last, timeout=START_TIMEOUT)
+    assert j["status"].get("versionProofKey"), j["status"]
+    _final_status(kube, namespace, name, last, 2)
+    ann = demo.job_pods(kube.api, namespace, name)[trainer_pod]["metadata"]["annotations"]
+    assert ann[contract.ANN_PUBLISHED_VERSION] == str(last), "the agent writes its own version back"
+    events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    unproven = [e for e in events if e.reason == "UnprovenVersion"]
+    assert unproven and trainer_pod in unproven[0].message, [(e.reason, e.message) for e in events]
+    assert_bit_exact(kube, namespace, name, last, 2)

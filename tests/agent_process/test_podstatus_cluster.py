@@ -96,3 +96,39 @@ def test_pod_link_round_trip(kube: Any, namespace: str) -> None:
         assert contract.ANN_SYNC_ERROR not in (pod.metadata.annotations or {})
     finally:
         link.close()
+
+
+def test_pod_link_proves_its_versions_and_rewrites_forged_ones(kube: Any, namespace: str) -> None:
+    """With the job's token every version written carries a proof; a version someone else writes on the pod
+    (before the agent starts or while it runs) is never signed: the agent removes or overwrites it."""
+    from weightsync.crds import version_proof
+
+    token = b"t" * 64
+    name = "demo-trainer-0"
+    body = _pod(name)
+    body["metadata"]["annotations"][contract.ANN_PUBLISHED_VERSION] = "99999"  # forged before the agent starts
+    kube.core.create_namespaced_pod(namespace, body)
+    link = PodLink(namespace, name, lambda d: None, AgentMetrics(), api=kube.core, token=token).start()
+
+    def annotations() -> tuple[dict[str, str], str]:
+        pod = kube.core.read_namespaced_pod(name, namespace)
+        return dict(pod.metadata.annotations or {}), str(pod.metadata.uid)
+
+    try:
+        _wait(lambda: contract.ANN_PUBLISHED_VERSION not in annotations()[0], 10, "the forged version removed")
+        link.report(Observed(published_version=5))
+        assert link.flush(10)
+        ann, uid = annotations()
+        assert ann[contract.ANN_PUBLISHED_VERSION] == "5"
+        assert version_proof.verify(token, uid, ann)
+        assert not version_proof.verify(b"x" * 64, uid, ann), "a proof under another token must not verify"
+        assert not version_proof.verify(token, "another-uid", ann), "a proof must be bound to the pod's uid"
+
+        # forged while running: written again from the agent's own value, with a valid proof
+        kube.core.patch_namespaced_pod(name, namespace, {"metadata": {"annotations": {
+            contract.ANN_PUBLISHED_VERSION: "100000"}}}, _content_type="application/merge-patch+json")
+        _wait(lambda: annotations()[0].get(contract.ANN_PUBLISHED_VERSION) == "5", 10, "the forged version rewritten")
+        ann, uid = annotations()
+        assert version_proof.verify(token, uid, ann)
+    finally:
+        link.close()

@@ -16,6 +16,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 from weightsync.crds import contract
+from weightsync.e2e.demo import operator_key_file
 from weightsync.e2e.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,6 +83,7 @@ def start_operator(kubeconfig: Path, namespace: str | None, log_dir: Path, *extr
         "KUBECONFIG": str(kubeconfig),
         "WEIGHTSYNC_AGENT_IMAGE": AGENT_IMAGE,
         "WEIGHTSYNC_RESYNC_SECONDS": str(resync),
+        "WEIGHTSYNC_OPERATOR_KEY_FILE": str(operator_key_file(kubeconfig)),
     }
     with log_path.open("wb") as out:
         proc = subprocess.Popen(

@@ -99,14 +99,14 @@ def _dry_run(cluster: Any, namespace: str, *sets: str, include_crds: bool = Fals
 def test_default_cluster_wide_install_with_crds(cluster: Any, namespace: str, wsj_crd: str) -> None:
     objs = _dry_run(cluster, namespace, include_crds=True)
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "Service",
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "Secret", "Service",
                      "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicy",
                      "ValidatingAdmissionPolicyBinding", "ValidatingAdmissionPolicyBinding"]
 
 
 def test_namespaced_install(cluster: Any, namespace: str, wsj_crd: str) -> None:
     objs = _dry_run(cluster, namespace, f"watchNamespaces={{{namespace}}}")
-    assert {o["kind"] for o in objs} == {"Role", "RoleBinding", "Deployment", "Service", "ServiceAccount",
+    assert {o["kind"] for o in objs} == {"Role", "RoleBinding", "Deployment", "Secret", "Service", "ServiceAccount",
                                          "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 
 

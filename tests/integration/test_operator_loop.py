@@ -25,14 +25,16 @@ from op_helpers import (
     separated_spec,
     token_kubeconfig,
 )
-from weightsync.crds import contract
+from weightsync.crds import contract, version_proof
+from weightsync.e2e.demo import operator_key_file
 from weightsync.e2e.pytest_plugin import wait_until
 
 pytestmark = pytest.mark.cluster
 
 
 class AgentKubectl:
-    """kubectl authenticated as the job's agent ServiceAccount."""
+    """kubectl authenticated as the job's agent ServiceAccount; versions carry the agent's proof, made with
+    the job token the operator derived from its key (as a real agent reads it from the job's Secret)."""
 
     def __init__(self, cluster: Any, namespace: str, sa: str, tmp: Path) -> None:
         token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
@@ -44,7 +46,18 @@ class AgentKubectl:
         return self.cluster.kubectl(f"--kubeconfig={self.kubeconfig}", "-n", self.ns, *args)
 
     def annotate(self, pod: str, key: str, value: str) -> None:
-        self.run("patch", "pod", pod, "--type=merge", "-p", json.dumps({"metadata": {"annotations": {key: value}}}))
+        current = json.loads(self.run("get", "pod", pod, "-o", "json").stdout)
+        meta = current["metadata"]
+        ann = {**(meta.get("annotations") or {}), key: value}
+        if key in contract.VERSION_PROOF_KEYS:
+            job = meta["labels"][contract.LABEL_JOB]
+            owner = next(o for o in meta["ownerReferences"] if o.get("controller"))
+            key_file = operator_key_file(Path(self.cluster.kubeconfig))
+            token = version_proof.job_token(key_file.read_bytes().strip(), self.ns, job, owner["uid"])
+            patch = {key: value, contract.ANN_VERSION_PROOF: version_proof.version_proof(token, meta["uid"], ann)}
+        else:
+            patch = {key: value}
+        self.run("patch", "pod", pod, "--type=merge", "-p", json.dumps({"metadata": {"annotations": patch}}))
 
     def condition(self, pod: str, type_: str, status: str) -> None:
         body = {"status": {"conditions": [{"type": type_, "status": status, "reason": "Test"}]}}

@@ -53,8 +53,8 @@ def test_lint(helm):
 
 def test_cluster_wide_install(helm):
     objs = docs(helm)
-    assert sorted({o["kind"] for o in objs}) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                                                 "ServiceAccount", "ValidatingAdmissionPolicy",
+    assert sorted({o["kind"] for o in objs}) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Secret",
+                                                 "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
                                                  "ValidatingAdmissionPolicyBinding"]
     (dep,) = by_kind(objs, "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
@@ -182,8 +182,10 @@ def test_crd_upgrade_hook_values(helm):
 
 
 def _operator_env(objs: list[dict[str, Any]]) -> dict[str, str]:
+    """The operator's env as rendered, minus the key file (a mounted Secret that exists only in the pod)."""
     (dep,) = by_kind(objs, "Deployment")
-    return {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
+    env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
+    return {e["name"]: e["value"] for e in env if "value" in e and e["name"] != "WEIGHTSYNC_OPERATOR_KEY_FILE"}
 
 
 def test_cluster_rdma_resource_and_dra_device_class_reach_the_operator_config(helm):
@@ -342,7 +344,7 @@ def test_template_policy_allowed_namespaces_and_watch_scope(helm):
         watch, {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["infra"]}]
     assert ports["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"] == [watch]  # never exempt
     (dep,) = by_kind(objs, "Deployment")
-    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = _operator_env([dep])
     assert env["WEIGHTSYNC_HOST_ACCESS_NAMESPACES"] == "infra"
     assert OperatorConfig.from_env(env).host_access_namespaces == frozenset({"infra"})
 
@@ -352,3 +354,28 @@ def test_template_policy_can_be_turned_off(helm):
     assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
     bad = render(helm, "templatePolicy.allowHostAccessNamespaces={Not_A_Namespace}", check=False)
     assert bad.returncode != 0 and "allowHostAccessNamespaces" in bad.stderr
+
+
+def test_operator_key_secret_is_generated_mounted_and_replaceable(helm):
+    """The operator key (job tokens are derived from it): a generated Secret, mounted read-only into the
+    operator and named by WEIGHTSYNC_OPERATOR_KEY_FILE; operatorKey.existingSecret replaces it."""
+    import base64
+
+    objs = docs(helm)
+    (key,) = by_kind(objs, "Secret")
+    assert key["metadata"]["name"] == "ws-weightsync-operator-key"
+    assert len(base64.b64decode(key["data"]["key"])) == 64
+    (dep,) = by_kind(objs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "operator-key")
+    assert mount["readOnly"] is True
+    assert env["WEIGHTSYNC_OPERATOR_KEY_FILE"] == mount["mountPath"] + "/key"
+    vol = next(v for v in pod["volumes"] if v["name"] == "operator-key")
+    assert vol["secret"] == {"secretName": "ws-weightsync-operator-key", "defaultMode": 0o400}
+
+    own = docs(helm, "operatorKey.existingSecret=my-key")
+    assert not by_kind(own, "Secret")
+    (dep,) = by_kind(own, "Deployment")
+    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "operator-key")
+    assert vol["secret"]["secretName"] == "my-key"
