@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,6 +278,9 @@ class TrainerSession:
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self.reconnects = 0
+        # One id per trainer process and rank, kept across reconnects: a publish from a new id that does not
+        # increase the version is a restarted trainer (a new trainer epoch), not a stale one.
+        self.session_id = uuid.uuid4().hex
         self._conn: local.LocalConn | None = None
         self._segments: dict[str, staging.Segment] = {}
 
@@ -314,7 +318,8 @@ class TrainerSession:
     def _connection(self) -> local.LocalConn:
         if self._conn is None:
             conn = local.connect(self.socket_path, min(self.timeout, self.reconnect_timeout))
-            conn.request({"op": "hello", "kind": "trainer", "rank": self.rank, "pid": os.getpid()})
+            conn.request({"op": "hello", "kind": "trainer", "rank": self.rank, "pid": os.getpid(),
+                          "session": self.session_id})
             self._conn = conn
         return self._conn
 

@@ -44,6 +44,7 @@ class _Peer:
     member: PodMember
     link: Link | None = None
     latest: int | None = None
+    trainer_epoch: int = 0  # the trainer epoch of `latest`
     ranks: list[int] = field(default_factory=list)
     session: str = ""
     pending: dict[int, Future[tuple[dict[str, Any], bytes]]] = field(default_factory=dict)
@@ -65,8 +66,9 @@ class TrainerPeers:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._peers: dict[str, _Peer] = {}
-        # the last version this agent committed into its engine, told to every trainer agent (ws.served)
-        self._served: int | None = None
+        # the last version (and its trainer epoch) this agent committed into its engine, told to every
+        # trainer agent (ws.served)
+        self._served: tuple[int, int] | None = None
         self._served_lock = threading.Lock()
         self.update(topo)
 
@@ -106,14 +108,16 @@ class TrainerPeers:
                 if h.get("kind") != P.WELCOME:
                     raise P.ProtocolError(f"trainer {peer.member.name} answered hello with {h.get('kind')!r}")
                 peer.ranks = [int(r) for r in h.get("ranks", [])]
-                peer.latest = h.get("latest")
+                peer.latest = h.get("latest") if isinstance(h.get("latest"), int) else None
+                epoch = h.get("trainer_epoch", 0)
+                peer.trainer_epoch = epoch if isinstance(epoch, int) and epoch >= 0 else 0
                 peer.session = str(h.get("session", ""))
                 peer.link = link
                 delay = 0.1
                 log.info("trainer.connected pod=%s ranks=%s latest=%s", peer.member.name, peer.ranks, peer.latest)
                 with self._served_lock:  # a new link (or a restarted trainer agent) learns what we serve
                     if self._served is not None:
-                        link.send({"kind": P.SERVED, "version": self._served})
+                        link.send({"kind": P.SERVED, "version": self._served[1], "trainer_epoch": self._served[0]})
                 self.on_announce()
                 self._read(peer, link)
             except (LinkError, OSError, P.ProtocolError) as exc:
@@ -138,7 +142,12 @@ class TrainerPeers:
                 continue
             kind = h.get("kind")
             if kind == P.ANNOUNCE and isinstance(h.get("version"), int):
-                peer.latest = max(peer.latest or 0, h["version"])
+                epoch = h.get("trainer_epoch", 0)
+                epoch = epoch if isinstance(epoch, int) and epoch >= 0 else 0
+                if epoch > peer.trainer_epoch:  # a restarted trainer: its versions count from its first one
+                    peer.trainer_epoch, peer.latest = epoch, h["version"]
+                elif epoch == peer.trainer_epoch:
+                    peer.latest = max(peer.latest or 0, h["version"])
                 self.on_announce()
             elif kind in (P.META, P.ERROR) and isinstance(h.get("id"), int):
                 fut = peer.pending.pop(h["id"], None)
@@ -147,28 +156,31 @@ class TrainerPeers:
             else:
                 log.warning("trainer.unexpected_frame pod=%s kind=%r", peer.member.name, kind)
 
-    def report_served(self, version: int) -> None:
+    def report_served(self, version: int, trainer_epoch: int = 0) -> None:
         """Tell every trainer agent that this agent committed `version` into its engine (ws.served), now and
         after every reconnect. Only versions this agent loaded itself are reported, never a version the
         engine claims (an app container could claim anything): trainer agents answer wait_served from these.
         0 withdraws the report: the engine holds no complete version (a failed load whose restore failed)."""
         with self._served_lock:
-            self._served = version
+            self._served = (trainer_epoch, version)
             with self._lock:
                 links = [(p.member.name, p.link) for p in self._peers.values() if p.link is not None]
             for name, link in links:
                 try:
-                    link.send({"kind": P.SERVED, "version": version})
+                    link.send({"kind": P.SERVED, "version": version, "trainer_epoch": trainer_epoch})
                 except LinkError as exc:  # the reconnect sends it again
                     log.info("served report to %s failed: %s", name, exc)
 
-    def latest_available(self) -> int | None:
-        """The newest version every trainer pod has staged (None until all of them announced one)."""
+    def latest_available(self) -> tuple[int, int] | None:
+        """(trainer epoch, version): the newest version every trainer pod has staged (None until all of them
+        announced one in the same trainer epoch)."""
         with self._lock:
             peers = list(self._peers.values())
         if not peers or any(p.latest is None or p.link is None for p in peers):
             return None
-        return min(int(p.latest) for p in peers if p.latest is not None)
+        if len({p.trainer_epoch for p in peers}) != 1:
+            return None  # some trainer pods restarted, others not yet: wait until all are in one epoch
+        return peers[0].trainer_epoch, min(int(p.latest) for p in peers if p.latest is not None)
 
     def newest_announced(self) -> int | None:
         with self._lock:

@@ -227,7 +227,10 @@ class Agent:
         self.registry = AppRegistry()
         self.user_paused = False
         self.served: int | None = None
+        self.served_epoch: int | None = None  # trainer epoch of `served` (None: unknown, e.g. an adopted version)
+        self._reported_served: tuple[int | None, int | None] = (None, None)  # (served, epoch) on the pod at start
         self.published: int | None = None
+        self.published_epoch = 0  # trainer epoch of `published`
         self.desired = Desired()
         self.last_error: str | None = None
         self.last_sync: dict[str, Any] | None = None
@@ -288,6 +291,11 @@ class Agent:
             self.pod = PodLink(self.cfg.namespace, self.cfg.pod_name, self._on_desired, self.metrics,
                                token=self.token).start()
             self.desired = self.pod.desired
+            own = self.pod.own_versions()  # what this pod's agent wrote before a restart (proven)
+            if self.store is not None:
+                self.store.resume(own["published_epoch"] or 0, own["published"])
+                self.published, self.published_epoch = own["published"], own["published_epoch"] or 0
+            self._reported_served = (own["served"], own["served_epoch"])
             self._report()
         threading.Thread(target=self._loop, name="agent-loop", daemon=True).start()
         log.info("agent started role=%s pod=%s mode=%s trainer_ranks=%s inference=%s", self.cfg.role,
@@ -325,7 +333,7 @@ class Agent:
                 conn.reply_error(f"this agent's role is {self.cfg.role}: it does not accept trainer publishes")
                 return
             conn.reply_ok(pod=self.cfg.pod_name, role=self.cfg.role, job=self.cfg.job)
-            self._trainer_conn(conn)
+            self._trainer_conn(conn, str(hello.get("session") or ""))
         elif kind == "inference":
             if self.islot is None:
                 conn.reply_error(f"this agent's role is {self.cfg.role}: it has no engine side")
@@ -337,7 +345,8 @@ class Agent:
             engine_served = served if isinstance(served, int) else None
             if engine_served != self.served:
                 log.info("engine reports served=%s (agent had %s)", engine_served, self.served)
-            self.served = engine_served if self.served is None or engine_served is None else min(self.served, engine_served)
+            self._adopt_served(engine_served if self.served is None or engine_served is None
+                               else min(self.served, engine_served))
             # An engine left paused by a dead agent (killed mid-load) counts as paused; the loop then resumes
             # it unless spec.paused wants it paused.
             self.user_paused = hello.get("paused") is True
@@ -353,7 +362,16 @@ class Agent:
         else:
             conn.reply_error(f"unknown client kind {kind!r}: expected trainer or inference")
 
-    def _trainer_conn(self, conn: local.LocalConn) -> None:
+    def _adopt_served(self, served: int | None) -> None:
+        """Take the version the engine says it serves. Its trainer epoch is known only when it is the version
+        this agent (or its predecessor, per its proven pod annotation) loaded; else it stays unknown."""
+        if served == self.served and self.served_epoch is not None:
+            return
+        self.served = served
+        before, epoch = self._reported_served
+        self.served_epoch = epoch if served is not None and served == before else None
+
+    def _trainer_conn(self, conn: local.LocalConn, session: str = "") -> None:
         assert self.store is not None
         while not self._stop.is_set():
             h, _ = conn.recv()
@@ -362,7 +380,7 @@ class Agent:
                 if op == "stage":
                     t0 = time.perf_counter()
                     seg = self.store.stage(int(h["rank"]), int(h["version"]), int(h["nbytes"]),
-                                           str(h.get("device", "cpu")))
+                                           str(h.get("device", "cpu")), session=session)
                     self._stage_t0 = t0
                     conn.reply_ok(segment=seg.handle())
                 elif op == "publish":
@@ -376,7 +394,8 @@ class Agent:
                     version, timeout = (int(h["version"]), float(h["timeout"])) if op == "wait_served" else (0, 0.0)
                     reached, state = self.server.served.wait(
                         version, timeout, lambda: self.watcher.current, engine_takes_full_tensors(self.cfg.engine_type),
-                        cancelled=lambda: self._stop.is_set() or local.peer_closed(conn.sock, 0))
+                        cancelled=lambda: self._stop.is_set() or local.peer_closed(conn.sock, 0),
+                        trainer_epoch=lambda: self.store.trainer_epoch if self.store is not None else 0)
                     conn.reply_ok(version=version, reached=reached, **state.to_dict())
                 else:
                     conn.reply_error(f"unknown trainer op {op!r}")
@@ -386,11 +405,13 @@ class Agent:
 
     def _on_complete(self, sv: StagedVersion) -> None:
         self.published = sv.version
+        assert self.store is not None
+        self.published_epoch = self.store.trainer_epoch
         self.metrics.published_version.set(sv.version)
         self.metrics.staged_bytes.inc(sv.nbytes)
         log.info("version staged version=%s bytes=%s ranks=%s", sv.version, sv.nbytes, sorted(sv.ranks))
         if self.server is not None:
-            self.server.announce(sv.version)
+            self.server.announce(sv.version, self.published_epoch)
         self._report()
 
     # --- desired state ---------------------------------------------------------------------------------
@@ -411,12 +432,12 @@ class Agent:
         latest = self._latest_known()
         if self.pod is None:
             return
-        fields: dict[str, Any] = {"published_version": self.published}
+        fields: dict[str, Any] = {"published_version": self.published, "published_epoch": self.published_epoch}
         # Until the engine said what it serves (a restarted agent knows nothing yet), the pod keeps its last
         # report: reporting "stale" now would flap readiness for an engine that is in fact up to date.
         if self.islot is not None and self._engine_known:
             ok, reason, msg = synced_state(latest, self.served, self.cfg.max_staleness)
-            fields.update(served_version=self.served, engine_paused=self.user_paused, last_sync=self.last_sync,
+            fields.update(served_version=self.served, served_epoch=self.served_epoch, engine_paused=self.user_paused, last_sync=self.last_sync,
                           sync_error=self.last_error, synced=ok, synced_reason=reason, synced_message=msg)
         self.pod.update(**fields)
 
@@ -467,18 +488,28 @@ class Agent:
         log.info("engine %s by spec.paused", "paused" if want else "resumed")
         self._report()
 
-    def _target(self) -> int | None:
+    def _served_key(self, epoch_if_unknown: int) -> tuple[int, int] | None:
+        if self.served is None:
+            return None
+        return (self.served_epoch if self.served_epoch is not None else epoch_if_unknown, self.served)
+
+    def _target(self) -> tuple[int, int] | None:
+        """(trainer epoch, version) to load next, None when nothing newer is wanted or available."""
         assert self.peers is not None
         available = self.peers.latest_available()
         if self.cfg.kube_enabled and self.desired.target_version is not None:
-            target = self.desired.target_version
-            if self.served is not None and self.served >= target:
+            target = (self.desired.target_epoch, self.desired.target_version)
+            served = self._served_key(target[0])
+            if served is not None and served >= target:
                 return None
             # allowed to load: take the newest staged version at least as new (an older one may be evicted)
             if available is not None and available >= target:
                 return available
             return None
-        if available is None or (self.served is not None and self.served >= available):
+        if available is None:
+            return None
+        served = self._served_key(available[0])
+        if served is not None and served >= available:
             return None
         return available
 
@@ -499,7 +530,7 @@ class Agent:
                     if check is not None:
                         release = check()
                         log.info("engine release %s %s is supported", self.cfg.engine_type, release)
-                    self.served = self.adapter.served_version()
+                    self._adopt_served(self.adapter.served_version())
                 except EngineUnsupported as exc:
                     self._refuse_engine(str(exc), "EngineVersionUnsupported")
                     return
@@ -509,11 +540,11 @@ class Agent:
             self._engine_known = True
         self._apply_pause()
         target = self._target()
-        self.metrics.target_version.set(target or self.served or 0)
+        self.metrics.target_version.set(target[1] if target else self.served or 0)
         if target is None:
             self._report()
             return
-        self._fetch(target)
+        self._fetch(target[1], target[0])
 
     def _refuse_engine(self, message: str, reason: str) -> None:
         """An engine this agent cannot drive (an unsupported release, a configuration that cannot work):
@@ -549,7 +580,7 @@ class Agent:
                 except EngineError as exc:
                     log.error("engine resume after restore failed: %s", exc)
 
-    def _fetch(self, version: int) -> None:
+    def _fetch(self, version: int, trainer_epoch: int = 0) -> None:
         assert self.adapter is not None and self.peers is not None and self.islot is not None
         topo = self.watcher.current
         rep = self.islot.replica
@@ -586,7 +617,7 @@ class Agent:
                 timeout=self.cfg.timeout_seconds,
             )
 
-        prev = self.served
+        prev, prev_epoch = self.served, self.served_epoch
         self.restore_version = prev
         try:
             res = fetch(version, self.cfg.pause_generation)
@@ -600,6 +631,8 @@ class Agent:
                     self._attempt += 1  # a new proposal: the failed version's plan agreement is spent
                     self.cache.drop(g.name, role_prefix="dst")
                     self._restore(prev, lambda v: fetch(v, False))
+                    if self.served is not None:
+                        self.served_epoch = prev_epoch
             self._attempt += 1
             self.cache.drop(g.name, role_prefix="dst")
             self.last_error = str(exc)
@@ -611,6 +644,7 @@ class Agent:
             return
         took = time.perf_counter() - t0
         self.served = version
+        self.served_epoch = trainer_epoch
         self.last_error = None
         self.last_sync = {"version": version, "durationSeconds": round(took, 4), "bytes": res.bytes, "mode": self.mode}
         self.metrics.served_version.set(version)
@@ -627,7 +661,7 @@ class Agent:
                  "wait=%.3f engine_load=%.3f", version, res.bytes, wire, delta_buckets, took,
                  sum(x.handshake_seconds for x in st), sum(x.wait_seconds for x in st), sum(x.load_seconds for x in st))
         self._report()
-        self.peers.report_served(version)  # trainer agents answer wait_served from these reports
+        self.peers.report_served(version, trainer_epoch)  # trainer agents answer wait_served from these reports
         self._wake.set()
 
     def peers_sessions(self) -> list[str]:

@@ -11,6 +11,7 @@ here is optional: without an API server the agent takes its target from the trai
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -33,6 +34,7 @@ class Desired:
 
     target_version: int | None = None
     paused: bool = False
+    target_epoch: int = 0  # the trainer epoch of target_version
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class Observed:
 
     served_version: int | None = None
     published_version: int | None = None
+    served_epoch: int | None = None
+    published_epoch: int | None = None
     engine_paused: bool | None = None
     last_sync: dict[str, Any] | None = None
     sync_error: str | None = None
@@ -58,7 +62,16 @@ def desired_from_annotations(annotations: dict[str, str] | None) -> Desired:
             target = int(str(raw))
         except ValueError:
             log.warning("ignoring non-integer %s=%r", contract.ANN_TARGET_VERSION, raw)
-    return Desired(target, str(ann.get(contract.ANN_PAUSED, "")).lower() == "true")
+    epoch = _nonnegative(ann.get(contract.ANN_TARGET_EPOCH)) or 0
+    return Desired(target, str(ann.get(contract.ANN_PAUSED, "")).lower() == "true", epoch)
+
+
+def _nonnegative(raw: str | None) -> int | None:
+    try:
+        value = int(str(raw)) if raw not in (None, "") else None
+    except ValueError:
+        return None
+    return value if value is not None and value >= 0 else None
 
 
 def synced_state(latest: int | None, served: int | None, max_staleness: int) -> tuple[bool, str, str]:
@@ -78,6 +91,9 @@ def annotations_for(obs: Observed) -> dict[str, str | None]:
         out[contract.ANN_SERVED_VERSION] = str(obs.served_version)
     if obs.published_version is not None:
         out[contract.ANN_PUBLISHED_VERSION] = str(obs.published_version)
+        out[contract.ANN_PUBLISHED_EPOCH] = str(obs.published_epoch or 0)
+    if obs.served_version is not None:
+        out[contract.ANN_SERVED_EPOCH] = str(obs.served_epoch or 0)
     if obs.engine_paused is not None:
         out[contract.ANN_ENGINE_PAUSED] = "true" if obs.engine_paused else "false"
     if obs.last_sync is not None:
@@ -137,6 +153,9 @@ class PodLink:
         self.token = token
         self.uid = ""
         self._mine: dict[str, str | None] = {}  # the version annotations this agent wrote (or verified at start)
+        self._write_rv = 0  # resourceVersion of the pod after this agent's last annotation write
+        self._in_flight: dict[str, str | None] = {}  # the annotation patch being sent
+        self._rewrite_versions = False
         self.desired = Desired()
         self.stats = WriteStats()
         self._want = Observed()
@@ -166,6 +185,7 @@ class PodLink:
         self._written_ann = {k: v for k, v in ann.items() if k.startswith(f"{contract.GROUP}/")}
         if self.token is not None and not first:
             with self._cond:  # a re-read after a lost watch: the next write restores whatever is not ours
+                self._rewrite_versions = True
                 self._dirty = True
                 self._cond.notify_all()
         elif self.token is not None:
@@ -206,7 +226,8 @@ class PodLink:
                         return
                     obj = ev["object"]
                     if ev["type"] in ("ADDED", "MODIFIED"):
-                        self._heal(obj.metadata.annotations)
+                        if not self._older_than_own_write(obj.metadata.resource_version):
+                            self._heal(obj.metadata.annotations)
                         self._apply(obj.metadata.annotations)
                     self._rv = w.resource_version or self._rv
             except ApiException as exc:
@@ -219,21 +240,37 @@ class PodLink:
                 log.warning("pod watch interrupted: %s", exc)
                 time.sleep(1.0)
 
+    def own_versions(self) -> dict[str, int | None]:
+        """What this agent wrote (or found proven at start) on its pod: a restarted agent resumes from it.
+        Keys: published, published_epoch, served, served_epoch."""
+        keys = {"published": contract.ANN_PUBLISHED_VERSION, "published_epoch": contract.ANN_PUBLISHED_EPOCH,
+                "served": contract.ANN_SERVED_VERSION, "served_epoch": contract.ANN_SERVED_EPOCH}
+        return {name: _nonnegative(self._mine.get(key)) for name, key in keys.items()}
+
+    def _older_than_own_write(self, resource_version: str | None) -> bool:
+        """A watch event from before this agent's last write shows values it has since replaced: not
+        someone else's change. (resourceVersions are etcd revisions; one that is not a number is never
+        taken as older.)"""
+        try:
+            return int(str(resource_version)) < self._write_rv
+        except ValueError:
+            return False
+
     def _heal(self, annotations: dict[str, str] | None) -> None:
         """Someone else changed a version annotation or the proof this agent wrote: write ours again (the
         operator ignores the changed values meanwhile, their proof no longer verifies)."""
         if self.token is None:
             return
         ann = annotations or {}
-        changed = [k for k in (*contract.VERSION_PROOF_KEYS, contract.ANN_VERSION_PROOF)
-                   if k in self._written_ann and ann.get(k) != self._written_ann.get(k)]
-        if not changed:
-            return
-        log.warning("version annotations on own pod changed by someone else, writing them again: %s",
-                    {k: ann.get(k) for k in changed})
         with self._cond:
-            for k in changed:
-                self._written_ann[k] = ann.get(k)
+            changed = [k for k in (*contract.VERSION_PROOF_KEYS, contract.ANN_VERSION_PROOF)
+                       if k in self._written_ann and ann.get(k) != self._written_ann.get(k)
+                       and not (k in self._in_flight and ann.get(k) == self._in_flight[k])]
+            if not changed:
+                return
+            log.warning("version annotations on own pod changed by someone else, writing them again: %s",
+                        {k: ann.get(k) for k in changed})
+            self._rewrite_versions = True  # the next write sends every version annotation and the proof
             self._dirty = True
             self._cond.notify_all()
 
@@ -289,12 +326,28 @@ class PodLink:
         return want
 
     def _write(self, obs: Observed) -> None:
-        patch = annotation_patch(self._wanted(obs), self._written_ann)
+        want = self._wanted(obs)
+        patch = annotation_patch(want, self._written_ann)
+        with self._cond:
+            if self._rewrite_versions:
+                self._rewrite_versions = False
+                patch.update({k: want.get(k) for k in (*contract.VERSION_PROOF_KEYS, contract.ANN_VERSION_PROOF)})
         if patch:
             body = {"metadata": {"annotations": patch}}
-            self._timed("annotations", lambda: self.api.patch_namespaced_pod(
-                self.name, self.namespace, body, _content_type="application/merge-patch+json"))
-            self._written_ann.update(patch)
+            written: list[Any] = []
+            with self._cond:
+                self._in_flight = dict(patch)  # the watch may show this write before the patch call returns
+            try:
+                self._timed("annotations", lambda: written.append(self.api.patch_namespaced_pod(
+                    self.name, self.namespace, body, _content_type="application/merge-patch+json")))
+                with self._cond:
+                    self._written_ann.update(patch)
+                    rv = getattr(getattr(written[0], "metadata", None), "resource_version", None)
+                    with contextlib.suppress(TypeError, ValueError):
+                        self._write_rv = max(self._write_rv, int(str(rv)))
+            finally:
+                with self._cond:
+                    self._in_flight = {}
         cond = condition_for(obs, dt.datetime.now(dt.timezone.utc))
         if cond is not None and (cond["status"], cond["reason"]) != self._written_cond:
             status_body = {"status": {"conditions": [cond]}}  # strategic merge by type keeps the other conditions

@@ -113,6 +113,19 @@ class StagingStore:
         self._versions: dict[int, StagedVersion] = {}
         self._pending: dict[tuple[int, int], staging.Slot] = {}  # (rank, version) -> slot being written
         self._lock = threading.Condition()
+        # Trainer epoch (see contract.ANN_PUBLISHED_EPOCH): bumped when a new trainer process publishes a
+        # version that does not increase. `floor`: the last version published before this agent started
+        # (from its own proven pod annotation), so a restarted agent still recognises a restarted trainer.
+        self.trainer_epoch = 0
+        self.floor: int | None = None
+        self._rank_sessions: dict[int, str] = {}  # rank -> the trainer session that staged its last version
+        self._retired: list[StagedVersion] = []  # old-epoch versions still being read
+
+    def resume(self, epoch: int, published: int | None) -> None:
+        """Continue from what this pod's agent published before a restart."""
+        with self._lock:
+            self.trainer_epoch = max(self.trainer_epoch, epoch)
+            self.floor = published
 
     def _pool(self, device: str) -> staging.SegmentPool:
         pool = self._pools.get(device)
@@ -125,13 +138,22 @@ class StagingStore:
             done = [v for v, s in self._versions.items() if s.complete]
             return max(done) if done else None
 
-    def stage(self, rank: int, version: int, nbytes: int, device: str) -> staging.Segment:
+    def stage(self, rank: int, version: int, nbytes: int, device: str, session: str = "") -> staging.Segment:
         if rank not in self.ranks:
             raise StagingError(f"rank {rank} is not served by this agent (its ranks are {self.ranks}); "
                                "pass TrainerSession(rank=...) matching the topology")
-        latest = self.latest()
-        if latest is not None and version <= latest:
-            raise StagingError(f"version {version} is not newer than the staged version {latest}; versions must increase")
+        with self._lock:
+            done = [v for v, sv in self._versions.items() if sv.complete]
+            newest = max([*done, *([self.floor] if self.floor is not None else [])], default=None)
+            if newest is not None and version <= newest:
+                before = self._rank_sessions.get(rank)
+                if not session or before == session:
+                    raise StagingError(f"version {version} is not newer than the staged version {newest}; "
+                                       "versions must increase")
+                self._new_epoch(f"rank {rank} publishes version {version} after {newest} from a new trainer "
+                                f"session {session[:12]} (was {(before or 'unknown')[:12]})")
+            if session:
+                self._rank_sessions[rank] = session
         if nbytes < 0:
             raise StagingError(f"nbytes must be >= 0, got {nbytes}")
         slot = self._pool(device).acquire(nbytes)
@@ -167,6 +189,26 @@ class StagingStore:
         if newly and self.on_complete:
             self.on_complete(sv)
         return sv
+
+    def _new_epoch(self, why: str) -> None:
+        """A restarted trainer: every version of the old epoch is dropped (transfers still reading one keep
+        their slot until they finish), and versions count from the new trainer's first one (lock held)."""
+        self.trainer_epoch += 1
+        self.floor = None
+        old = list(self._versions.values())
+        pending = list(self._pending.values())
+        self._versions.clear()
+        self._pending.clear()
+        for sv in old:
+            if sv.readers:  # released when its last transfer ends (reading())
+                self._retired.append(sv)
+                continue
+            for rs in sv.ranks.values():
+                self._release_slot(rs.slot)
+        for slot in pending:
+            self._release_slot(slot)
+        log.warning("trainer epoch %s starts: %s; dropped versions %s", self.trainer_epoch, why,
+                    sorted(sv.version for sv in old))
 
     def _release_slot(self, slot: staging.Slot) -> None:
         for pool in self._pools.values():
@@ -214,6 +256,10 @@ class StagingStore:
             with self._lock:
                 sv.readers -= 1
                 sv.pinned_until = 0.0
+                if not sv.readers and any(r is sv for r in self._retired):
+                    self._retired = [r for r in self._retired if r is not sv]
+                    for rs in sv.ranks.values():
+                        self._release_slot(rs.slot)
                 self._evict()
 
     def close(self) -> None:
@@ -238,10 +284,13 @@ class FleetServed:
 
     replicas: dict[int, int | None]              # replica -> the version all its loading pods serve (None: not yet)
     pods: dict[int, dict[str, int | None]]       # replica -> loading pod -> the version its agent last reported
+    epochs: dict[int, int] = field(default_factory=dict)  # replica -> the trainer epoch of its version
 
-    def reaches(self, version: int) -> bool:
-        """Every inference replica serves `version` or newer (true when the topology has no replica)."""
-        return all(v is not None and v >= version for v in self.replicas.values())
+    def reaches(self, version: int, trainer_epoch: int = 0) -> bool:
+        """Every inference replica serves `version` of `trainer_epoch` or newer, in (epoch, version) order
+        (true when the topology has no replica): a replica still on an older trainer epoch does not count."""
+        return all(v is not None and (self.epochs.get(r, 0), v) >= (trainer_epoch, version)
+                   for r, v in self.replicas.items())
 
     @property
     def version(self) -> int | None:
@@ -264,7 +313,7 @@ class ServedTracker:
 
     def __init__(self) -> None:
         self._links: dict[str, int] = {}  # pod -> its newest control link
-        self._reports: dict[str, int | None] = {}  # pod -> the version reported on that link (None: withdrawn)
+        self._reports: dict[str, tuple[int, int] | None] = {}  # pod -> (epoch, version) on that link (None: withdrawn)
         self._cond = threading.Condition()
 
     def link_opened(self, pod: str, key: int) -> None:
@@ -281,31 +330,36 @@ class ServedTracker:
                 self._reports.pop(pod, None)
                 self._cond.notify_all()
 
-    def report(self, pod: str, key: int, version: int | None) -> None:
+    def report(self, pod: str, key: int, version: int | None, trainer_epoch: int = 0) -> None:
         with self._cond:
             if self._links.get(pod) == key:  # a late frame from a replaced link is ignored
-                self._reports[pod] = version
+                self._reports[pod] = None if version is None else (trainer_epoch, version)
                 self._cond.notify_all()
 
     def fleet(self, topo: Topology, full_tensors: bool) -> FleetServed:
         with self._cond:
             reports = dict(self._reports)
         replicas: dict[int, int | None] = {}
+        epochs: dict[int, int] = {}
         pods: dict[int, dict[str, int | None]] = {}
         for rep in topo.inference:
-            mine = pods[rep.replica] = {name: reports.get(name) for name in loading_pods(rep, full_tensors)}
-            vs = list(mine.values())
-            replicas[rep.replica] = None if not vs or any(v is None for v in vs) else min(v for v in vs if v is not None)
-        return FleetServed(replicas, pods)
+            keys = {name: reports.get(name) for name in loading_pods(rep, full_tensors)}
+            pods[rep.replica] = {name: k[1] if k else None for name, k in keys.items()}
+            low = None if not keys or any(k is None for k in keys.values()) else min(k for k in keys.values() if k)
+            replicas[rep.replica] = low[1] if low else None
+            if low:
+                epochs[rep.replica] = low[0]
+        return FleetServed(replicas, pods, epochs)
 
     def wait(self, version: int, timeout: float, topo: Callable[[], Topology], full_tensors: bool,
-             cancelled: Callable[[], bool] = lambda: False) -> tuple[bool, FleetServed]:
-        """Block until every inference replica of the current topology serves `version` or newer, at most
-        `timeout` s (or until `cancelled()`); returns (reached, what is served)."""
+             cancelled: Callable[[], bool] = lambda: False,
+             trainer_epoch: Callable[[], int] = lambda: 0) -> tuple[bool, FleetServed]:
+        """Block until every inference replica of the current topology serves `version` (of the current
+        trainer epoch) or newer, at most `timeout` s (or until `cancelled()`); returns (reached, what is served)."""
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             state = self.fleet(topo(), full_tensors)
-            if state.reaches(version):
+            if state.reaches(version, trainer_epoch()):
                 return True, state
             remaining = deadline - time.monotonic()
             if remaining <= 0 or cancelled():
@@ -408,7 +462,8 @@ class WeightServer:
             self.served.link_opened(pod, key)  # the agent reports what it serves again on this link
         try:
             link.send({"kind": P.WELCOME, "pod": self.pod, "ranks": self.store.ranks, "latest": self.store.latest(),
-                       "generation": self.generation(), "session": self.session})
+                       "generation": self.generation(), "session": self.session,
+                       "trainer_epoch": self.store.trainer_epoch})
             while not self._stop.is_set():
                 try:
                     header, _ = link.recv(timeout=1.0)
@@ -435,8 +490,11 @@ class WeightServer:
             raise P.ProtocolError("a served report on a control link whose hello named no pod")
         if version < 0:
             raise P.ProtocolError(f"a served report needs a version >= 1 (or 0: serves no complete version), got {version}")
+        epoch = h.get("trainer_epoch", 0)
+        if not isinstance(epoch, int) or epoch < 0:
+            raise P.ProtocolError(f"a served report's trainer_epoch must be an integer >= 0, got {epoch!r}")
         # 0 withdraws the pod's report: its engine holds no complete version (a failed load and restore)
-        self.served.report(pod, id(link), version if version >= 1 else None)
+        self.served.report(pod, id(link), version if version >= 1 else None, epoch)
         log.debug("peer.served pod=%s version=%s", pod, version)
 
     def _control_request(self, link: Link, h: dict[str, Any]) -> None:
@@ -454,12 +512,12 @@ class WeightServer:
         else:
             raise P.ProtocolError(f"unknown request kind {kind!r} on a control link")
 
-    def announce(self, version: int) -> None:
+    def announce(self, version: int, trainer_epoch: int = 0) -> None:
         with self._subs_lock:
             subs = list(self._subs.values())
         for link in subs:
             try:
-                link.send({"kind": P.ANNOUNCE, "version": version})
+                link.send({"kind": P.ANNOUNCE, "version": version, "trainer_epoch": trainer_epoch})
             except LinkError as exc:
                 log.info("announce failed peer=%s: %s", link.peer, exc)
 

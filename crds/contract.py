@@ -32,19 +32,26 @@ ROLE_COLOCATED: Final = "colocated"
 
 # --- Annotations: desired state (operator -> agent) ----------------------------------------------------
 ANN_TARGET_VERSION: Final = f"{GROUP}/target-version"   # the version this inference pod should load
+ANN_TARGET_EPOCH: Final = f"{GROUP}/target-epoch"       # ... of this trainer epoch (absent: 0)
 ANN_PAUSED: Final = f"{GROUP}/paused"                   # "true" while spec.paused (engine paused)
 ANN_MEMBERSHIP_GENERATION: Final = f"{GROUP}/membership-generation"
+DESIRED_POD_ANNOTATIONS: Final = (ANN_TARGET_VERSION, ANN_TARGET_EPOCH, ANN_PAUSED, ANN_MEMBERSHIP_GENERATION)
 
 # --- Annotations: observed state (agent -> its own pod -> operator) -----------------------------------
 ANN_SERVED_VERSION: Final = f"{GROUP}/served-version"     # inference: last fully loaded version
 ANN_PUBLISHED_VERSION: Final = f"{GROUP}/published-version"  # trainer: last version staged by the trainer
+# Trainer epoch: bumped by the trainer agent when a new trainer process starts publishing again from a
+# version it already published (a restarted trainer at 1 is a new epoch, not a stale one). Versions are
+# ordered by (epoch, version); an absent epoch is 0.
+ANN_PUBLISHED_EPOCH: Final = f"{GROUP}/published-epoch"      # trainer: the epoch of published-version
+ANN_SERVED_EPOCH: Final = f"{GROUP}/served-epoch"            # inference: the epoch of served-version
 ANN_ENGINE_PAUSED: Final = f"{GROUP}/engine-paused"       # "true" once the engine confirmed a pause
 ANN_LAST_SYNC: Final = f"{GROUP}/last-sync"               # JSON: {version, durationSeconds, bytes, mode}
 ANN_SYNC_ERROR: Final = f"{GROUP}/sync-error"             # last failure message, cleared on success
 # HMAC (job token) over the pod uid and the version annotations below: only the agent, which holds the
 # job's token, can write a version the operator believes (crds/version_proof.py).
 ANN_VERSION_PROOF: Final = f"{GROUP}/version-proof"
-VERSION_PROOF_KEYS: Final = (ANN_PUBLISHED_VERSION, ANN_SERVED_VERSION)
+VERSION_PROOF_KEYS: Final = (ANN_PUBLISHED_VERSION, ANN_PUBLISHED_EPOCH, ANN_SERVED_VERSION, ANN_SERVED_EPOCH)
 # On the WeightSyncJob (operator-written): the id of the operator key its token was derived from. Version
 # proofs are enforced for a job only when this matches the running operator's key.
 ANN_VERSION_PROOF_KEY: Final = f"{GROUP}/version-proof-key"

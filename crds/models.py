@@ -701,8 +701,16 @@ class WeightSyncJobStatus(_Model):
     trainer_version: int | None = Field(
         default=None, alias="trainerVersion", ge=0, description="Newest version the trainer published."
     )
+    trainer_epoch: int | None = Field(
+        default=None, alias="trainerEpoch", ge=0,
+        description="Trainer epoch of trainerVersion: bumped when a restarted trainer publishes again from a "
+                    "version it already published, so versions are ordered by (trainerEpoch, version).",
+    )
     served_version: int | None = Field(
         default=None, alias="servedVersion", ge=0, description="Lowest version served by a Ready inference replica."
+    )
+    served_epoch: int | None = Field(
+        default=None, alias="servedEpoch", ge=0, description="Trainer epoch of servedVersion.",
     )
     membership_generation: int | None = Field(
         default=None, alias="membershipGeneration", ge=0,

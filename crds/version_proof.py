@@ -43,7 +43,11 @@ def version_values(annotations: Mapping[str, str | None]) -> dict[str, str]:
 def version_proof(token: bytes | str, pod_uid: str, annotations: Mapping[str, str | None]) -> str:
     key = token.encode() if isinstance(token, str) else token
     values = version_values(annotations)
-    msg = b"\n".join([_PROOF_DOMAIN, pod_uid.encode()] + [f"{k}={values[k]}".encode() for k in sorted(values)])
+    # Only the annotations present are in the message: adding a key to VERSION_PROOF_KEYS later keeps the
+    # proofs of agents that do not write it valid, while adding, removing or changing any present one
+    # still changes the message.
+    msg = b"\n".join([_PROOF_DOMAIN, pod_uid.encode()] + [f"{k}={values[k]}".encode() for k in sorted(values)
+                                                           if values[k]])
     return hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 

@@ -96,6 +96,19 @@ def target_version(pod: Pod) -> int | None:
     return int_annotation(pod, contract.ANN_TARGET_VERSION)
 
 
+def published_epoch(pod: Pod) -> int:
+    """The trainer epoch of the published version (0 when absent: agents before epochs, or none yet)."""
+    return int_annotation(pod, contract.ANN_PUBLISHED_EPOCH) or 0
+
+
+def served_epoch(pod: Pod) -> int:
+    return int_annotation(pod, contract.ANN_SERVED_EPOCH) or 0
+
+
+def target_epoch(pod: Pod) -> int:
+    return int_annotation(pod, contract.ANN_TARGET_EPOCH) or 0
+
+
 def engine_paused(pod: Pod) -> bool:
     return pod_annotations(pod).get(contract.ANN_ENGINE_PAUSED) == "true"
 

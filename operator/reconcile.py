@@ -182,7 +182,7 @@ class Reconciler:
         generation = topo.generation_of(cm)
 
         states = replica_states(plan, pods)
-        tv = trainer_version(plan, pods, prev_status.get("trainerVersion"))
+        tv = trainer_version(plan, pods, prev_status.get("trainerVersion"), prev_status.get("trainerEpoch") or 0)
         annotations = desired_annotations(spec, plan, states, tv, generation, pods)
         try:
             desired_pods = build_pods(job, spec, plan, self.cfg, annotations)
@@ -329,7 +329,7 @@ class Reconciler:
                 continue
             want = {
                 k: v for k, v in (wanted[name]["metadata"].get("annotations") or {}).items()
-                if k in (contract.ANN_TARGET_VERSION, contract.ANN_PAUSED, contract.ANN_MEMBERSHIP_GENERATION)
+                if k in contract.DESIRED_POD_ANNOTATIONS
             }
             have = podstate.pod_annotations(pod)
             diff = {k: v for k, v in want.items() if have.get(k) != v}

@@ -20,7 +20,7 @@ from weightsync.crds import contract
 from weightsync.crds.models import WeightSyncJobSpec, max_unavailable_count
 from weightsync.operator import podstate
 from weightsync.operator.placement import Plan
-from weightsync.operator.replicas import ReplicaState
+from weightsync.operator.replicas import ReplicaState, VersionKey
 
 
 def failed_replicas(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]]) -> frozenset[int]:
@@ -37,27 +37,28 @@ def holds_budget(s: ReplicaState, failed: Collection[int] = ()) -> bool:
 
 
 def replica_targets(
-    spec: WeightSyncJobSpec, states: list[ReplicaState], trainer_version: int | None, failed: Collection[int] = (),
-) -> dict[int, int | None]:
-    """Replica index -> version it should load (None: nothing published yet). `failed`: replicas whose
-    last load failed (see `failed_replicas`); they do not hold the maxUnavailable budget."""
+    spec: WeightSyncJobSpec, states: list[ReplicaState], trainer_version: VersionKey | None,
+    failed: Collection[int] = (),
+) -> dict[int, VersionKey | None]:
+    """Replica index -> (epoch, version) it should load (None: nothing published yet). `failed`: replicas
+    whose last load failed (see `failed_replicas`); they do not hold the maxUnavailable budget."""
     if trainer_version is None:
-        return {s.replica: s.target for s in states}
+        return {s.replica: s.target_key for s in states}
     budget = max_unavailable_count(spec)
     busy = sum(1 for s in states if holds_budget(s, failed))
-    out: dict[int, int | None] = {}
+    out: dict[int, VersionKey | None] = {}
     for s in states:
-        if s.target == trainer_version or (s.serving and s.loading):
-            out[s.replica] = s.target
+        if s.target_key == trainer_version or (s.serving and s.loading):
+            out[s.replica] = s.target_key
         elif not s.serving or not s.ready:
             out[s.replica] = trainer_version  # out of the endpoints already: loading costs no capacity
-        elif s.served is not None and s.served >= trainer_version:
-            out[s.replica] = s.served
+        elif s.served_key is not None and s.served_key >= trainer_version:
+            out[s.replica] = s.served_key
         elif busy < budget:
             out[s.replica] = trainer_version
             busy += 1
         else:
-            out[s.replica] = s.target
+            out[s.replica] = s.target_key
     return out
 
 
@@ -65,7 +66,7 @@ def desired_annotations(
     spec: WeightSyncJobSpec,
     plan: Plan,
     states: list[ReplicaState],
-    trainer_version: int | None,
+    trainer_version: VersionKey | None,
     membership_generation: int,
     pods: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, dict[str, str]]:
@@ -76,9 +77,10 @@ def desired_annotations(
         ann = {contract.ANN_MEMBERSHIP_GENERATION: str(membership_generation)}
         if p.is_inference:
             ann[contract.ANN_PAUSED] = "true" if spec.paused else "false"
-            versions = [targets.get(s.replica) for s in p.slots]
-            known = [v for v in versions if v is not None]
+            known = [v for s in p.slots if (v := targets.get(s.replica)) is not None]
             if known:
-                ann[contract.ANN_TARGET_VERSION] = str(min(known))
+                epoch, version = min(known)
+                ann[contract.ANN_TARGET_VERSION] = str(version)
+                ann[contract.ANN_TARGET_EPOCH] = str(epoch)
         out[p.name] = ann
     return out

@@ -24,7 +24,7 @@ from weightsync.crds.models import (
 )
 from weightsync.operator import podstate
 from weightsync.operator.placement import Plan
-from weightsync.operator.replicas import ReplicaState, replica_states, trainer_version
+from weightsync.operator.replicas import ReplicaState, replica_states, trainer_version, versions_behind
 
 REASON_INVALID_TEMPLATE = "InvalidTemplate"
 REASON_POD_SECURITY = "PodSecurityRefused"
@@ -116,16 +116,18 @@ def aggregate(
         st.last_sync = prev_last
         return st
 
-    tv = trainer_version(plan, pods, prev.get("trainerVersion"))
+    tv_key = trainer_version(plan, pods, prev.get("trainerVersion"), prev.get("trainerEpoch") or 0)
+    tv = tv_key[1] if tv_key else None
     live = {n: p for n, p in pods.items() if podstate.is_live(p)}
     missing = [p.name for p in plan.pods if p.name not in live]
     unscheduled = [n for n in plan.names if n in live and not podstate.is_scheduled(live[n])]
     trainers_ready = [n for n in plan.trainer_pods if n in live and podstate.is_ready(live[n])]
     complete = [s for s in states if s.complete]
     ready = [s for s in states if s.ready]
-    synced = [s for s in states if tv is not None and s.served == tv]
-    served_ready = [s.served for s in ready if s.served is not None]
-    served = min(served_ready) if served_ready else None
+    synced = [s for s in states if tv_key is not None and s.served_key == tv_key]
+    served_ready = [s.served_key for s in ready if s.served_key is not None]
+    served_key = min(served_ready) if served_ready else None
+    served = served_key[1] if served_key else None
 
     # Ready: every trainer pod and every inference replica Ready.
     if missing or unscheduled:
@@ -177,7 +179,7 @@ def aggregate(
     limit = spec.update_policy.max_staleness
     stale = [
         s.replica for s in complete
-        if tv is not None and s.served is not None and tv - s.served > limit
+        if tv_key is not None and s.served_key is not None and versions_behind(tv_key, s.served_key) > limit
     ]
     if failing:
         put(contract.COND_DEGRADED, "True", str(failing[0][1]),
@@ -195,7 +197,9 @@ def aggregate(
         observed_generation=generation,
         mode=plan.mode,
         trainer_version=tv,
+        trainer_epoch=tv_key[0] if tv_key else prev.get("trainerEpoch"),
         served_version=served,
+        served_epoch=served_key[0] if served_key else None,
         membership_generation=membership_generation,
         replicas=ReplicaCounts(inference=len(complete), synced=len(synced), ready=len(ready)),
         last_sync=_last_sync(plan, pods, prev_last),
@@ -235,7 +239,9 @@ def problem_status(
     return WeightSyncJobStatus(
         observed_generation=generation,
         trainer_version=prev.get("trainerVersion"),
+        trainer_epoch=prev.get("trainerEpoch"),
         served_version=prev.get("servedVersion"),
+        served_epoch=prev.get("servedEpoch"),
         replicas=ReplicaCounts(inference=0, synced=0, ready=0),
         conditions=conds,
     )

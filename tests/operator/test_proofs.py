@@ -80,3 +80,14 @@ def test_operator_key_file(tmp_path: Path) -> None:
         OperatorConfig.from_env({"WEIGHTSYNC_OPERATOR_KEY_FILE": str(short)})
     with pytest.raises(ValueError, match="cannot read"):
         OperatorConfig.from_env({"WEIGHTSYNC_OPERATOR_KEY_FILE": str(tmp_path / "missing")})
+
+
+def test_a_proof_covers_every_present_version_annotation() -> None:
+    token = "t" * 64
+    ann = _proven(token, "u1", published="7")
+    assert version_proof.verify(token, "u1", ann)
+    for extra in contract.VERSION_PROOF_KEYS:
+        if extra not in ann:
+            assert not version_proof.verify(token, "u1", {**ann, extra: "3"}), f"{extra} added must not verify"
+    assert not version_proof.verify(token, "u1", {k: v for k, v in ann.items() if k != contract.ANN_PUBLISHED_VERSION}
+                                    | {contract.ANN_SERVED_VERSION: "7"}), "a moved value must not verify"

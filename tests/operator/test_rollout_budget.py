@@ -30,7 +30,7 @@ def test_a_healthy_load_holds_the_budget(separated):
     spec = _spec(separated)
     p = plan("demo", spec)
     pods = _pods(p, r0=pod("demo-inference-0-0", synced=True, served=1, target=2))
-    ann = desired_annotations(spec, p, replica_states(p, pods), 2, 1, pods)
+    ann = desired_annotations(spec, p, replica_states(p, pods), (0, 2), 1, pods)
     assert [target(ann, r) for r in range(3)] == ["2", "1", "1"]
 
 
@@ -40,10 +40,10 @@ def test_a_failed_load_releases_the_budget(separated):
     stuck = pod("demo-inference-0-0", synced=True, served=1, target=2,
                 **{contract.ANN_SYNC_ERROR: "engine /update_weights timed out after 600s"})
     pods = _pods(p, r0=stuck)
-    ann = desired_annotations(spec, p, replica_states(p, pods), 2, 1, pods)
+    ann = desired_annotations(spec, p, replica_states(p, pods), (0, 2), 1, pods)
     assert [target(ann, r) for r in range(3)] == ["2", "2", "1"]  # one more may load; the budget is still 1
     # Without the pods (no sync-error view) the stuck replica keeps holding it.
-    assert replica_targets(spec, replica_states(p, pods), 2) == {0: 2, 1: 1, 2: 1}
+    assert replica_targets(spec, replica_states(p, pods), (0, 2)) == {0: (0, 2), 1: (0, 1), 2: (0, 1)}
 
 
 def test_a_not_ready_replica_neither_holds_nor_waits_for_the_budget(separated):
@@ -53,4 +53,4 @@ def test_a_not_ready_replica_neither_holds_nor_waits_for_the_budget(separated):
     stale = pod("demo-inference-2-0", ready=False, synced=False, served=1, target=1)   # out of endpoints already
     pods = _pods(p, r0=hung, r2=stale)
     states = replica_states(p, pods)
-    assert replica_targets(spec, states, 2) == {0: 2, 1: 2, 2: 2}
+    assert replica_targets(spec, states, (0, 2)) == {0: (0, 2), 1: (0, 2), 2: (0, 2)}

@@ -74,10 +74,10 @@ def test_all_synced_and_ready(separated):
 def test_trainer_version_needs_every_trainer_pod_and_never_goes_back(separated):
     p = plan("demo", separated())
     pods = {"demo-trainer-0": pod("demo-trainer-0", published=7), "demo-trainer-1": pod("demo-trainer-1", published=6)}
-    assert trainer_version(p, pods) == 6
+    assert trainer_version(p, pods) == (0, 6)
     del pods["demo-trainer-1"]
     assert trainer_version(p, pods) is None
-    assert trainer_version(p, pods, previous=6) == 6
+    assert trainer_version(p, pods, previous=6) == (0, 6)
 
 
 def test_behind_stale_and_degraded(separated):
@@ -147,12 +147,12 @@ def test_rollout_respects_max_unavailable(separated):
     for r in range(4):
         pods[f"demo-inference-{r}-0"] = pod(f"demo-inference-{r}-0", synced=True, served=1, target=1)
     states = replica_states(p, pods)
-    targets = replica_targets(spec, states, 2)
-    assert targets == {0: 2, 1: 2, 2: 1, 3: 1}  # 50% of 4: two replicas load at once
+    targets = replica_targets(spec, states, (0, 2))
+    assert targets == {0: (0, 2), 1: (0, 2), 2: (0, 1), 3: (0, 1)}  # 50% of 4: two replicas load at once
     # Replica 0 finished; replica 1 still loading: one more may start.
     pods["demo-inference-0-0"] = pod("demo-inference-0-0", synced=True, served=2, target=2)
     pods["demo-inference-1-0"] = pod("demo-inference-1-0", synced=True, served=1, target=2)
-    assert replica_targets(spec, replica_states(p, pods), 2) == {0: 2, 1: 2, 2: 2, 3: 1}
+    assert replica_targets(spec, replica_states(p, pods), (0, 2)) == {0: (0, 2), 1: (0, 2), 2: (0, 2), 3: (0, 1)}
 
 
 def test_new_replicas_catch_up_at_once_and_annotations(separated):
@@ -164,7 +164,7 @@ def test_new_replicas_catch_up_at_once_and_annotations(separated):
     pods["demo-inference-1-0"] = pod("demo-inference-1-0", synced=True, served=3, target=3)
     # replica 2 is new: no pod yet -> it takes the newest version without using the budget
     states = replica_states(p, pods)
-    ann = desired_annotations(spec, p, states, 4, 6)
+    ann = desired_annotations(spec, p, states, (0, 4), 6)
     assert ann["demo-inference-2-0"][contract.ANN_TARGET_VERSION] == "4"
     assert [ann[f"demo-inference-{r}-0"][contract.ANN_TARGET_VERSION] for r in (0, 1)] == ["4", "3"]
     assert ann["demo-inference-0-0"][contract.ANN_PAUSED] == "true"
@@ -192,3 +192,44 @@ def test_outdated_pods_are_reported_not_recreated(separated):
     c = cond(aggregate(spec, 2, p, pods, None, 1, now=T0, outdated=["demo-trainer-1"]), "Progressing")
     assert c.status == "False" and c.reason == "PodsOutdated" and "demo-trainer-1" in c.message
     assert cond(aggregate(spec, 2, p, pods, None, 1, now=T0), "Progressing").reason == "Stable"
+
+
+def test_a_restarted_trainer_starts_a_new_epoch_not_a_stale_one(separated):
+    """Issue 15 (F4): a restarted trainer publishes 1 again. Its agent marks that as epoch 1; the operator
+    orders versions by (epoch, version), so version 1 of epoch 1 is newer than version 9 of epoch 0 and every
+    replica is asked to load it (before: trainerVersion stayed at 9 until the new run passed it)."""
+    spec = separated(inference={"replicas": 2, "gpusPerReplica": 1, "parallelism": {"tensor": 1}},
+                     updatePolicy={"maxUnavailable": 1, "maxStaleness": 1})
+    p = plan("demo", spec)
+    epoch = {contract.ANN_PUBLISHED_EPOCH: "1"}
+    pods = {n: pod(n, published=1, **epoch) for n in p.trainer_pods}
+    for r in range(2):
+        pods[f"demo-inference-{r}-0"] = pod(f"demo-inference-{r}-0", synced=True, served=9, target=9)
+    assert trainer_version(p, pods, previous=9) == (1, 1)
+    states = replica_states(p, pods)
+    ann = desired_annotations(spec, p, states, (1, 1), 3, pods)
+    targets = [(ann[f"demo-inference-{r}-0"].get(contract.ANN_TARGET_EPOCH),
+                ann[f"demo-inference-{r}-0"].get(contract.ANN_TARGET_VERSION)) for r in range(2)]
+    assert sorted(targets) == [("0", "9"), ("1", "1")], "one replica at a time (maxUnavailable 1) loads epoch 1"
+    st = aggregate(spec, 1, p, pods, {"trainerVersion": 9, "trainerEpoch": 0}, 3, now=T0)
+    assert (st.trainer_version, st.trainer_epoch) == (1, 1)
+    assert cond(st, "Synced").status == "False", "serving version 9 of the old epoch is not serving version 1"
+    assert cond(st, "Degraded").status == "False", "the old epoch counts as one version behind (maxStaleness 1)"
+    # Once loaded (served-epoch 1), the replicas are synced.
+    for r in range(2):
+        pods[f"demo-inference-{r}-0"] = pod(f"demo-inference-{r}-0", synced=True, served=1, target=1,
+                                            **{contract.ANN_SERVED_EPOCH: "1", contract.ANN_TARGET_EPOCH: "1"})
+    st = aggregate(spec, 1, p, pods, {"trainerVersion": 1, "trainerEpoch": 1}, 3, now=T0)
+    assert cond(st, "Synced").status == "True" and st.served_version == 1
+
+
+def test_a_trainer_pod_still_in_the_old_epoch_holds_the_new_one_back(separated):
+    p = plan("demo", separated())
+    new = {contract.ANN_PUBLISHED_EPOCH: "1"}
+    pods = {"demo-trainer-0": pod("demo-trainer-0", published=2, **new),
+            "demo-trainer-1": pod("demo-trainer-1", published=40)}
+    assert trainer_version(p, pods, previous=40) == (0, 40), "epoch 1 is complete only when every pod is in it"
+    pods["demo-trainer-1"] = pod("demo-trainer-1", published=1, **new)
+    assert trainer_version(p, pods, previous=40) == (1, 1)
+    # an older epoch never wins over the one recorded in the status
+    assert trainer_version(p, {n: pod(n, published=50) for n in p.trainer_pods}, 3, previous_epoch=1) == (1, 3)
