@@ -155,6 +155,10 @@ class _UserPauseGuard:
 
 TRANSPORT_TIMEOUT = 120.0  # upper bound for forming a group and for one bucket operation
 MEMBERSHIP_WAIT = 180.0  # a new pod can start before the topology ConfigMap update reaches its volume
+# An engine not reachable for this long is reported (pod condition reason EngineUnreachable, the job's
+# Degraded reason): long enough for a small engine to start, short enough that a wrong engine.port shows
+# within a minute. A large model may take longer to start; the message says so.
+ENGINE_UNREACHABLE_AFTER = float(os.environ.get("WEIGHTSYNC_ENGINE_UNREACHABLE_SECONDS", "30"))
 
 
 def wait_for_membership(cfg: AgentConfig, timeout: float) -> TopologyWatcher:
@@ -241,6 +245,8 @@ class Agent:
         self.restore_version: int | None = None  # the last good version while a load is in flight
         self.held_paused = False  # a failed load left the engine's weights mixed: paused until restored
         self.engine_refused: str | None = None  # an unsupported engine release: no load is attempted
+        self._unreachable_since: float | None = None  # first failed attempt to reach the engine (monotonic)
+        self._unreachable_reported = False
         self.pod: PodLink | None = None
 
         topo = self.watcher.current
@@ -516,8 +522,12 @@ class Agent:
     def _step(self) -> None:
         assert self.adapter is not None and self.peers is not None and self.islot is not None
         if self.cfg.engine_type == "Custom" and not self.registry.connected():
+            self._engine_unreachable(f"no engine connected to the agent socket {self.cfg.socket_path} "
+                                     "(the engine process opens an InferenceSession)")
             self._report()
             return
+        if self.cfg.engine_type == "Custom" and self._unreachable_since is not None:
+            self._engine_reached()
         if self.engine_refused is not None:
             return
         if (why := vllm_unusable(self.cfg)) is not None:
@@ -536,8 +546,10 @@ class Agent:
                     return
                 except EngineError as exc:
                     log.info("engine not reachable yet: %s", exc)
+                    self._engine_unreachable(str(exc))
                     return
             self._engine_known = True
+            self._engine_reached()
         self._apply_pause()
         target = self._target()
         self.metrics.target_version.set(target[1] if target else self.served or 0)
@@ -545,6 +557,32 @@ class Agent:
             self._report()
             return
         self._fetch(target[1], target[0])
+
+    def _engine_unreachable(self, error: str) -> None:
+        """Report (once) an engine that stayed unreachable for ENGINE_UNREACHABLE_AFTER seconds: the pod's
+        synced condition False with reason EngineUnreachable and the error, which the operator passes on."""
+        now = time.monotonic()
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+        waited = now - self._unreachable_since
+        if self._unreachable_reported or waited < ENGINE_UNREACHABLE_AFTER:
+            return
+        self._unreachable_reported = True
+        message = (f"the {self.cfg.engine_type} engine has not been reachable for {waited:.0f}s: {error}. "
+                   "Check spec.inference.engine.port / url and the engine container's log (a large model can "
+                   "take minutes to start)")[:1024]
+        self.last_error = message
+        log.error("engine unreachable: %s", message)
+        if self.pod is not None:
+            self.pod.update(sync_error=message, synced=False, synced_reason=contract.REASON_ENGINE_UNREACHABLE,
+                            synced_message=message)
+
+    def _engine_reached(self) -> None:
+        if self._unreachable_reported:
+            log.info("engine reachable again")
+            self.last_error = None
+        self._unreachable_since = None
+        self._unreachable_reported = False
 
     def _refuse_engine(self, message: str, reason: str) -> None:
         """An engine this agent cannot drive (an unsupported release, a configuration that cannot work):

@@ -58,6 +58,8 @@ ANN_VERSION_PROOF_KEY: Final = f"{GROUP}/version-proof-key"
 
 # --- Pod condition / readiness gate --------------------------------------------------------------------
 POD_CONDITION_SYNCED: Final = f"{GROUP}/synced"
+# The synced condition's reason when the agent cannot reach its engine (the job's Degraded reason too).
+REASON_ENGINE_UNREACHABLE: Final = "EngineUnreachable"
 
 # --- WeightSyncJob condition types (metav1.Condition) -------------------------------------------------
 COND_READY: Final = "Ready"

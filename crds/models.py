@@ -718,6 +718,10 @@ class WeightSyncJobStatus(_Model):
     )
     replicas: ReplicaCounts | None = Field(default=None, description="Inference replica counts.")
     last_sync: LastSync | None = Field(default=None, alias="lastSync", description="The most recent completed sync.")
+    selector: str | None = Field(
+        default=None, max_length=512,
+        description="Label selector of the inference pods (the scale subresource's, for HPAs).",
+    )
     version_proof_key: str | None = Field(
         default=None, alias="versionProofKey", max_length=16, pattern="^[0-9a-f]{16}$",
         description="Fingerprint of the operator key the job's token was derived from. While it matches the "

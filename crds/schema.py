@@ -149,6 +149,10 @@ def printer_columns() -> list[dict[str, Any]]:
          "description": "Every inference replica serves the trainer's newest version."},
         {"name": "Ready", "type": "string", "jsonPath": cond(contract.COND_READY),
          "description": "All owned pods exist and serving replicas are within maxStaleness."},
+        {"name": "Paused", "type": "string", "jsonPath": cond(contract.COND_PAUSED),
+         "description": "Generation is paused on every inference replica (spec.paused confirmed)."},
+        {"name": "Degraded", "type": "string", "jsonPath": f'.status.conditions[?(@.type=="{contract.COND_DEGRADED}")].reason',
+         "description": "The Degraded condition's reason (AsExpected when healthy)."},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         {"name": "Requested", "type": "string", "jsonPath": ".spec.transfer.mode", "priority": 1,
          "description": "transfer.mode as written in the spec."},
@@ -214,7 +218,12 @@ def crd() -> dict[str, Any]:
                     "name": contract.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    # scale: `kubectl scale wsj/NAME --replicas=N` and HPAs set spec.inference.replicas.
+                    "subresources": {"status": {}, "scale": {
+                        "specReplicasPath": ".spec.inference.replicas",
+                        "statusReplicasPath": ".status.replicas.inference",
+                        "labelSelectorPath": ".status.selector",
+                    }},
                     "additionalPrinterColumns": printer_columns(),
                     "schema": {"openAPIV3Schema": root_schema()},
                 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from typing import Any
 
 from weightsync.crds import contract
@@ -71,16 +72,63 @@ def phase(pod: Pod) -> str:
     return str((pod.get("status") or {}).get("phase") or "Pending")
 
 
-def failure(pod: Pod) -> str | None:
-    """A short reason when the pod is failing (phase Failed or a container in CrashLoopBackOff)."""
+WAITING_FAILURES = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                    "CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+# The kubelet's crash back-off resets after a container has run this long: until then a restarted
+# container that crashed last time still counts as crash-looping (the condition does not flip while it runs).
+CRASH_LOOP_WINDOW_SECONDS = 600.0
+
+
+def _parse_time(raw: Any) -> datetime | None:
+    if not raw:
+        return None
+    try:
+        return datetime.fromisoformat(str(raw).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def failure_detail(pod: Pod, now: datetime | None = None) -> tuple[str, str] | None:
+    """(reason, message naming the pod and container) when the pod is failing: phase Failed, a container
+    waiting on an image / config / command error or in CrashLoopBackOff, or one that crashed (non-zero exit,
+    OOMKilled) and is running again within the kubelet's back-off window."""
+    name = str((pod.get("metadata") or {}).get("name") or "?")
     if phase(pod) == "Failed":
-        return "PodFailed"
-    statuses = (pod.get("status") or {}).get("containerStatuses") or []
-    statuses = statuses + ((pod.get("status") or {}).get("initContainerStatuses") or [])
+        return "PodFailed", f"pod {name} failed: {(pod.get('status') or {}).get('message') or 'phase Failed'}"
+    now = now or datetime.now(timezone.utc)
+    statuses = (pod.get("status") or {}).get("initContainerStatuses") or []
+    statuses = statuses + ((pod.get("status") or {}).get("containerStatuses") or [])
     for s in statuses:
         waiting = (s.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError"):
-            return str(waiting["reason"])
+        last = (s.get("lastState") or {}).get("terminated") or {}
+        where = f"pod {name} container {s.get('name')}"
+        crashed = last.get("reason") == "OOMKilled" or int(last.get("exitCode") or 0) != 0
+        why = f"{last.get('reason') or 'Error'} (exit {last.get('exitCode')})" if crashed else ""
+        restarts = int(s.get("restartCount") or 0)
+        if waiting.get("reason") in WAITING_FAILURES:
+            reason = "OOMKilled" if waiting["reason"] == "CrashLoopBackOff" and last.get("reason") == "OOMKilled" \
+                else str(waiting["reason"])
+            detail = f": last run {why}, {restarts} restarts" if why else ""
+            return reason, f"{where}: {waiting['reason']}{detail}: {str(waiting.get('message') or '')[:300]}".rstrip(": ")
+        started = _parse_time(((s.get("state") or {}).get("running") or {}).get("startedAt"))
+        if crashed and restarts > 0 and started is not None \
+                and (now - started).total_seconds() < CRASH_LOOP_WINDOW_SECONDS:
+            reason = "OOMKilled" if last.get("reason") == "OOMKilled" else "CrashLoopBackOff"
+            return reason, f"{where}: restarted {restarts} times, last run {why}; running again since {started:%H:%M:%SZ}"
+    return None
+
+
+def failure(pod: Pod, now: datetime | None = None) -> str | None:
+    """A short reason when the pod is failing (see failure_detail)."""
+    detail = failure_detail(pod, now)
+    return detail[0] if detail else None
+
+
+def condition_detail(pod: Pod, type_: str) -> tuple[str, str] | None:
+    """(reason, message) of a pod condition, None when absent."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return str(c.get("reason") or ""), str(c.get("message") or "")
     return None
 
 

@@ -30,6 +30,7 @@ REASON_INVALID_TEMPLATE = "InvalidTemplate"
 REASON_POD_SECURITY = "PodSecurityRefused"
 REASON_INVALID_SPEC = "InvalidSpec"
 REASON_PERMISSION_DENIED = "PermissionDenied"
+REASON_ENGINE_UNREACHABLE = contract.REASON_ENGINE_UNREACHABLE  # the agent's pod condition reason, passed on
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,9 @@ def aggregate(
         put(contract.COND_PROGRESSING, "False", "Stable", "all pods exist and no load is in flight")
 
     # Degraded: failing pods, failed syncs, replicas beyond maxStaleness.
-    failing = [(n, podstate.failure(p)) for n, p in live.items() if podstate.failure(p)]
+    failing = [(n, d) for n, p in live.items() if (d := podstate.failure_detail(p, now)) is not None]
+    unreachable = [(n, d[1]) for n, p in live.items()
+                   if (d := podstate.condition_detail(p, contract.POD_CONDITION_SYNCED)) and d[0] == REASON_ENGINE_UNREACHABLE]
     errors = [n for n, p in live.items() if podstate.sync_error(p)]
     limit = spec.update_policy.max_staleness
     stale = [
@@ -182,8 +185,11 @@ def aggregate(
         if tv_key is not None and s.served_key is not None and versions_behind(tv_key, s.served_key) > limit
     ]
     if failing:
-        put(contract.COND_DEGRADED, "True", str(failing[0][1]),
-            f"{len(failing)} pods failing, e.g. {failing[0][0]}: {failing[0][1]}")
+        put(contract.COND_DEGRADED, "True", failing[0][1][0],
+            f"{len(failing)} pods failing, e.g. {failing[0][1][1]}"[:2000])
+    elif unreachable:
+        put(contract.COND_DEGRADED, "True", REASON_ENGINE_UNREACHABLE,
+            f"{len(unreachable)} pods cannot reach their engine, e.g. {unreachable[0][0]}: {unreachable[0][1]}"[:2000])
     elif errors:
         put(contract.COND_DEGRADED, "True", "SyncFailed",
             f"{len(errors)} pods report a sync error, e.g. {errors[0]}: {podstate.sync_error(live[errors[0]])}")
@@ -200,11 +206,19 @@ def aggregate(
         trainer_epoch=tv_key[0] if tv_key else prev.get("trainerEpoch"),
         served_version=served,
         served_epoch=served_key[0] if served_key else None,
+        selector=inference_selector(plan),
         membership_generation=membership_generation,
         replicas=ReplicaCounts(inference=len(complete), synced=len(synced), ready=len(ready)),
         last_sync=_last_sync(plan, pods, prev_last),
         conditions=conds,
     )
+
+
+def inference_selector(plan: Plan) -> str:
+    """The label selector of the job's inference pods, as the scale subresource reports it (for HPAs)."""
+    roles = sorted({p.role for p in plan.pods if p.is_inference}) or [contract.ROLE_INFERENCE]
+    role = f"{contract.LABEL_ROLE}={roles[0]}" if len(roles) == 1 else f"{contract.LABEL_ROLE} in ({','.join(roles)})"
+    return f"{contract.LABEL_JOB}={plan.job},{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY},{role}"
 
 
 def ordered(status: WeightSyncJobStatus) -> dict[str, Any]:
@@ -242,6 +256,7 @@ def problem_status(
         trainer_epoch=prev.get("trainerEpoch"),
         served_version=prev.get("servedVersion"),
         served_epoch=prev.get("servedEpoch"),
+        selector=prev.get("selector"),
         replicas=ReplicaCounts(inference=0, synced=0, ready=0),
         conditions=conds,
     )

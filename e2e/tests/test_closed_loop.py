@@ -32,7 +32,7 @@ from weightsync.e2e import demo
 pytestmark = [pytest.mark.e2e]
 
 START_TIMEOUT = 240.0   # pods start torch in 2-3 processes each; a loaded 2-core CI machine is slow
-PRINTER_COLUMNS = ["NAME", "PLACEMENT", "MODE", "TRAINER", "SERVED", "SYNCED", "READY", "AGE"]
+PRINTER_COLUMNS = ["NAME", "PLACEMENT", "MODE", "TRAINER", "SERVED", "SYNCED", "READY", "PAUSED", "DEGRADED", "AGE"]
 
 
 def _needs_runtime(process_runtime: Any) -> None:
@@ -103,7 +103,7 @@ def test_demo_example_serves_every_version_bit_exact(cluster, kube, namespace, o
     assert out[0].split() == PRINTER_COLUMNS
     row = out[1].split()
     placement = "Separated" if example == "separated" else "Colocated"
-    assert row[:7] == [name, placement, mode, str(last), str(last), "True", "True"], out
+    assert row[:9] == [name, placement, mode, str(last), str(last), "True", "True", "False", "AsExpected"], out
 
     assert_bit_exact(kube, namespace, name, last, engines)
     for pod in inference_pods(kube, namespace, name).values():

@@ -75,3 +75,26 @@ def test_allowed_update_is_applied(label: str, mutate: Any, cluster: Any, api_ns
         else:
             assert after["spec"][key] == value, key
     assert after["metadata"]["generation"] == stored["metadata"]["generation"] + 1
+
+
+def test_kubectl_scale_sets_inference_replicas_and_validation_still_applies(cluster: Any, api_ns: str) -> None:
+    """The scale subresource (HPA-compatible): `kubectl scale wsj/NAME --replicas=N` sets
+    spec.inference.replicas; the CRD's rules still refuse a value the schema refuses."""
+    name = "v-scale"
+    kubectl_ok(cluster, "create", "-n", api_ns, "-f", "-", input=json.dumps(cases.separated(name)))
+    kubectl_ok(cluster, "scale", f"wsj/{name}", "-n", api_ns, "--replicas=3")
+    after = kube_json(cluster, "get", "wsj", name, "-n", api_ns)
+    assert after["spec"]["inference"]["replicas"] == 3
+    scale = json.loads(kubectl_ok(cluster, "get", "--raw",
+                                  f"/apis/weightsync.io/v1alpha1/namespaces/{api_ns}/weightsyncjobs/{name}/scale"))
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3
+    bad = cluster.kubectl("scale", f"wsj/{name}", "-n", api_ns, "--replicas=5000", check=False)
+    assert bad.returncode != 0 and "spec.inference.replicas" in bad.stderr, bad.stderr
+    assert kube_json(cluster, "get", "wsj", name, "-n", api_ns)["spec"]["inference"]["replicas"] == 3
+
+
+def test_printer_columns_show_paused_and_degraded(cluster: Any, api_ns: str) -> None:
+    name = "v-columns"
+    kubectl_ok(cluster, "create", "-n", api_ns, "-f", "-", input=json.dumps(cases.separated(name)))
+    header = kubectl_ok(cluster, "get", "wsj", name, "-n", api_ns).splitlines()[0].split()
+    assert header == ["NAME", "PLACEMENT", "MODE", "TRAINER", "SERVED", "SYNCED", "READY", "PAUSED", "DEGRADED", "AGE"]

@@ -51,6 +51,13 @@ def test_lint(helm):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_renders_without_kube_version(helm):
+    """`helm template` with Helm's default capabilities (no --kube-version, no cluster) must render."""
+    r = subprocess.run([str(helm), "template", "ws", str(CHART)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "kind: Deployment" in r.stdout
+
+
 def test_cluster_wide_install(helm):
     objs = docs(helm)
     assert sorted({o["kind"] for o in objs}) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Secret",

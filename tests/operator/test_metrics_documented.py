@@ -84,9 +84,17 @@ def reasons_in(source: str) -> set[str]:
                     out.update(_str(args[i + 2]))
         elif isinstance(node, ast.Tuple) and len(node.elts) == 4 and _is_cond_type(node.elts[0]):
             out.update(_str(node.elts[2]))
-        elif isinstance(node, ast.FunctionDef) and node.name == "failure":
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "WAITING_FAILURES"
+                                                  for t in node.targets) and isinstance(node.value, ast.Tuple):
+            for e in node.value.elts:  # waiting reasons that failure_detail() passes on as the Degraded reason
+                out.update(_str(e))
+        elif isinstance(node, ast.FunctionDef) and node.name in ("failure", "failure_detail"):
             for sub in ast.walk(node):
                 if isinstance(sub, ast.Return):
+                    value = sub.value.elts[0] if isinstance(sub.value, ast.Tuple) and sub.value.elts else sub.value
+                    out.update(_str(value))
+                elif isinstance(sub, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "reason"
+                                                         for t in sub.targets):
                     out.update(_str(sub.value))
                 elif isinstance(sub, ast.Compare) and any(isinstance(op, ast.In) for op in sub.ops):
                     for comp in sub.comparators:
@@ -107,7 +115,8 @@ def test_reason_collection_finds_the_known_ones() -> None:
     found = operator_reasons()
     for known in ("InvalidSpec", "InvalidTemplate", "ObjectConflict", "ColocatedNeedsWholeNodeOrDRA", "GPUsExceedNode",
                   "PodsPending", "AllReplicasReady", "ReplicasBehind", "RollingOut", "SyncFailed", "ReplicasStale",
-                  "Pausing", "PausedBySpec", "CrashLoopBackOff", "PodFailed", "VersionServed"):
+                  "Pausing", "PausedBySpec", "CrashLoopBackOff", "PodFailed", "VersionServed", "OOMKilled",
+                  "RunContainerError", "UnprovenVersion"):
         assert known in found, (known, sorted(found))
 
 

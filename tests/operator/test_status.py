@@ -233,3 +233,12 @@ def test_a_trainer_pod_still_in_the_old_epoch_holds_the_new_one_back(separated):
     assert trainer_version(p, pods, previous=40) == (1, 1)
     # an older epoch never wins over the one recorded in the status
     assert trainer_version(p, {n: pod(n, published=50) for n in p.trainer_pods}, 3, previous_epoch=1) == (1, 3)
+
+
+def test_status_selector_selects_the_inference_pods_for_the_scale_subresource(separated):
+    from weightsync.operator.status import inference_selector
+
+    p = plan("demo", separated())
+    st = aggregate(separated(), 1, p, {}, None, 1, now=T0)
+    assert st.selector == inference_selector(p) == (
+        "weightsync.io/job=demo,app.kubernetes.io/managed-by=weightsync-operator,weightsync.io/role=inference")

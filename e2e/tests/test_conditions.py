@@ -1,0 +1,97 @@
+"""Operator UX (issue 16): conditions users can act on, on the local cluster with real agents.
+
+A wrong engine port must say so (Degraded=True, reason EngineUnreachable, the URL tried and the error)
+within a minute, instead of Degraded=False and versions that never land. A crash-looping engine must keep
+Degraded=True through the kubelet's back-off: no flip to False while the container runs between crashes.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Any
+
+import pytest
+from e2e_helpers import inference_pods, job, wait
+from weightsync.crds import contract
+from weightsync.e2e import demo
+
+pytestmark = [pytest.mark.e2e]
+
+START_TIMEOUT = 240.0
+
+
+def _degraded(j: dict[str, Any]) -> dict[str, Any]:
+    return next((c for c in (j.get("status") or {}).get("conditions") or [] if c["type"] == contract.COND_DEGRADED), {})
+
+
+def _started(pod: dict[str, Any], container: str) -> datetime | None:
+    st = pod.get("status") or {}
+    for s in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):  # the agent: a sidecar
+        if s.get("name") == container and (s.get("state") or {}).get("running"):
+            return datetime.fromisoformat(s["state"]["running"]["startedAt"].replace("Z", "+00:00"))
+    return None
+
+
+def test_wrong_engine_port_is_degraded_engine_unreachable_within_a_minute(cluster, kube, namespace, operator,
+                                                                          process_runtime):
+    operator()
+    body = demo.load_example("demo-sglang.yaml", process_nodes=process_runtime is not None, name_override="sgl-port")
+    body["spec"]["inference"]["replicas"] = 1
+    body["spec"]["inference"]["engine"] = {"type": "SGLang", "port": 8999, "url": "http://$(WEIGHTSYNC_POD_IP):8999"}
+    demo.apply(cluster, body, namespace)
+    name = body["metadata"]["name"]
+
+    def unreachable() -> dict[str, Any] | None:
+        j = job(kube, namespace, name)
+        d = _degraded(j)
+        return j if d.get("status") == "True" and d.get("reason") == "EngineUnreachable" else None
+
+    j = wait(unreachable, START_TIMEOUT, f"{name}: Degraded=True reason EngineUnreachable")
+    d = _degraded(j)
+    (pod_name, pod) = next(iter(inference_pods(kube, namespace, name).items()))
+    assert pod_name in d["message"] and ":8999" in d["message"], d["message"]
+    agent_started = _started(pod, "weightsync-agent")
+    assert agent_started is not None
+    since = (datetime.fromisoformat(d["lastTransitionTime"].replace("Z", "+00:00")) - agent_started).total_seconds()
+    assert since <= 60, f"EngineUnreachable {since:.0f}s after the agent started (at most a minute)"
+    events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    assert any(e.reason == "EngineUnreachable" and e.type == "Warning" for e in events), [e.reason for e in events]
+    print(f"EngineUnreachable {since:.0f}s after the agent started: {d['message'][:200]}")
+
+
+def test_crash_looping_engine_keeps_degraded_without_a_flip(cluster, kube, namespace, operator, process_runtime):
+    if process_runtime is None:
+        pytest.skip("needs the process runtime's kubelet back-off (local control plane)")
+    operator()
+    body = demo.load_example("separated", process_nodes=True, name_override="crashy")
+    body["spec"]["inference"]["replicas"] = 1
+    engine = body["spec"]["inference"]["template"]["spec"]["containers"][0]
+    engine["command"] = ["python", "-c", "import sys, time; time.sleep(2); sys.exit(3)"]
+    demo.apply(cluster, body, namespace)
+    name = body["metadata"]["name"]
+
+    def degraded() -> dict[str, Any] | None:
+        j = job(kube, namespace, name)
+        return j if _degraded(j).get("status") == "True" else None
+
+    wait(degraded, START_TIMEOUT, f"{name}: Degraded=True")
+    samples: list[tuple[str, str]] = []
+    restarts_seen: set[int] = set()
+    end = time.monotonic() + 75.0  # the back-off grows 10 s, 20 s, 40 s: several crashes and runs in between
+    while time.monotonic() < end:
+        j = job(kube, namespace, name)
+        d = _degraded(j)
+        samples.append((d.get("status", ""), d.get("reason", "")))
+        pod = next(iter(inference_pods(kube, namespace, name).values()))
+        for s in (pod.get("status") or {}).get("containerStatuses") or []:
+            if s["name"] == "engine":
+                restarts_seen.add(int(s.get("restartCount") or 0))
+        time.sleep(0.25)
+    assert len(restarts_seen) >= 2, f"the engine should have crashed again meanwhile: restarts {sorted(restarts_seen)}"
+    flips = [s for s in samples if s[0] != "True"]
+    assert not flips, f"Degraded flipped during the crash loop: {samples}"
+    reasons = {r for _, r in samples}
+    assert reasons <= {"CrashLoopBackOff", "EngineUnreachable"} and "CrashLoopBackOff" in reasons, reasons
+    msg = _degraded(job(kube, namespace, name))["message"]
+    assert "container engine" in msg and "exit 3" in msg, msg
