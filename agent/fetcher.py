@@ -374,8 +374,10 @@ def fetch_version(
     verify: bool = False,
     device: str = "cpu",
     timeout: float = 600.0,
+    progress: Callable[[int, int, int, int], None] | None = None,
 ) -> FetchResult:
-    """Fetch `version` for this agent's ranks of `replica` and load it into the engine; raises FetchError."""
+    """Fetch `version` for this agent's ranks of `replica` and load it into the engine; raises FetchError.
+    `progress(buckets_done, buckets, bytes_done, bytes_total)` is called after every bucket (any thread)."""
     t0 = time.perf_counter()
     rep = next((r for r in topo.inference if r.replica == replica), None)
     if rep is None:
@@ -440,6 +442,18 @@ def fetch_version(
 
     pipe = _BucketPipe(len(receivers))
     results: list[SyncStats] = []
+    total_buckets = sum(len(rc.buckets) for rc in receivers.values())
+    total_bytes = sum(b.nbytes for rc in receivers.values() for b in rc.buckets)
+    done = [0, 0]
+    done_lock = threading.Lock()
+
+    def on_progress(nbytes: int) -> None:
+        with done_lock:
+            done[0] += 1
+            done[1] += nbytes
+            now = (done[0], done[1])
+        if progress is not None:
+            progress(now[0], total_buckets, now[1], total_bytes)
     alias_of: dict[str, list[str]] = {}
     for alias, target in aliases.items():
         alias_of.setdefault(target, []).append(alias)
@@ -451,7 +465,7 @@ def fetch_version(
             pipe.push(tensors, r)
 
         try:
-            results.append(receiver.receive_version(on_bucket, expected_version=version))
+            results.append(receiver.receive_version(on_bucket, expected_version=version, on_progress=on_progress))
             pipe.finish()
         except BaseException as exc:
             pipe.finish(exc)

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +159,7 @@ MEMBERSHIP_WAIT = 180.0  # a new pod can start before the topology ConfigMap upd
 # An engine not reachable for this long is reported (pod condition reason EngineUnreachable, the job's
 # Degraded reason): long enough for a small engine to start, short enough that a wrong engine.port shows
 # within a minute. A large model may take longer to start; the message says so.
+PROGRESS_INTERVAL = 1.0  # seconds between two progress writes on the pod (API load)
 ENGINE_UNREACHABLE_AFTER = float(os.environ.get("WEIGHTSYNC_ENGINE_UNREACHABLE_SECONDS", "30"))
 
 
@@ -247,6 +249,7 @@ class Agent:
         self.engine_refused: str | None = None  # an unsupported engine release: no load is attempted
         self._unreachable_since: float | None = None  # first failed attempt to reach the engine (monotonic)
         self._unreachable_reported = False
+        self._loading = False  # a version is being fetched and loaded (progress is reported)
         self.pod: PodLink | None = None
 
         topo = self.watcher.current
@@ -443,6 +446,10 @@ class Agent:
         # report: reporting "stale" now would flap readiness for an engine that is in fact up to date.
         if self.islot is not None and self._engine_known:
             ok, reason, msg = synced_state(latest, self.served, self.cfg.max_staleness)
+            if not self._loading:  # the load under way reports its own progress
+                fields["sync_progress"] = None
+                self.metrics.sync_progress_buckets.set(0)
+                self.metrics.sync_progress_bytes.set(0)
             fields.update(served_version=self.served, served_epoch=self.served_epoch, engine_paused=self.user_paused, last_sync=self.last_sync,
                           sync_error=self.last_error, synced=ok, synced_reason=reason, synced_message=msg)
         self.pod.update(**fields)
@@ -652,14 +659,16 @@ class Agent:
                 proposal=proposal_of(self.session, self._attempt, self.peers_sessions()),
                 pause_generation=pause, port=self.cfg.control_port, token=self.token,
                 expand_aliases=self.cfg.engine_type == "Custom", verify=self.verify, device=self.cfg.device,
-                timeout=self.cfg.timeout_seconds,
+                timeout=self.cfg.timeout_seconds, progress=self._progress_reporter(v),
             )
 
         prev, prev_epoch = self.served, self.served_epoch
         self.restore_version = prev
+        self._loading = True
         try:
             res = fetch(version, self.cfg.pause_generation)
         except (FetchError, EngineError, StagingError) as exc:
+            self._loading = False
             self.restore_version = None
             if getattr(self.adapter, "needs_restore", False):
                 self.served = None  # mixed weights: not served until a complete version is loaded
@@ -680,6 +689,7 @@ class Agent:
             time.sleep(min(0.2 * 2 ** min(self._attempt, 5), 5.0))
             self._wake.set()
             return
+        self._loading = False
         took = time.perf_counter() - t0
         self.served = version
         self.served_epoch = trainer_epoch
@@ -701,6 +711,23 @@ class Agent:
         self._report()
         self.peers.report_served(version, trainer_epoch)  # trainer agents answer wait_served from these reports
         self._wake.set()
+
+    def _progress_reporter(self, version: int) -> Callable[[int, int, int, int], None]:
+        """Report a load's progress on the pod (annotation weightsync.io/sync-progress, then
+        status.inferenceReplicas[].progress) at most once a second, and count it in the metrics."""
+        last = [0.0]
+
+        def report(bucket: int, buckets: int, nbytes: int, total: int) -> None:
+            self.metrics.sync_progress_buckets.set(bucket)
+            self.metrics.sync_progress_bytes.set(nbytes)
+            now = time.monotonic()
+            if self.pod is None or (now - last[0] < PROGRESS_INTERVAL and bucket < buckets):
+                return
+            last[0] = now
+            self.pod.update(sync_progress={"version": version, "bucket": bucket, "buckets": buckets,
+                                           "bytes": nbytes, "totalBytes": total})
+
+        return report
 
     def peers_sessions(self) -> list[str]:
         assert self.peers is not None

@@ -29,6 +29,12 @@ class AgentMetrics:
         self.delta_buckets = Counter(
             "weightsync_agent_delta_buckets_total", "Buckets an inference agent received as a delta "
             "(spec.transfer.deltaSync) instead of in full, for committed versions", registry=r)
+        self.sync_progress_buckets = Gauge(
+            "weightsync_agent_sync_progress_buckets", "Buckets of the version being loaded that arrived so far "
+            "(0 between loads; inference)", registry=r)
+        self.sync_progress_bytes = Gauge(
+            "weightsync_agent_sync_progress_bytes", "Bytes of the version being loaded that arrived so far "
+            "(0 between loads; inference)", registry=r)
         self.staged_bytes = Counter(
             "weightsync_agent_staged_bytes_total", "Bytes the local trainer published into staging", registry=r)
         self.sync_seconds = Histogram(

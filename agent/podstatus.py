@@ -48,6 +48,7 @@ class Observed:
     engine_paused: bool | None = None
     last_sync: dict[str, Any] | None = None
     sync_error: str | None = None
+    sync_progress: dict[str, Any] | None = None  # the load under way (None: none, the annotation is removed)
     synced: bool | None = None
     synced_reason: str = ""
     synced_message: str = ""
@@ -99,6 +100,8 @@ def annotations_for(obs: Observed) -> dict[str, str | None]:
     if obs.last_sync is not None:
         out[contract.ANN_LAST_SYNC] = json.dumps(obs.last_sync, sort_keys=True, separators=(",", ":"))
     out[contract.ANN_SYNC_ERROR] = obs.sync_error[:1024] if obs.sync_error else None
+    out[contract.ANN_SYNC_PROGRESS] = (json.dumps(obs.sync_progress, sort_keys=True, separators=(",", ":"))
+                                       if obs.sync_progress else None)
     return out
 
 

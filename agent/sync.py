@@ -436,6 +436,7 @@ class WeightReceiver(_Endpoint):
         *,
         expected_version: int | None = None,
         into: Mapping[str, torch.Tensor] | None = None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> SyncStats:
         """Receive the next version the sources begin. Returns only when every needed tensor arrived,
         was handed to `on_bucket` and every source confirmed it was done; the caller commits then.
@@ -444,7 +445,8 @@ class WeightReceiver(_Endpoint):
         `into` (optional): destination tensors by name (shape = this rank's box). The bytes are then
         written into them (straight off the wire when they sit like the bucket, see TransferPlan.arena)
         and `on_bucket` gets (name, into[name]) once a tensor is complete. Without `into`, `on_bucket`
-        gets views of reusable buffers that must be copied before it returns."""
+        gets views of reusable buffers that must be copied before it returns. `on_progress(nbytes)` is called
+        after each bucket was handed on (progress reports)."""
         stats = SyncStats(-1, str(self.me), self.plan.hash)
         t0 = time.perf_counter()
         where = "checking the destination tensors"
@@ -459,7 +461,7 @@ class WeightReceiver(_Endpoint):
             where = "binding the transport"
             self.transport.bind(self._ctx("src", version))
             where = "receiving buckets"
-            self._recv_buckets(version, on_bucket, bucket_meta, stats, into)
+            self._recv_buckets(version, on_bucket, bucket_meta, stats, into, on_progress)
             where = "finishing"
             metas: dict[int, dict[str, Any] | None] = {}
             for s in self.srcs:
@@ -521,6 +523,7 @@ class WeightReceiver(_Endpoint):
         bucket_meta: bool,
         stats: SyncStats,
         into: Mapping[str, torch.Tensor] | None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> None:
         """Post receives in plan order, ahead of consumption: buckets received straight into `into`
         need no slot (up to MAX_DIRECT_INFLIGHT ahead); others take one of num_slots slot buffers, so
@@ -581,6 +584,8 @@ class WeightReceiver(_Endpoint):
             stats.direct_buckets += int(slot < 0)
             stats.bytes += bucket.nbytes
             stats.tensors += len(bucket.entries)
+            if on_progress is not None:
+                on_progress(bucket.nbytes)
         incomplete = [name for name, left in remaining.items() if left]
         if incomplete:
             raise SyncError(f"tensors {incomplete[:5]} did not arrive completely")

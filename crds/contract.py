@@ -48,6 +48,9 @@ ANN_SERVED_EPOCH: Final = f"{GROUP}/served-epoch"            # inference: the ep
 ANN_ENGINE_PAUSED: Final = f"{GROUP}/engine-paused"       # "true" once the engine confirmed a pause
 ANN_LAST_SYNC: Final = f"{GROUP}/last-sync"               # JSON: {version, durationSeconds, bytes, mode}
 ANN_SYNC_ERROR: Final = f"{GROUP}/sync-error"             # last failure message, cleared on success
+# JSON {version, bucket, buckets, bytes, totalBytes} of the load under way (at most one write a second),
+# removed when it ends
+ANN_SYNC_PROGRESS: Final = f"{GROUP}/sync-progress"
 # HMAC (job token) over the pod uid and the version annotations below: only the agent, which holds the
 # job's token, can write a version the operator believes (crds/version_proof.py).
 ANN_VERSION_PROOF: Final = f"{GROUP}/version-proof"

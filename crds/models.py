@@ -691,6 +691,38 @@ class LastSync(_Model):
     mode: TransferMode = Field(description="Transport used: IPC, NCCL or GDR.")
 
 
+class SyncProgress(_Model):
+    """The load under way on a replica."""
+
+    version: int = Field(ge=0, description="Version being loaded.")
+    bucket: int = Field(ge=0, description="Buckets arrived so far.")
+    buckets: int = Field(ge=0, description="Buckets of this replica's load.")
+    bytes: int = Field(ge=0, description="Bytes arrived so far.")
+    total_bytes: int = Field(alias="totalBytes", ge=0, description="Bytes of this replica's load.")
+
+
+MAX_REPLICAS_IN_STATUS = 128
+
+
+class InferenceReplicaStatus(_Model):
+    """One inference replica as the operator sees it (from its pods' annotations and conditions)."""
+
+    index: int = Field(ge=0, description="Replica index.")
+    pods: list[Annotated[str, Field(max_length=253, description="Pod name.")]] = Field(
+        default_factory=list, max_length=64, description="The replica's pods.")
+    served_version: int | None = Field(default=None, alias="servedVersion", ge=0,
+                                       description="Version every pod of the replica serves.")
+    served_epoch: int | None = Field(default=None, alias="servedEpoch", ge=0, description="Its trainer epoch.")
+    target_version: int | None = Field(default=None, alias="targetVersion", ge=0,
+                                       description="Version the operator asked the replica to load.")
+    ready: bool = Field(default=False, description="Every pod of the replica is Ready.")
+    progress: SyncProgress | None = Field(default=None, description="The load under way, if any.")
+    last_sync_seconds: float | None = Field(default=None, alias="lastSyncSeconds", ge=0,
+                                            description="Wall time of the replica's last completed load.")
+    last_error: str | None = Field(default=None, alias="lastError", max_length=1024,
+                                   description="The last failed load's error (cleared by a successful one).")
+
+
 class WeightSyncJobStatus(_Model):
     """Observed state, written by the operator through the status subresource."""
 
@@ -718,6 +750,13 @@ class WeightSyncJobStatus(_Model):
     )
     replicas: ReplicaCounts | None = Field(default=None, description="Inference replica counts.")
     last_sync: LastSync | None = Field(default=None, alias="lastSync", description="The most recent completed sync.")
+    inference_replicas: list[InferenceReplicaStatus] | None = Field(
+        default=None, alias="inferenceReplicas", max_length=MAX_REPLICAS_IN_STATUS,
+        description=f"Per inference replica: versions, readiness, the load under way, the last error. Jobs with "
+                    f"more than {MAX_REPLICAS_IN_STATUS} replicas list the ones not serving the newest version "
+                    f"first, up to {MAX_REPLICAS_IN_STATUS}.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["index"]},
+    )
     selector: str | None = Field(
         default=None, max_length=512,
         description="Label selector of the inference pods (the scale subresource's, for HPAs).",

@@ -28,7 +28,9 @@ RECONCILE_DURATION = Histogram(
 JOBS = Gauge("weightsync_operator_jobs", "WeightSyncJobs this operator instance currently tracks.")
 
 # --- per-job series, set from each aggregated status (what `kubectl get wsj` shows, as time series) ------
-JOB_LABELS = ("namespace", "job")
+# Not `namespace` / `job`: Prometheus sets those on every scraped series (the scrape target's), and would
+# rename ours to exported_namespace / exported_job.
+JOB_LABELS = ("wsj_namespace", "wsj")
 JOB_TRAINER_VERSION = Gauge("weightsync_job_trainer_version", "Newest weight version every trainer pod published.",
                             JOB_LABELS)
 JOB_SERVED_VERSION = Gauge("weightsync_job_served_version", "Oldest version served by a Ready inference replica.",
@@ -42,7 +44,13 @@ JOB_REPLICAS = Gauge("weightsync_job_replicas",
                      "Inference replicas by state (total: exist, ready: Ready, synced: serve the newest version).",
                      (*JOB_LABELS, "state"))
 REPLICA_STATES = ("synced", "ready", "total")
-_JOB_GAUGES = (JOB_TRAINER_VERSION, JOB_SERVED_VERSION, JOB_VERSION_LAG, JOB_LAST_SYNC_DURATION, JOB_LAST_SYNC_BYTES)
+JOB_TRAINER_EPOCH = Gauge("weightsync_job_trainer_epoch", "Trainer epoch of the trainer version (bumped when a "
+                          "restarted trainer publishes again from a version it already published).", JOB_LABELS)
+JOB_DEGRADED = Gauge("weightsync_job_degraded", "1 while the job's Degraded condition is True, labelled with its "
+                     "reason (one series per job: the current reason).", (*JOB_LABELS, "reason"))
+_JOB_GAUGES = (JOB_TRAINER_VERSION, JOB_SERVED_VERSION, JOB_VERSION_LAG, JOB_LAST_SYNC_DURATION, JOB_LAST_SYNC_BYTES,
+               JOB_TRAINER_EPOCH)
+_degraded_reason: dict[tuple[str, str], str] = {}
 
 
 def _set_or_remove(gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
@@ -67,6 +75,14 @@ def record_job_status(namespace: str, job: str, status: Mapping[str, Any]) -> No
     counts = status.get("replicas") or {}
     for state, field in zip(REPLICA_STATES, ("synced", "ready", "inference"), strict=True):
         JOB_REPLICAS.labels(namespace, job, state).set(counts.get(field, 0))
+    _set_or_remove(JOB_TRAINER_EPOCH, key, status.get("trainerEpoch") if tv is not None else None)
+    degraded = next((c for c in status.get("conditions") or [] if c.get("type") == "Degraded"), None)
+    reason = str(degraded.get("reason") or "Unknown") if degraded and degraded.get("status") == "True" else "AsExpected"
+    old = _degraded_reason.get(key)
+    if old is not None and old != reason:
+        _set_or_remove(JOB_DEGRADED, (*key, old), None)
+    _degraded_reason[key] = reason
+    JOB_DEGRADED.labels(namespace, job, reason).set(0 if reason == "AsExpected" else 1)
 
 
 def forget_job(namespace: str, job: str) -> None:
@@ -75,6 +91,9 @@ def forget_job(namespace: str, job: str) -> None:
         _set_or_remove(gauge, (namespace, job), None)
     for state in REPLICA_STATES:
         _set_or_remove(JOB_REPLICAS, (namespace, job, state), None)
+    reason = _degraded_reason.pop((namespace, job), None)
+    if reason is not None:
+        _set_or_remove(JOB_DEGRADED, (namespace, job, reason), None)
 
 
 _started_port: int | None = None

@@ -15,16 +15,25 @@ from typing import Any
 from pydantic import ValidationError
 from weightsync.crds import contract
 from weightsync.crds.models import (
+    MAX_REPLICAS_IN_STATUS,
     Condition,
+    InferenceReplicaStatus,
     LastSync,
     ReplicaCounts,
+    SyncProgress,
     WeightSyncJobSpec,
     WeightSyncJobStatus,
     set_condition,
 )
 from weightsync.operator import podstate
 from weightsync.operator.placement import Plan
-from weightsync.operator.replicas import ReplicaState, replica_states, trainer_version, versions_behind
+from weightsync.operator.replicas import (
+    ReplicaState,
+    VersionKey,
+    replica_states,
+    trainer_version,
+    versions_behind,
+)
 
 REASON_INVALID_TEMPLATE = "InvalidTemplate"
 REASON_POD_SECURITY = "PodSecurityRefused"
@@ -207,11 +216,36 @@ def aggregate(
         served_version=served,
         served_epoch=served_key[0] if served_key else None,
         selector=inference_selector(plan),
+        inference_replicas=replica_statuses(states, pods, tv_key),
         membership_generation=membership_generation,
         replicas=ReplicaCounts(inference=len(complete), synced=len(synced), ready=len(ready)),
         last_sync=_last_sync(plan, pods, prev_last),
         conditions=conds,
     )
+
+
+def replica_statuses(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]],
+                     newest: VersionKey | None) -> list[InferenceReplicaStatus]:
+    """status.inferenceReplicas: one entry per replica; beyond MAX_REPLICAS_IN_STATUS, the replicas not
+    serving the newest version come first (the ones a user looks for)."""
+    out = []
+    for s in states:
+        live = [pods[n] for n in s.pod_names if podstate.is_live(pods.get(n))]
+        progress = next((p for p in map(podstate.sync_progress, live) if p is not None), None)
+        durations = [float(ls["durationSeconds"]) for ls in map(podstate.last_sync, live)
+                     if ls is not None and isinstance(ls.get("durationSeconds"), (int, float))]
+        error = next((e for e in map(podstate.sync_error, live) if e), None)
+        out.append(InferenceReplicaStatus(
+            index=s.replica, pods=list(s.pod_names), served_version=s.served,
+            served_epoch=s.served_key[0] if s.served_key else None, target_version=s.target, ready=s.ready,
+            progress=SyncProgress.model_validate(progress) if progress else None,
+            last_sync_seconds=max(durations) if durations else None, last_error=error[:1024] if error else None,
+        ))
+    if len(out) > MAX_REPLICAS_IN_STATUS:
+        behind = {s.replica for s in states if newest is None or s.served_key != newest}
+        out = sorted(out, key=lambda r: (r.index not in behind, r.index))[:MAX_REPLICAS_IN_STATUS]
+        out.sort(key=lambda r: r.index)
+    return out
 
 
 def inference_selector(plan: Plan) -> str:

@@ -79,6 +79,11 @@ def _final_status_is_correct(j: dict[str, Any], last: int, replicas: int) -> Non
     assert st["trainerVersion"] == last and st["servedVersion"] == last, st
     assert st["replicas"] == {"inference": replicas, "synced": replicas, "ready": replicas}, st
     assert st["observedGeneration"] == j["metadata"]["generation"]
+    per_replica = st["inferenceReplicas"]
+    assert [r["index"] for r in per_replica] == list(range(replicas)), per_replica
+    for r in per_replica:
+        assert r["servedVersion"] == last and r["ready"] is True and "progress" not in r and r["pods"], r
+        assert r.get("lastSyncSeconds") is not None and "lastError" not in r, r
     assert cond(j, contract.COND_SYNCED) == "True" and cond(j, contract.COND_READY) == "True", st["conditions"]
     assert cond(j, contract.COND_DEGRADED) == "False" and cond(j, contract.COND_PAUSED) == "False", st["conditions"]
     assert st["lastSync"]["version"] == last and st["lastSync"]["bytes"] > 0, st.get("lastSync")

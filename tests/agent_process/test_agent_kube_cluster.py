@@ -69,3 +69,50 @@ def test_agent_reports_on_its_pod_and_follows_pause(cluster: Any, kube: Any, nam
     cond = next(x for x in pod().status.conditions if x.type == contract.POD_CONDITION_SYNCED)
     assert cond.reason == "Stale" and "6 versions behind" in cond.message
     assert engine_version(i) == 3  # nothing newer exists: it keeps serving what it has
+
+
+def test_a_load_reports_its_progress_on_the_pod_and_removes_it_when_done(cluster: Any, kube: Any, namespace: str,
+                                                                        tmp_path: Path, clusters: list[Cluster]) -> None:
+    """Issue 16: the load under way is visible (annotation weightsync.io/sync-progress -> the job's
+    status.inferenceReplicas[].progress): bucket i of n and bytes, then removed once the version commits."""
+    import threading
+
+    from kubernetes import watch
+
+    c = Cluster(tmp_path, mode="NCCL")
+    clusters.append(c)
+    c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = "2048"  # fc2 is 16 MiB: a load spans many 1 MiB buckets
+    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
+    c.write_topology()
+    kube.core.create_namespaced_pod(namespace, _gated_pod(i.name))
+    seen: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def record() -> None:
+        w = watch.Watch()
+        for ev in w.stream(kube.core.list_namespaced_pod, namespace, field_selector=f"metadata.name={i.name}",
+                           timeout_seconds=120):
+            raw = (ev["object"].metadata.annotations or {}).get(contract.ANN_SYNC_PROGRESS)
+            if raw and (not seen or seen[-1] != json.loads(raw)):
+                seen.append(json.loads(raw))
+            if stop.is_set():
+                w.stop()
+
+    watcher = threading.Thread(target=record, daemon=True)
+    watcher.start()
+    c.start_agent(t)
+    c.start_agent(i, **{contract.ENV_KUBE_ENABLED: "true", "KUBECONFIG": str(cluster.kubeconfig),
+                        contract.ENV_NAMESPACE: namespace})
+    c.start_engine(i)
+    c.start_trainer(t, "--versions", "2", "--interval", "0.5")
+    wait_for(lambda: engine_version(i) == 2, 120, "engine at v2", c)
+    wait_for(lambda: contract.ANN_SYNC_PROGRESS not in (kube.core.read_namespaced_pod(i.name, namespace)
+                                                       .metadata.annotations or {}), 30, "progress removed", c)
+    stop.set()
+    assert seen, "no progress was reported during the loads"
+    for p in seen:
+        assert 1 <= p["bucket"] <= p["buckets"] and 0 < p["bytes"] <= p["totalBytes"], p
+    finals = [p for p in seen if p["bucket"] == p["buckets"]]
+    assert finals and finals[-1]["bytes"] == finals[-1]["totalBytes"] >= 16 << 20, seen
+    assert {p["version"] for p in seen} <= {1, 2}

@@ -40,12 +40,15 @@ def test_identity() -> None:
     assert spec["names"]["kind"] == "WeightSyncJob" and spec["names"]["plural"] == "weightsyncjobs"
     assert spec["names"]["shortNames"] == ["wsj"]
     assert VERSION["name"] == "v1alpha1" and VERSION["served"] and VERSION["storage"]
-    assert VERSION["subresources"] == {"status": {}}
+    assert VERSION["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.inference.replicas", "statusReplicasPath": ".status.replicas.inference",
+        "labelSelectorPath": ".status.selector"}}
 
 
 def test_printer_columns() -> None:
     cols = [c for c in VERSION["additionalPrinterColumns"] if not c.get("priority")]
-    assert [c["name"] for c in cols] == ["Placement", "Mode", "Trainer", "Served", "Synced", "Ready", "Age"]
+    assert [c["name"] for c in cols] == ["Placement", "Mode", "Trainer", "Served", "Synced", "Ready", "Paused",
+                                         "Degraded", "Age"]
     by_name = {c["name"]: c["jsonPath"] for c in cols}
     assert by_name["Placement"] == ".spec.placement.mode"
     assert by_name["Mode"] == ".status.mode"

@@ -213,7 +213,8 @@ def test_prometheus_rule_is_opt_in_with_the_documented_alerts(helm):
     (rule,) = by_kind(objs, "PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == "kps"
     rules = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert sorted(rules) == ["WeightSyncJobVersionLag", "WeightSyncOperatorDown", "WeightSyncOperatorReconcileErrors"]
+    assert sorted(rules) == ["WeightSyncJobVersionLag", "WeightSyncOperatorDown", "WeightSyncOperatorReconcileErrors",
+                             "WeightSyncReplicaStale", "WeightSyncSyncFailing", "WeightSyncTrainerStalled"]
     lag, errors, down = (rules[n] for n in ("WeightSyncJobVersionLag", "WeightSyncOperatorReconcileErrors",
                                             "WeightSyncOperatorDown"))
     assert lag["expr"] == "weightsync_job_version_lag > 3" and lag["for"] == "10m"
@@ -228,7 +229,8 @@ def test_prometheus_rule_is_opt_in_with_the_documented_alerts(helm):
     # The metrics the alerts read are the ones the operator exports.
     exported = {f.name for m in vars(operator_metrics).values() if isinstance(m, MetricWrapperBase)
                 for f in m.describe()}
-    assert {"weightsync_job_version_lag", "weightsync_operator_reconcile_errors"} <= exported
+    assert {"weightsync_job_version_lag", "weightsync_operator_reconcile_errors", "weightsync_job_degraded",
+            "weightsync_job_trainer_version"} <= exported
 
 
 def test_prometheus_rule_needs_the_metrics_service(helm):

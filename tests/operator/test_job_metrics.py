@@ -15,7 +15,7 @@ from weightsync.operator.placement import plan
 from weightsync.operator.reconcile import Reconciler
 from weightsync.operator.status import aggregate, ordered
 
-LABELS = {"namespace": "ns-m", "job": "demo"}
+LABELS = {"wsj_namespace": "ns-m", "wsj": "demo"}
 
 
 def sample(name: str, **extra: str) -> float | None:
@@ -44,6 +44,9 @@ def test_aggregated_status_is_exported(separated, cfg):
     assert sample("weightsync_job_replicas", state="total") == 2
     assert sample("weightsync_job_replicas", state="ready") == 2
     assert sample("weightsync_job_replicas", state="synced") == 1
+    assert sample("weightsync_job_trainer_epoch") == 0
+    degraded = next(c for c in _status(separated)["conditions"] if c["type"] == "Degraded")
+    assert sample("weightsync_job_degraded", reason=degraded["reason"]) == (1 if degraded["status"] == "True" else 0)
 
     # The job is gone: a reconcile by key finds nothing and drops every series of that job.
     Reconciler(cast(Kube, FakeKube()), cfg, events=cast(Any, object())).reconcile("ns-m", "demo")
@@ -60,3 +63,19 @@ def test_unknown_versions_are_absent_not_zero():
     metrics.forget_job("ns-m", "demo")
     metrics.forget_job("ns-m", "demo")  # idempotent
     assert sample("weightsync_job_trainer_version") is None
+
+
+def test_degraded_reason_is_one_series_per_job():
+    def with_degraded(status: str, reason: str) -> dict[str, Any]:
+        return {"trainerVersion": 3, "conditions": [{"type": "Degraded", "status": status, "reason": reason}]}
+
+    metrics.record_job_status("ns-m", "demo", with_degraded("True", "EngineUnreachable"))
+    assert sample("weightsync_job_degraded", reason="EngineUnreachable") == 1
+    metrics.record_job_status("ns-m", "demo", with_degraded("True", "SyncFailed"))
+    assert sample("weightsync_job_degraded", reason="EngineUnreachable") is None
+    assert sample("weightsync_job_degraded", reason="SyncFailed") == 1
+    metrics.record_job_status("ns-m", "demo", with_degraded("False", "AsExpected"))
+    assert sample("weightsync_job_degraded", reason="SyncFailed") is None
+    assert sample("weightsync_job_degraded", reason="AsExpected") == 0
+    metrics.forget_job("ns-m", "demo")
+    assert sample("weightsync_job_degraded", reason="AsExpected") is None

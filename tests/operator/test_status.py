@@ -242,3 +242,40 @@ def test_status_selector_selects_the_inference_pods_for_the_scale_subresource(se
     st = aggregate(separated(), 1, p, {}, None, 1, now=T0)
     assert st.selector == inference_selector(p) == (
         "weightsync.io/job=demo,app.kubernetes.io/managed-by=weightsync-operator,weightsync.io/role=inference")
+
+
+def test_inference_replicas_status_shows_each_replica(separated):
+    import json
+
+    spec = separated(inference={"replicas": 3, "gpusPerReplica": 1, "parallelism": {"tensor": 1}})
+    p = plan("demo", spec)
+    pods = {n: pod(n, published=5) for n in p.trainer_pods}
+    progress = {"version": 5, "bucket": 3, "buckets": 8, "bytes": 3 << 20, "totalBytes": 8 << 20}
+    pods["demo-inference-0-0"] = pod("demo-inference-0-0", synced=True, served=5, target=5, **{
+        contract.ANN_LAST_SYNC: json.dumps({"version": 5, "durationSeconds": 1.25, "bytes": 10, "mode": "NCCL"})})
+    pods["demo-inference-1-0"] = pod("demo-inference-1-0", synced=True, served=4, target=5, **{
+        contract.ANN_SYNC_PROGRESS: json.dumps(progress)})
+    pods["demo-inference-2-0"] = pod("demo-inference-2-0", ready=False, synced=False, served=3, target=5, **{
+        contract.ANN_SYNC_ERROR: "engine /update_weights timed out"})
+    st = aggregate(spec, 1, p, pods, None, 1, now=T0)
+    reps = {r.index: r for r in st.inference_replicas or []}
+    assert sorted(reps) == [0, 1, 2]
+    assert (reps[0].served_version, reps[0].ready, reps[0].last_sync_seconds, reps[0].progress) == (5, True, 1.25, None)
+    assert reps[1].progress is not None and reps[1].progress.to_dict() == progress
+    assert (reps[1].served_version, reps[1].target_version) == (4, 5)
+    assert (reps[2].ready, reps[2].last_error) == (False, "engine /update_weights timed out")
+    assert reps[0].pods == ["demo-inference-0-0"]
+
+
+def test_inference_replicas_status_is_bounded_and_keeps_the_replicas_behind(separated):
+    from weightsync.crds.models import MAX_REPLICAS_IN_STATUS
+    from weightsync.operator.status import replica_statuses
+
+    n = MAX_REPLICAS_IN_STATUS + 20
+    spec = separated(inference={"replicas": n, "gpusPerReplica": 1, "parallelism": {"tensor": 1}})
+    p = plan("demo", spec)
+    pods = {f"demo-inference-{r}-0": pod(f"demo-inference-{r}-0", served=5 if r != n - 1 else 4) for r in range(n)}
+    out = replica_statuses(replica_states(p, pods), pods, (0, 5))
+    assert len(out) == MAX_REPLICAS_IN_STATUS
+    assert out[-1].index == n - 1, "the replica behind is listed even beyond the bound"
+    assert [r.index for r in out] == sorted(r.index for r in out)
