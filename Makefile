@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 ENGINES := sglang==0.5.23 vllm==0.33.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup binaries test test-engines test-unit e2e demo bench crds docs lint dev-up dev-down dev-status clean image image-lint docker-check
+.PHONY: setup binaries test test-engines test-unit e2e demo bench crds docs troubleshooting-doc lint dev-up dev-down dev-status clean image image-lint docker-check
 
 setup: $(STAMP) binaries
 
@@ -68,6 +68,10 @@ crds: $(STAMP)
 ## docs: regenerate docs/api-reference.md from the models (CI: python -m weightsync.crds.docs --check).
 docs: $(STAMP)
 	$(VPY) -m weightsync.crds.docs
+
+## troubleshooting-doc: rewrite docs/troubleshooting.md from real jobs on the embedded local cluster (a few minutes).
+troubleshooting-doc: setup
+	$(VPY) -m weightsync.e2e.troubleshooting --out docs/troubleshooting.md
 
 lint: $(STAMP)
 	$(VPY) -m ruff check .

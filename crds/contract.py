@@ -70,7 +70,8 @@ COND_SYNCED: Final = "Synced"
 COND_PROGRESSING: Final = "Progressing"
 COND_PAUSED: Final = "Paused"
 COND_DEGRADED: Final = "Degraded"
-JOB_CONDITION_TYPES: Final = (COND_READY, COND_SYNCED, COND_PROGRESSING, COND_PAUSED, COND_DEGRADED)
+COND_COMPLETE: Final = "Complete"  # every trainer pod exited successfully (Separated)
+JOB_CONDITION_TYPES: Final = (COND_READY, COND_SYNCED, COND_PROGRESSING, COND_PAUSED, COND_DEGRADED, COND_COMPLETE)
 
 # --- Environment variables the operator sets on every container of an owned pod -----------------------
 ENV_JOB: Final = "WEIGHTSYNC_JOB"
@@ -126,6 +127,11 @@ def colocated_pod_name(job: str, index: int) -> str:
 
 def service_name(job: str) -> str:
     return job
+
+
+def routing_service_name(job: str) -> str:
+    """The Service clients send requests to: Ready inference frontends only."""
+    return f"{job}-inference"
 
 
 def token_secret_name(job: str) -> str:

@@ -108,4 +108,7 @@ def version_events(previous: Mapping[str, Any] | None, new: Mapping[str, Any]) -
             out.append(("Warning", str(d_new.get("reason") or "Degraded"), str(d_new.get("message") or "")))
     elif d_old.get("status") == "True" and d_new.get("status") == "False":
         out.append(("Normal", REASON_RECOVERED, f"no longer degraded (was {d_old.get('reason')})"))
+    c_old, c_new = _condition(prev, contract.COND_COMPLETE), _condition(new, contract.COND_COMPLETE)
+    if c_new.get("status") == "True" and c_old.get("status") != "True":
+        out.append(("Normal", str(c_new.get("reason") or "Complete"), str(c_new.get("message") or "")))
     return out

@@ -80,10 +80,15 @@ def contract_env(
         {"name": contract.ENV_VERIFY, "value": spec.transfer.verify},
         {"name": contract.ENV_TIMEOUT_SECONDS, "value": str(spec.transfer.timeout_seconds)},
         {"name": contract.ENV_ENGINE_TYPE, "value": engine.type},
-        {"name": contract.ENV_ENGINE_URL, "value": engine.url or f"http://127.0.0.1:{engine.port}"},
-        {"name": contract.ENV_PAUSE_GENERATION, "value": "true" if spec.update_policy.pause_generation else "false"},
-        {"name": contract.ENV_MAX_STALENESS, "value": str(spec.update_policy.max_staleness)},
     ]
+    if role != contract.ROLE_TRAINER:
+        # Engine-side settings only where an engine runs: changing the engine's port or the update policy
+        # must not mark trainer pods outdated (the trainer agent only needs the engine type).
+        env += [
+            {"name": contract.ENV_ENGINE_URL, "value": engine.url or f"http://127.0.0.1:{engine.port}"},
+            {"name": contract.ENV_PAUSE_GENERATION, "value": "true" if spec.update_policy.pause_generation else "false"},
+            {"name": contract.ENV_MAX_STALENESS, "value": str(spec.update_policy.max_staleness)},
+        ]
     delta = spec.transfer.delta_sync
     if delta is not None and delta.enabled:
         # Only when enabled: a job without deltaSync keeps the env (and the spec hash) it always had, so an

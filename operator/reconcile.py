@@ -164,6 +164,7 @@ class Reconciler:
             self._ensure(job, rbac.build_role(job, plan.names), out)
             self._ensure(job, rbac.build_role_binding(job), out)
             self._ensure(job, service.build_service(job, spec), out)
+            self._ensure(job, service.build_routing_service(job, spec, plan), out)
             self._ensure(job, networkpolicy.build_network_policy(job, self.cfg.agent_metrics_allow_from), out)
             self._ensure_secret(job, out)
             pods = self._believe(job, pods, prev_status)

@@ -139,7 +139,19 @@ def aggregate(
     served_key = min(served_ready) if served_ready else None
     served = served_key[1] if served_key else None
 
-    # Ready: every trainer pod and every inference replica Ready.
+    # Complete: a Separated job's trainer pods all exited successfully (restartPolicy OnFailure / Never); the
+    # engines keep serving the last version, and Ready then counts the inference replicas only.
+    trainer_live = [live[n] for n in plan.trainer_pods if n in live]
+    trained = (plan.placement == "Separated" and bool(plan.trainer_pods) and len(trainer_live) == len(plan.trainer_pods)
+               and all(podstate.phase(p) == "Succeeded" for p in trainer_live))
+    if trained:
+        put(contract.COND_COMPLETE, "True", "TrainerSucceeded",
+            f"every trainer pod exited successfully after version {tv}; the engines keep serving it")
+        trainers_ready = list(plan.trainer_pods)
+    else:
+        put(contract.COND_COMPLETE, "False", "TrainerRunning", "the trainer has not finished")
+
+    # Ready: every trainer pod (until the trainer completed) and every inference replica Ready.
     if missing or unscheduled:
         put(
             contract.COND_READY, "False", "PodsPending",
@@ -282,6 +294,7 @@ def problem_status(
             "spec.paused is set" if paused else "spec.paused is not set",
         ),
         (contract.COND_DEGRADED, "True", problem.reason, problem.message),
+        (contract.COND_COMPLETE, "False", problem.reason, "the job cannot run"),
     ):
         conds = set_condition(conds, type_, st, reason, msg, generation, now)
     return WeightSyncJobStatus(

@@ -95,3 +95,39 @@ def test_crash_looping_engine_keeps_degraded_without_a_flip(cluster, kube, names
     assert reasons <= {"CrashLoopBackOff", "EngineUnreachable"} and "CrashLoopBackOff" in reasons, reasons
     msg = _degraded(job(kube, namespace, name))["message"]
     assert "container engine" in msg and "exit 3" in msg, msg
+
+
+def test_trainer_that_exits_successfully_completes_the_job(cluster, kube, namespace, operator, process_runtime):
+    """Issue 16: a trainer with restartPolicy OnFailure publishes its last version and exits 0. The job
+    reports Complete=True (reason TrainerSucceeded) with a Normal Event, stays Ready (the engines keep
+    serving the last version) and is not Degraded."""
+    if process_runtime is None:
+        pytest.skip("needs pods that run to completion (local control plane)")
+    operator()
+    body = demo.load_example("separated", process_nodes=True, name_override="finish")
+    body["spec"]["inference"]["replicas"] = 1
+    demo.set_trainer_args(body, versions=3, interval=1.0)
+    trainer = body["spec"]["trainer"]["template"]["spec"]
+    trainer["restartPolicy"] = "OnFailure"
+    trainer["containers"][0]["command"] = [*trainer["containers"][0]["command"], "--exit"]
+    demo.apply(cluster, body, namespace)
+    name = body["metadata"]["name"]
+
+    def complete() -> dict[str, Any] | None:
+        j = job(kube, namespace, name)
+        c = demo.condition(j, contract.COND_COMPLETE)
+        return j if c.get("status") == "True" else None
+
+    j = wait(complete, START_TIMEOUT, f"{name}: Complete=True")
+    assert demo.condition(j, contract.COND_COMPLETE)["reason"] == "TrainerSucceeded"
+    st = j["status"]
+    assert st["trainerVersion"] == 3 and st["servedVersion"] == 3, st
+    assert demo.condition(j, contract.COND_DEGRADED)["status"] == "False", st["conditions"]
+    j = wait(lambda: (x := job(kube, namespace, name)) and demo.condition(x, contract.COND_READY)["status"] == "True"
+             and x, 60, f"{name}: Ready=True after training")
+    pods = demo.job_pods(kube.api, namespace, name)
+    assert pods[f"{name}-trainer-0"]["status"]["phase"] == "Succeeded"
+    events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    assert any(e.reason == "TrainerSucceeded" and e.type == "Normal" for e in events), [e.reason for e in events]
+    code, answer = demo.engine_get(next(iter(inference_pods(kube, namespace, name).values())), "/predict?x=0.5")
+    assert code == 200 and answer["version"] == 3, answer

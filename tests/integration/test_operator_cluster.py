@@ -129,6 +129,10 @@ def test_separated_job_builds_every_object_and_the_scheduler_places_the_pods(clu
     assert len(token_of({"data": secret["data"]})) == 64
     svc = kube.core.read_namespaced_service("sep", namespace)
     assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses is True
+    routing = kube.core.read_namespaced_service("sep-inference", namespace)
+    assert routing.spec.cluster_ip not in (None, "None") and not routing.spec.publish_not_ready_addresses
+    assert routing.spec.selector[contract.LABEL_ROLE] == contract.ROLE_INFERENCE
+    assert routing.spec.selector[contract.LABEL_RANK] == "0"
     np = raw(kube, f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies/sep-agents")
     assert np["spec"]["podSelector"]["matchLabels"][contract.LABEL_JOB] == "sep"
     scrape = [r for r in np["spec"]["ingress"] if r.get("from") == [SCRAPER]]
@@ -167,7 +171,7 @@ def test_separated_job_builds_every_object_and_the_scheduler_places_the_pods(clu
     assert condition(job, "Ready")["status"] == "False"  # nothing runs the pods: they never become Ready
     out = cluster.kubectl("get", "wsj", "-n", namespace).stdout
     header = out.splitlines()[0].split()
-    assert header == ["NAME", "PLACEMENT", "MODE", "TRAINER", "SERVED", "SYNCED", "READY", "AGE"]
+    assert header == ["NAME", "PLACEMENT", "MODE", "TRAINER", "SERVED", "SYNCED", "READY", "PAUSED", "DEGRADED", "AGE"]
     assert out.splitlines()[1].split()[:3] == ["sep", "Separated", "NCCL"]
     assert op.alive()
 
@@ -277,7 +281,7 @@ def test_restarting_the_operator_changes_nothing(kube, namespace, operator):
     create_job(kube, namespace, "calm", separated_spec(trainer_pods=1, trainer_gpus=2, replicas=1, gpus_per_replica=2))
     _wait_scheduled(kube, namespace, "calm", 2)
     before = _stable(kube, namespace, "calm")
-    assert len(before) == 10  # job, 2 pods, service, configmap, secret, SA, role, binding, netpol
+    assert len(before) == 11  # job, 2 pods, 2 services (peer, routing), configmap, secret, SA, role, binding, netpol
     secret_before = token_of(kube.core.read_namespaced_secret("calm-token", namespace).to_dict())
     assert op.stop() == 0
     op2 = operator()
@@ -292,7 +296,7 @@ def test_deleting_the_job_garbage_collects_everything(kube, namespace, operator)
     operator()
     create_job(kube, namespace, "gone", separated_spec(trainer_pods=1, trainer_gpus=1, replicas=1, gpus_per_replica=1))
     _wait_scheduled(kube, namespace, "gone", 2)
-    wait_until(lambda: len(_owned_objects(kube, namespace, "gone")) == 10, what="all owned objects")
+    wait_until(lambda: len(_owned_objects(kube, namespace, "gone")) == 11, what="all owned objects")
     kube.custom.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, namespace, contract.PLURAL, "gone")
 
     def collected() -> bool:
@@ -314,6 +318,7 @@ def _owned_objects_after_delete(kube: Any, ns: str, job: str) -> set[str]:
     left = set()
     for kind, path in {
         "Service": f"/api/v1/namespaces/{ns}/services/{job}",
+        "RoutingService": f"/api/v1/namespaces/{ns}/services/{job}-inference",
         "ConfigMap": f"/api/v1/namespaces/{ns}/configmaps/{job}-topology",
         "Secret": f"/api/v1/namespaces/{ns}/secrets/{job}-token",
         "ServiceAccount": f"/api/v1/namespaces/{ns}/serviceaccounts/{job}-agent",

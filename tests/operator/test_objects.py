@@ -10,7 +10,7 @@ from weightsync.operator.dra import build_resource_claim_template
 from weightsync.operator.networkpolicy import build_network_policy
 from weightsync.operator.rbac import build_role, build_role_binding, build_service_account
 from weightsync.operator.secret import build_secret, new_token
-from weightsync.operator.service import build_service
+from weightsync.operator.service import build_routing_service, build_service
 
 
 def _owned(obj, job):
@@ -24,6 +24,30 @@ def test_headless_service(job, separated):
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == {contract.LABEL_JOB: "demo", contract.LABEL_MANAGED_BY: contract.MANAGED_BY}
     assert {p["port"] for p in svc["spec"]["ports"]} == {*contract.AGENT_PORTS, 30000}
+
+
+def test_routing_service_selects_ready_inference_frontends_only(job, separated, colocated):
+    from weightsync.operator.placement import plan
+    from weightsync.operator.pods import build_pods
+
+    spec = separated(inference={"replicas": 2, "gpusPerReplica": 16, "podsPerReplica": 2,
+                                "parallelism": {"tensor": 16}})
+    p = plan("demo", spec)
+    svc = build_routing_service(job, spec, p)
+    assert _owned(svc, job) and svc["metadata"]["name"] == "demo-inference"
+    assert svc["spec"]["type"] == "ClusterIP" and svc["spec"]["publishNotReadyAddresses"] is False
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 30000, "targetPort": 30000, "protocol": "TCP"}]
+    # the selector matches exactly the first pod of each inference replica, never trainer pods
+    sel = svc["spec"]["selector"]
+    pods = build_pods(job, spec, p, OperatorConfig(), {})
+    chosen = sorted(x["metadata"]["name"] for x in pods if sel.items() <= x["metadata"]["labels"].items())
+    assert chosen == ["demo-inference-0-0", "demo-inference-1-0"]
+    col = colocated()
+    cp = plan("demo", col)
+    sel = build_routing_service(job, col, cp)["spec"]["selector"]
+    chosen = sorted(x["metadata"]["name"] for x in build_pods(job, col, cp, OperatorConfig(), {})
+                    if sel.items() <= x["metadata"]["labels"].items())
+    assert chosen == sorted(n for n in cp.names), "every colocated pod serves its replicas"
 
 
 def test_secret_token_is_random_and_immutable(job):

@@ -365,3 +365,22 @@ def test_agent_meets_pod_security_restricted_but_for_gdrs_ipc_lock(job, separate
         assert sc["allowPrivilegeEscalation"] is False and sc["runAsNonRoot"] is True
         assert sc["seccompProfile"] == {"type": "RuntimeDefault"} and sc["capabilities"]["drop"] == ["ALL"]
         assert sc["capabilities"].get("add") == (["IPC_LOCK"] if mode == "GDR" else None)
+
+
+def test_engine_only_changes_do_not_touch_trainer_pods(job, separated):
+    """Issue 16: a new engine port (or update policy) changes the inference pods' spec hash only; the
+    trainer pods stay current (not reported PodsOutdated)."""
+    from weightsync.operator.config import OperatorConfig
+
+    def hashes(spec):
+        p = plan("demo", spec)
+        return {x["metadata"]["name"]: x["metadata"]["annotations"][contract.ANN_SPEC_HASH]
+                for x in build_pods(job, spec, p, OperatorConfig(), {})}
+
+    before = hashes(separated())
+    after = hashes(separated(inference={"engine": {"type": "SGLang", "port": 30001}},
+                             updatePolicy={"maxStaleness": 3, "pauseGeneration": False}))
+    trainers = [n for n in before if "trainer" in n]
+    inference = [n for n in before if "inference" in n]
+    assert trainers and all(before[n] == after[n] for n in trainers)
+    assert inference and all(before[n] != after[n] for n in inference)

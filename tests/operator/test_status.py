@@ -279,3 +279,26 @@ def test_inference_replicas_status_is_bounded_and_keeps_the_replicas_behind(sepa
     assert len(out) == MAX_REPLICAS_IN_STATUS
     assert out[-1].index == n - 1, "the replica behind is listed even beyond the bound"
     assert [r.index for r in out] == sorted(r.index for r in out)
+
+
+def test_complete_when_every_trainer_pod_succeeded(separated):
+    from weightsync.operator.events import version_events
+
+    spec = separated(inference={"replicas": 1, "gpusPerReplica": 1, "parallelism": {"tensor": 1}})
+    p = plan("demo", spec)
+    pods = {n: pod(n, published=8) for n in p.trainer_pods}
+    pods["demo-inference-0-0"] = pod("demo-inference-0-0", synced=True, served=8, target=8)
+    running = aggregate(spec, 1, p, pods, None, 1, now=T0)
+    assert (cond(running, "Complete").status, cond(running, "Complete").reason) == ("False", "TrainerRunning")
+    first = p.trainer_pods[0]
+    pods[first] = {**pods[first], "status": {"phase": "Succeeded", "conditions": [{"type": "Ready", "status": "False"}]}}
+    half = aggregate(spec, 1, p, pods, None, 1, now=T0)
+    assert cond(half, "Complete").status == "False", "complete only when every trainer pod succeeded"
+    for n in p.trainer_pods:
+        pods[n] = {**pods[n], "status": {"phase": "Succeeded", "conditions": [{"type": "Ready", "status": "False"}]}}
+    done = aggregate(spec, 1, p, pods, None, 1, now=T0)
+    assert (cond(done, "Complete").status, cond(done, "Complete").reason) == ("True", "TrainerSucceeded")
+    assert cond(done, "Ready").status == "True", "after training, Ready counts the serving replicas only"
+    assert cond(done, "Degraded").status == "False" and done.trainer_version == 8 and done.served_version == 8
+    events = version_events(ordered(running), ordered(done))
+    assert ("Normal", "TrainerSucceeded") in [(t, r) for t, r, _ in events]
