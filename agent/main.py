@@ -249,6 +249,7 @@ class Agent:
         self.engine_refused: str | None = None  # an unsupported engine release: no load is attempted
         self._unreachable_since: float | None = None  # first failed attempt to reach the engine (monotonic)
         self._unreachable_reported = False
+        self._unreachable_message: str | None = None
         self._loading = False  # a version is being fetched and loaded (progress is reported)
         self.pod: PodLink | None = None
 
@@ -446,6 +447,8 @@ class Agent:
         # report: reporting "stale" now would flap readiness for an engine that is in fact up to date.
         if self.islot is not None and self._engine_known:
             ok, reason, msg = synced_state(latest, self.served, self.cfg.max_staleness)
+            if self._unreachable_message is not None:  # held until the engine answers again
+                ok, reason, msg = False, contract.REASON_ENGINE_UNREACHABLE, self._unreachable_message
             if not self._loading:  # the load under way reports its own progress
                 fields["sync_progress"] = None
                 self.metrics.sync_progress_buckets.set(0)
@@ -578,18 +581,17 @@ class Agent:
         message = (f"the {self.cfg.engine_type} engine has not been reachable for {waited:.0f}s: {error}. "
                    "Check spec.inference.engine.port / url and the engine container's log (a large model can "
                    "take minutes to start)")[:1024]
-        self.last_error = message
+        self._unreachable_message = message
         log.error("engine unreachable: %s", message)
-        if self.pod is not None:
-            self.pod.update(sync_error=message, synced=False, synced_reason=contract.REASON_ENGINE_UNREACHABLE,
-                            synced_message=message)
+        if self.pod is not None:  # the condition only: a sync-error annotation would read as SyncFailed first
+            self.pod.update(synced=False, synced_reason=contract.REASON_ENGINE_UNREACHABLE, synced_message=message)
 
     def _engine_reached(self) -> None:
         if self._unreachable_reported:
             log.info("engine reachable again")
-            self.last_error = None
         self._unreachable_since = None
         self._unreachable_reported = False
+        self._unreachable_message = None
 
     def _refuse_engine(self, message: str, reason: str) -> None:
         """An engine this agent cannot drive (an unsupported release, a configuration that cannot work):

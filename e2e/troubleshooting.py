@@ -44,6 +44,15 @@ def _job_section(env: Any, title: str, text: str, name: str) -> str:
                       "```", f"$ kubectl describe wsj {name}", described, "```", ""])
 
 
+def _wait_served(env: Any, name: str, version: int) -> None:
+    with env.api_client() as api:
+        import kubernetes
+
+        custom = kubernetes.client.CustomObjectsApi(api)
+        demo.poll(lambda: (demo.get_job(custom, NS, name).get("status") or {}).get("servedVersion") == version or None,
+                  TIMEOUT, f"{name}: servedVersion {version}")
+
+
 def _wait_condition(env: Any, name: str, type_: str, status: str, reason: str | None = None) -> None:
     with env.api_client() as api:
         import kubernetes
@@ -61,6 +70,7 @@ def _healthy(env: Any) -> tuple[str, str]:
     body = demo.load_example("separated", name_override="healthy")
     demo.set_trainer_args(body, versions=4, interval=1.0)
     demo.apply(env, body, NS)
+    _wait_served(env, "healthy", 4)
     _wait_condition(env, "healthy", contract.COND_SYNCED, "True")
     _wait_condition(env, "healthy", contract.COND_READY, "True")
     return "healthy", ("A healthy job: `READY`, `SYNCED` True, `DEGRADED` AsExpected, every replica serves the "
@@ -76,8 +86,9 @@ def _wrong_port(env: Any) -> tuple[str, str]:
     _wait_condition(env, "wrong-port", contract.COND_DEGRADED, "True", "EngineUnreachable")
     return "wrong-port", ("`Degraded` reason `EngineUnreachable`: `spec.inference.engine.port` is 8999 but the "
                           "engine listens on 8001. The message names the pod, the URL the agent tried and the "
-                          "error; versions never land, so the replica stays NotReady. Fix the port or URL "
-                          "(`engine.url` and `engine.port` are mutable: only the inference pods are rebuilt).")
+                          "error; versions never land, so the replica stays NotReady. Fix `engine.port` / `engine.url` "
+                          "(both mutable): the inference pods are then reported outdated (`Progressing` reason "
+                          "`PodsOutdated`), delete them to pick up the fix; the trainer pods are not affected.")
 
 
 def _crash_loop(env: Any) -> tuple[str, str]:

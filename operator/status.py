@@ -246,7 +246,9 @@ def replica_statuses(states: list[ReplicaState], pods: Mapping[str, Mapping[str,
         progress = next((p for p in map(podstate.sync_progress, live) if p is not None), None)
         durations = [float(ls["durationSeconds"]) for ls in map(podstate.last_sync, live)
                      if ls is not None and isinstance(ls.get("durationSeconds"), (int, float))]
-        error = next((e for e in map(podstate.sync_error, live) if e), None)
+        unreachable = [d[1] for d in (podstate.condition_detail(p, contract.POD_CONDITION_SYNCED) for p in live)
+                       if d is not None and d[0] == REASON_ENGINE_UNREACHABLE]
+        error = next((e for e in map(podstate.sync_error, live) if e), None) or next(iter(unreachable), None)
         out.append(InferenceReplicaStatus(
             index=s.replica, pods=list(s.pod_names), served_version=s.served,
             served_epoch=s.served_key[0] if s.served_key else None, target_version=s.target, ready=s.ready,

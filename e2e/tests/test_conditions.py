@@ -57,6 +57,7 @@ def test_wrong_engine_port_is_degraded_engine_unreachable_within_a_minute(cluste
     assert since <= 60, f"EngineUnreachable {since:.0f}s after the agent started (at most a minute)"
     events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
     assert any(e.reason == "EngineUnreachable" and e.type == "Warning" for e in events), [e.reason for e in events]
+    assert not any(e.reason == "SyncFailed" for e in events), "EngineUnreachable must not show as SyncFailed first"
     print(f"EngineUnreachable {since:.0f}s after the agent started: {d['message'][:200]}")
 
 

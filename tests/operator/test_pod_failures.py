@@ -67,8 +67,10 @@ def test_engine_unreachable_from_the_agent_becomes_the_jobs_degraded_reason(sepa
             "message": msg}
     pods = {n: _pod(n) for n in p.names}
     first = next(n for n in p.names if "inference" in n)
-    pods[first] = _pod(first, conditions=[cond], **{contract.ANN_SYNC_ERROR: msg})
+    pods[first] = _pod(first, conditions=[cond])
     st = aggregate(spec, 1, p, pods, None, 1, now=NOW)
     degraded = next(c for c in st.conditions if c.type == contract.COND_DEGRADED)
     assert (degraded.status, degraded.reason) == ("True", "EngineUnreachable")
     assert first in degraded.message and "http://10.0.0.5:8999" in degraded.message
+    (rep,) = [r for r in st.inference_replicas or [] if first in r.pods]
+    assert rep.last_error == msg
