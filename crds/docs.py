@@ -106,9 +106,7 @@ def anchor_for(path: tuple[str, ...]) -> str:
 
 
 def _is_pod_template(node: dict[str, Any]) -> bool:
-    return node.get("properties") == POD_TEMPLATE_SCHEMA["properties"] and bool(
-        node.get("x-kubernetes-preserve-unknown-fields")
-    )
+    return node.get("properties") == POD_TEMPLATE_SCHEMA["properties"]
 
 
 def _is_section(node: dict[str, Any]) -> bool:
@@ -298,9 +296,12 @@ def render_pod_template() -> list[str]:
         "",
         "### PodTemplateSpec (`spec.trainer.template`, `spec.inference.template`)",
         "",
-        "A core/v1 PodTemplateSpec. The CRD checks only its outline and keeps every other field as written "
-        "(`x-kubernetes-preserve-unknown-fields`); the operator validates the full pod with a server-side "
-        "dry-run create before it creates any pod (a refusal sets `Ready=False` with reason `InvalidTemplate`).",
+        "A core/v1 PodTemplateSpec with its full schema (a snapshot of the pinned Kubernetes release's OpenAPI, "
+        "`crds/k8s/pod-template-spec.json`): `kubectl explain wsj.spec.inference.template.spec.containers.image` "
+        "documents every field and `kubectl apply --validate=strict` refuses unknown ones. The template's "
+        "metadata keeps labels and annotations only. The operator still validates the whole pod with a "
+        "server-side dry-run create before it creates any pod (a refusal sets `Ready=False` with reason "
+        "`InvalidTemplate`).",
         "",
         "| Field | Type | Default | Description and constraints |",
         "|---|---|---|---|",

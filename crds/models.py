@@ -48,6 +48,7 @@ from pydantic import (
     model_validator,
 )
 from weightsync.crds import contract
+from weightsync.crds.k8s_schema import pod_template_schema
 
 # --- Enumerations ---------------------------------------------------------------------------------------
 PlacementMode = Literal["Colocated", "Separated"]
@@ -154,41 +155,10 @@ def _check_template(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
-# The CRD keeps pod templates small: a few structural checks and everything else preserved as-is (the
-# operator validates the full template with a server-side dry-run create). Inlining the PodSpec schema
-# would make the CRD hundreds of kilobytes.
-POD_TEMPLATE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "x-kubernetes-preserve-unknown-fields": True,
-    "required": ["spec"],
-    "properties": {
-        "metadata": {
-            "type": "object",
-            "description": "Labels and annotations copied onto every pod built from this template.",
-            "x-kubernetes-preserve-unknown-fields": True,
-        },
-        "spec": {
-            "type": "object",
-            "description": "A core/v1 PodSpec; validated by the operator with a server-side dry-run.",
-            "x-kubernetes-preserve-unknown-fields": True,
-            "required": ["containers"],
-            "properties": {
-                "containers": {
-                    "type": "array",
-                    "description": "The pod's containers (at least one); the agent sidecar is added by the operator.",
-                    "minItems": 1,
-                    "maxItems": 16,
-                    "items": {
-                        "type": "object",
-                        "x-kubernetes-preserve-unknown-fields": True,
-                        "required": ["name"],
-                        "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 63}},
-                    },
-                }
-            },
-        },
-    },
-}
+# The full core/v1 PodTemplateSpec schema (crds/k8s_schema.py: a snapshot of the pinned kube-apiserver's
+# OpenAPI): the API server refuses unknown fields with --validate=strict and `kubectl explain` documents
+# every field. The operator still validates the whole pod with a server-side dry-run create.
+POD_TEMPLATE_SCHEMA: dict[str, Any] = pod_template_schema()
 
 PodTemplate = Annotated[
     dict[str, Any],

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from weightsync.crds import contract
+from weightsync.crds.k8s_schema import VERBATIM
 from weightsync.crds.models import (
     JOB_NAME_MESSAGE,
     JOB_NAME_PATTERN,
@@ -82,6 +83,8 @@ def _strip_null(node: dict[str, Any]) -> dict[str, Any]:
 
 def to_structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """Convert one pydantic JSON-schema node (and its children) to a structural OpenAPI v3 node."""
+    if node.get(VERBATIM):  # already structural (the Kubernetes PodTemplateSpec schema): kept as it is
+        return {k: v for k, v in node.items() if k not in (VERBATIM, "title")}
     node = _strip_null(_deref(node, defs))
     node = _deref(node, defs)  # an Optional[Model] is a $ref inside anyOf
     out: dict[str, Any] = {}

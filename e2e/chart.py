@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 from weightsync.crds import contract
 from weightsync.e2e.binaries import find_binary
+from weightsync.e2e.demo import wait_established
 from weightsync.e2e.environment import Environment
 from weightsync.e2e.procs import free_port
 
@@ -226,7 +227,7 @@ def install_chart(env: Environment, namespace: str, release: str = "weightsync",
     rel.notes = r.stdout
     if r.returncode != 0:
         raise ChartError(f"helm install {release} failed ({r.returncode}): {r.stdout}{r.stderr}\n{rel.diagnostics()}")
-    env.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{contract.CRD_NAME}")
+    wait_established(env.kubectl, contract.CRD_NAME)
     return rel
 
 

@@ -150,7 +150,15 @@ def start_operator(kubeconfig: Path, namespace: str | None, log_dir: Path, *, re
 def install_crd(env: Environment) -> None:
     """Apply the generated CRD (server-side, idempotent) and wait until it is served."""
     env.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=weightsync-e2e", "-f", str(CRD_FILE))
-    env.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{contract.CRD_NAME}")
+    wait_established(env.kubectl, contract.CRD_NAME)
+
+
+def wait_established(kubectl: Callable[..., Any], crd: str, timeout: float = 60.0) -> None:
+    """Until the CRD is Established. (Not `kubectl wait`: it fails at once while a new CRD has no conditions
+    yet, which takes a moment for a CRD with the full pod template schema.)"""
+    path = '{.status.conditions[?(@.type=="Established")].status}'
+    poll(lambda: kubectl("get", f"crd/{crd}", "-o", f"jsonpath={path}", check=False).stdout.strip() == "True" or None,
+         timeout, f"CRD {crd} Established")
 
 
 def load_example(name: str, *, process_nodes: bool = True, name_override: str | None = None) -> JSON:

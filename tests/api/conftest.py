@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from api_helpers import CRD_FILE
 from weightsync.crds import contract
+from weightsync.e2e.demo import wait_established
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +20,7 @@ def crd(cluster: Any) -> str:
     """Install (or update) the generated CRD and wait until it is Established."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=weightsync-tests",
                     "-f", str(CRD_FILE))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{contract.CRD_NAME}")
+    wait_established(cluster.kubectl, contract.CRD_NAME)
     # The OpenAPI document (kubectl explain, client-side field checks) is published a moment after
     # Established: wait for it so each test can run alone.
     deadline = time.monotonic() + 60

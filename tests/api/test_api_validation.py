@@ -98,3 +98,23 @@ def test_printer_columns_show_paused_and_degraded(cluster: Any, api_ns: str) -> 
     kubectl_ok(cluster, "create", "-n", api_ns, "-f", "-", input=json.dumps(cases.separated(name)))
     header = kubectl_ok(cluster, "get", "wsj", name, "-n", api_ns).splitlines()[0].split()
     assert header == ["NAME", "PLACEMENT", "MODE", "TRAINER", "SERVED", "SYNCED", "READY", "PAUSED", "DEGRADED", "AGE"]
+
+
+def test_template_fields_are_documented_and_unknown_ones_refused(cluster: Any, api_ns: str) -> None:
+    """Issue 16: the templates carry the full core/v1 schema: `kubectl explain` documents a container's
+    image, `--validate=strict` refuses a typo inside a template (before: silently kept, then dropped), and
+    the immutability rule still holds on the typed template."""
+    explained = kubectl_ok(cluster, "explain", "weightsyncjobs.spec.inference.template.spec.containers.image")
+    assert "FIELD: image <string>" in explained and "Container image name" in explained, explained
+    name = "v-strict"
+    obj = cases.separated(name)
+    obj["spec"]["trainer"]["template"]["spec"]["containers"][0]["imagee"] = "typo"
+    bad = cluster.kubectl("create", "--validate=strict", "-n", api_ns, "-f", "-", input=json.dumps(obj), check=False)
+    assert bad.returncode != 0 and 'unknown field "spec.trainer.template.spec.containers[0].imagee"' in bad.stderr, \
+        bad.stderr
+    del obj["spec"]["trainer"]["template"]["spec"]["containers"][0]["imagee"]
+    obj["spec"]["trainer"]["template"]["spec"]["containers"][0]["resources"] = {"limits": {"cpu": 2, "memory": "1Gi"}}
+    kubectl_ok(cluster, "create", "--validate=strict", "-n", api_ns, "-f", "-", input=json.dumps(obj))
+    stored = kube_json(cluster, "get", "wsj", name, "-n", api_ns)
+    assert stored["spec"]["trainer"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
+        "cpu": 2, "memory": "1Gi"}

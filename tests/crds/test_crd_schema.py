@@ -60,10 +60,21 @@ def test_printer_columns() -> None:
             at(path)
 
 
+def _in_template(path: str) -> bool:
+    """Inside a pod template: Kubernetes' own core/v1 schema (crds/k8s_schema.py), with maps and
+    int-or-string quantities as core/v1 has them."""
+    return ".template." in f"{path}."
+
+
 def test_schema_is_structural() -> None:
     forbidden = {"$ref", "$defs", "anyOf", "allOf", "oneOf", "title", "additionalProperties", "const"}
     for path, node in walk(ROOT):
-        assert not forbidden & node.keys(), f"{path}: {forbidden & node.keys()}"
+        bad = forbidden & node.keys()
+        if _in_template(path):
+            bad -= {"additionalProperties"}
+            if node.get("x-kubernetes-int-or-string"):
+                bad -= {"anyOf"}
+        assert not bad, f"{path}: {bad}"
         typed = "type" in node or node.get("x-kubernetes-int-or-string") or node.get(
             "x-kubernetes-preserve-unknown-fields"
         )
@@ -74,7 +85,7 @@ def test_schema_is_structural() -> None:
 
 def test_every_field_is_documented() -> None:
     undocumented = [
-        path for path, node in walk(SPEC, ".spec") if path and "containers[]" not in path and not node.get("description")
+        path for path, node in walk(SPEC, ".spec") if path and not _in_template(path) and not node.get("description")
     ] + [path for path, node in walk(STATUS, ".status") if path and not node.get("description")]
     assert undocumented == []
 
@@ -95,10 +106,18 @@ def test_int_or_string_and_templates() -> None:
     assert "type" not in mu
     for role in ("trainer", "inference"):
         tpl = at(f"spec.{role}.template")
-        assert tpl["x-kubernetes-preserve-unknown-fields"] is True
+        assert "x-kubernetes-preserve-unknown-fields" not in tpl, "unknown template fields must be refused"
         assert tpl["required"] == ["spec"]
+        assert set(tpl["properties"]["metadata"]["properties"]) == {"labels", "annotations"}
         containers = tpl["properties"]["spec"]["properties"]["containers"]
         assert containers["minItems"] == 1 and containers["maxItems"] <= 32
+        assert containers["x-kubernetes-list-map-keys"] == ["name"]
+        item = containers["items"]["properties"]
+        assert item["image"]["type"] == "string" and item["image"]["description"]
+        limits = item["resources"]["properties"]["limits"]["additionalProperties"]
+        assert limits["x-kubernetes-int-or-string"] is True, "quantities take numbers and strings"
+        ports = item["ports"]
+        assert ports["items"]["properties"]["protocol"]["default"] == "TCP", "a list-map key needs a default"
 
 
 def test_conditions_are_a_map_list() -> None:
@@ -166,6 +185,8 @@ def test_strings_are_bounded_for_cel_cost() -> None:
     """CEL cost is estimated from maxLength / maxItems: every string and list in the spec is bounded
     (pod templates are preserved as-is and only compared with ==)."""
     for path, node in walk(SPEC, "spec"):
+        if _in_template(path):
+            continue  # core/v1's schema, compared only with == (the API server's estimate accepts it: tests/api)
         if node.get("type") == "string" and "enum" not in node:
             assert "maxLength" in node, path
         if node.get("type") == "array":

@@ -85,7 +85,8 @@ def _dry_run(cluster: Any, namespace: str, *sets: str, include_crds: bool = Fals
              *(["--include-crds"] if include_crds else []), *_set_args(sets))
     assert r.returncode == 0, r.stderr
     objs = [d for d in yaml.safe_load_all(r.stdout) if d]
-    applied = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=r.stdout, check=False)
+    # server-side: the CRD (full pod template schema) is too big for client-side apply's last-applied annotation
+    applied = cluster.kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=r.stdout, check=False)
     assert applied.returncode == 0, applied.stdout + applied.stderr
     bad = [line for line in applied.stderr.splitlines() if line.strip() and BENIGN_WARNING not in line]
     assert not bad, applied.stderr

@@ -227,8 +227,14 @@ def test_partial_node_colocated_without_dra_is_refused_with_a_condition(kube, na
 def test_invalid_template_is_a_condition_and_an_event_not_a_crash_loop(kube, namespace, operator):
     op = operator()
     spec = separated_spec()
-    spec["inference"]["template"]["spec"]["containers"] = [container("engine", restartPolicy="Sometimes")]
+    # What the CRD's core/v1 template schema already refuses never reaches the operator ...
     spec["inference"]["template"]["spec"]["restartPolicy"] = "Sometimes"
+    with pytest.raises(ApiException) as refused:
+        create_job(kube, namespace, "bad", spec)
+    assert refused.value.status == 422 and "spec.inference.template.spec.restartPolicy" in str(refused.value.body)
+    # ... the rest of pod validation is the operator's server-side dry-run: a container name that is no DNS label.
+    del spec["inference"]["template"]["spec"]["restartPolicy"]
+    spec["inference"]["template"]["spec"]["containers"] = [container("Engine_1")]
     create_job(kube, namespace, "bad", spec)
 
     def invalid() -> dict[str, Any] | None:
@@ -237,7 +243,7 @@ def test_invalid_template_is_a_condition_and_an_event_not_a_crash_loop(kube, nam
         return job if c and c["reason"] == "InvalidTemplate" else None
 
     job = wait_until(invalid, what="InvalidTemplate condition")
-    assert "restartPolicy" in condition(job, "Ready")["message"]
+    assert "Engine_1" in condition(job, "Ready")["message"]
     wait_until(lambda: any(e.reason == "InvalidTemplate" and e.type == "Warning"
                            for e in events_for(kube, namespace, "bad")), what="InvalidTemplate event")
     # The dry-run refused the template before any pod was created (none of the trainer pods either).

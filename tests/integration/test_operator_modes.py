@@ -11,6 +11,7 @@ import pytest
 import yaml
 from op_helpers import create_job, live_pods, separated_spec
 from weightsync.e2e.binaries import find_binary
+from weightsync.e2e.demo import wait_established
 from weightsync.e2e.pytest_plugin import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -28,7 +29,7 @@ def peering_crds(cluster: Any) -> None:
     cluster.kubectl("apply", "--server-side", "-f", "-", input=rendered)
     for doc in yaml.safe_load_all(rendered):
         if doc:
-            cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{doc['metadata']['name']}")
+            wait_established(cluster.kubectl, doc["metadata"]["name"])
     # A new CRD's storage answers 429 for a moment; kopf's first keep-alive must not land in that window.
     wait_until(lambda: cluster.kubectl("get", "kopfpeerings", "-A", check=False).returncode == 0,
                timeout=60, what="kopfpeerings served")
