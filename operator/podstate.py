@@ -74,9 +74,14 @@ def phase(pod: Pod) -> str:
 
 WAITING_FAILURES = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
                     "CreateContainerConfigError", "CreateContainerError", "RunContainerError")
-# The kubelet's crash back-off resets after a container has run this long: until then a restarted
-# container that crashed last time still counts as crash-looping (the condition does not flip while it runs).
+# A container that crashed and runs again still counts as crash-looping for twice the kubelet's current
+# back-off (10 s doubling per restart, at most 5 min): a crash loop's short runs between crashes do not flip
+# the condition, while one restart (a killed agent) clears within 20 s of running.
 CRASH_LOOP_WINDOW_SECONDS = 600.0
+
+
+def crash_hold_seconds(restarts: int) -> float:
+    return min(CRASH_LOOP_WINDOW_SECONDS, 2 * min(300.0, 10.0 * 2 ** max(0, restarts - 1)))
 
 
 def _parse_time(raw: Any) -> datetime | None:
@@ -112,7 +117,7 @@ def failure_detail(pod: Pod, now: datetime | None = None) -> tuple[str, str] | N
             return reason, f"{where}: {waiting['reason']}{detail}: {str(waiting.get('message') or '')[:300]}".rstrip(": ")
         started = _parse_time(((s.get("state") or {}).get("running") or {}).get("startedAt"))
         if crashed and restarts > 0 and started is not None \
-                and (now - started).total_seconds() < CRASH_LOOP_WINDOW_SECONDS:
+                and (now - started).total_seconds() < crash_hold_seconds(restarts):
             reason = "OOMKilled" if last.get("reason") == "OOMKilled" else "CrashLoopBackOff"
             return reason, f"{where}: restarted {restarts} times, last run {why}; running again since {started:%H:%M:%SZ}"
     return None

@@ -43,6 +43,11 @@ def test_a_crash_loop_is_held_while_the_container_runs_between_crashes() -> None
     assert "pod p container engine" in message and "restarted 3 times" in message and "exit 1" in message
     # after the back-off window of running without a crash, it is healthy again
     assert podstate.failure(_pod("p", _crashed(running_since=NOW - timedelta(minutes=11))), NOW) is None
+    # one restart (an agent killed once) clears after 20 s of running; a long loop holds up to 10 minutes
+    once = _crashed(restarts=1, running_since=NOW - timedelta(seconds=25))
+    assert podstate.failure(_pod("p", once), NOW) is None
+    looping = _crashed(restarts=8, running_since=NOW - timedelta(minutes=9))
+    assert podstate.failure(_pod("p", looping), NOW) == "CrashLoopBackOff"
     # a clean exit (restartPolicy Always restarts it) is not a crash
     assert podstate.failure(_pod("p", _crashed(reason="Completed", exit_code=0)), NOW) is None
 
