@@ -170,23 +170,9 @@ def sync_error(pod: Pod) -> str | None:
     return pod_annotations(pod).get(contract.ANN_SYNC_ERROR) or None
 
 
-def sync_progress(pod: Pod) -> dict[str, Any] | None:
-    """The agent's report of the load under way (contract.ANN_SYNC_PROGRESS), None when none or unreadable."""
-    raw = pod_annotations(pod).get(contract.ANN_SYNC_PROGRESS)
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return None
-    keys = ("version", "bucket", "buckets", "bytes", "totalBytes")
-    if not isinstance(value, dict) or not all(isinstance(value.get(k), int) and value[k] >= 0 for k in keys):
-        return None
-    return {k: value[k] for k in keys}
-
-
-def last_sync(pod: Pod) -> dict[str, Any] | None:
-    raw = pod_annotations(pod).get(contract.ANN_LAST_SYNC)
+def _json_annotation(pod: Pod, key: str) -> dict[str, Any] | None:
+    """A JSON object an agent wrote as an annotation; None when absent or not a JSON object."""
+    raw = pod_annotations(pod).get(key)
     if not raw:
         return None
     try:
@@ -194,3 +180,16 @@ def last_sync(pod: Pod) -> dict[str, Any] | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def sync_progress(pod: Pod) -> dict[str, Any] | None:
+    """The agent's report of the load under way (contract.ANN_SYNC_PROGRESS), None when none or unreadable."""
+    value = _json_annotation(pod, contract.ANN_SYNC_PROGRESS)
+    keys = ("version", "bucket", "buckets", "bytes", "totalBytes")
+    if value is None or not all(isinstance(value.get(k), int) and value[k] >= 0 for k in keys):
+        return None
+    return {k: value[k] for k in keys}
+
+
+def last_sync(pod: Pod) -> dict[str, Any] | None:
+    return _json_annotation(pod, contract.ANN_LAST_SYNC)
