@@ -203,6 +203,41 @@ def set_trainer_args(body: JSON, **flags: Any) -> JSON:
     return body
 
 
+WRONG_ENGINE_PORT = 8999  # nothing listens there: the demo engines listen on 8001
+
+
+def wrong_port_job(name: str, *, process_nodes: bool = True) -> JSON:
+    """The SGLang demo job, one replica, whose engine.port / url point where no engine listens
+    (Degraded reason EngineUnreachable)."""
+    body = load_example("demo-sglang.yaml", process_nodes=process_nodes, name_override=name)
+    body["spec"]["inference"]["replicas"] = 1
+    body["spec"]["inference"]["engine"] = {"type": "SGLang", "port": WRONG_ENGINE_PORT,
+                                           "url": f"http://$(WEIGHTSYNC_POD_IP):{WRONG_ENGINE_PORT}"}
+    return body
+
+
+def crash_loop_job(name: str, *, process_nodes: bool = True) -> JSON:
+    """The separated demo job, one replica, whose engine exits with code 3 two seconds after each start
+    (Degraded reason CrashLoopBackOff)."""
+    body = load_example("separated", process_nodes=process_nodes, name_override=name)
+    body["spec"]["inference"]["replicas"] = 1
+    engine = body["spec"]["inference"]["template"]["spec"]["containers"][0]
+    engine["command"] = ["python", "-c", "import sys, time; time.sleep(2); sys.exit(3)"]
+    return body
+
+
+def finishing_job(name: str, versions: int = 3, *, process_nodes: bool = True) -> JSON:
+    """The separated demo job, one replica, whose trainer (restartPolicy OnFailure) publishes VERSIONS and
+    exits 0 (condition Complete)."""
+    body = load_example("separated", process_nodes=process_nodes, name_override=name)
+    body["spec"]["inference"]["replicas"] = 1
+    set_trainer_args(body, versions=versions, interval=1.0)
+    trainer = body["spec"]["trainer"]["template"]["spec"]
+    trainer["restartPolicy"] = "OnFailure"
+    trainer["containers"][0]["command"] = [*trainer["containers"][0]["command"], "--exit"]
+    return body
+
+
 def set_demo_env(body: JSON, **env: str) -> JSON:
     """Add env to every demo container (e.g. WEIGHTSYNC_DEMO_HIDDEN for a bigger model)."""
     for role in ("trainer", "inference"):

@@ -44,33 +44,28 @@ def _job_section(env: Any, title: str, text: str, name: str) -> str:
                       "```", f"$ kubectl describe wsj {name}", described, "```", ""])
 
 
-def _wait_served(env: Any, name: str, version: int) -> None:
+def _wait(env: Any, name: str, what: str, done: Callable[[dict[str, Any]], bool]) -> None:
+    """Until DONE(job) holds for the job NAME."""
     with env.api_client() as api:
         import kubernetes
 
         custom = kubernetes.client.CustomObjectsApi(api)
-        demo.poll(lambda: (demo.get_job(custom, NS, name).get("status") or {}).get("servedVersion") == version or None,
-                  TIMEOUT, f"{name}: servedVersion {version}")
+        demo.poll(lambda: done(demo.get_job(custom, NS, name)) or None, TIMEOUT, f"{name}: {what}")
 
 
 def _wait_condition(env: Any, name: str, type_: str, status: str, reason: str | None = None) -> None:
-    with env.api_client() as api:
-        import kubernetes
+    def done(job: dict[str, Any]) -> bool:
+        c = demo.condition(job, type_)
+        return c.get("status") == status and (reason is None or c.get("reason") == reason)
 
-        custom = kubernetes.client.CustomObjectsApi(api)
-
-        def check() -> bool | None:
-            c = demo.condition(demo.get_job(custom, NS, name), type_)
-            return True if c.get("status") == status and (reason is None or c.get("reason") == reason) else None
-
-        demo.poll(check, TIMEOUT, f"{name}: {type_}={status} {reason or ''}")
+    _wait(env, name, f"{type_}={status} {reason or ''}", done)
 
 
 def _healthy(env: Any) -> tuple[str, str]:
     body = demo.load_example("separated", name_override="healthy")
     demo.set_trainer_args(body, versions=4, interval=1.0)
     demo.apply(env, body, NS)
-    _wait_served(env, "healthy", 4)
+    _wait(env, "healthy", "servedVersion 4", lambda j: (j.get("status") or {}).get("servedVersion") == 4)
     _wait_condition(env, "healthy", contract.COND_SYNCED, "True")
     _wait_condition(env, "healthy", contract.COND_READY, "True")
     return "healthy", ("A healthy job: `READY`, `SYNCED` True, `DEGRADED` AsExpected, every replica serves the "
@@ -79,9 +74,7 @@ def _healthy(env: Any) -> tuple[str, str]:
 
 
 def _wrong_port(env: Any) -> tuple[str, str]:
-    body = demo.load_example("demo-sglang.yaml", name_override="wrong-port")
-    body["spec"]["inference"]["replicas"] = 1
-    body["spec"]["inference"]["engine"] = {"type": "SGLang", "port": 8999, "url": "http://$(WEIGHTSYNC_POD_IP):8999"}
+    body = demo.wrong_port_job("wrong-port")
     demo.apply(env, body, NS)
     _wait_condition(env, "wrong-port", contract.COND_DEGRADED, "True", "EngineUnreachable")
     return "wrong-port", ("`Degraded` reason `EngineUnreachable`: `spec.inference.engine.port` is 8999 but the "
@@ -92,10 +85,7 @@ def _wrong_port(env: Any) -> tuple[str, str]:
 
 
 def _crash_loop(env: Any) -> tuple[str, str]:
-    body = demo.load_example("separated", name_override="crash-loop")
-    body["spec"]["inference"]["replicas"] = 1
-    engine = body["spec"]["inference"]["template"]["spec"]["containers"][0]
-    engine["command"] = ["python", "-c", "import sys, time; time.sleep(2); sys.exit(3)"]
+    body = demo.crash_loop_job("crash-loop")
     demo.apply(env, body, NS)
     _wait_condition(env, "crash-loop", contract.COND_DEGRADED, "True", "CrashLoopBackOff")
     return "crash-loop", ("`Degraded` reason `CrashLoopBackOff`: the engine container exits with code 3. The "
@@ -105,12 +95,7 @@ def _crash_loop(env: Any) -> tuple[str, str]:
 
 
 def _complete(env: Any) -> tuple[str, str]:
-    body = demo.load_example("separated", name_override="finished")
-    body["spec"]["inference"]["replicas"] = 1
-    demo.set_trainer_args(body, versions=3, interval=1.0)
-    trainer = body["spec"]["trainer"]["template"]["spec"]
-    trainer["restartPolicy"] = "OnFailure"
-    trainer["containers"][0]["command"] = [*trainer["containers"][0]["command"], "--exit"]
+    body = demo.finishing_job("finished", versions=3)
     demo.apply(env, body, NS)
     _wait_condition(env, "finished", contract.COND_COMPLETE, "True")
     _wait_condition(env, "finished", contract.COND_READY, "True")

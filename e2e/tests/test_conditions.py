@@ -36,9 +36,7 @@ def _started(pod: dict[str, Any], container: str) -> datetime | None:
 def test_wrong_engine_port_is_degraded_engine_unreachable_within_a_minute(cluster, kube, namespace, operator,
                                                                           process_runtime):
     operator()
-    body = demo.load_example("demo-sglang.yaml", process_nodes=process_runtime is not None, name_override="sgl-port")
-    body["spec"]["inference"]["replicas"] = 1
-    body["spec"]["inference"]["engine"] = {"type": "SGLang", "port": 8999, "url": "http://$(WEIGHTSYNC_POD_IP):8999"}
+    body = demo.wrong_port_job("sgl-port", process_nodes=process_runtime is not None)
     demo.apply(cluster, body, namespace)
     name = body["metadata"]["name"]
 
@@ -50,7 +48,7 @@ def test_wrong_engine_port_is_degraded_engine_unreachable_within_a_minute(cluste
     j = wait(unreachable, START_TIMEOUT, f"{name}: Degraded=True reason EngineUnreachable")
     d = _degraded(j)
     (pod_name, pod) = next(iter(inference_pods(kube, namespace, name).items()))
-    assert pod_name in d["message"] and ":8999" in d["message"], d["message"]
+    assert pod_name in d["message"] and f":{demo.WRONG_ENGINE_PORT}" in d["message"], d["message"]
     agent_started = _started(pod, "weightsync-agent")
     assert agent_started is not None
     since = (datetime.fromisoformat(d["lastTransitionTime"].replace("Z", "+00:00")) - agent_started).total_seconds()
@@ -65,10 +63,7 @@ def test_crash_looping_engine_keeps_degraded_without_a_flip(cluster, kube, names
     if process_runtime is None:
         pytest.skip("needs the process runtime's kubelet back-off (local control plane)")
     operator()
-    body = demo.load_example("separated", process_nodes=True, name_override="crashy")
-    body["spec"]["inference"]["replicas"] = 1
-    engine = body["spec"]["inference"]["template"]["spec"]["containers"][0]
-    engine["command"] = ["python", "-c", "import sys, time; time.sleep(2); sys.exit(3)"]
+    body = demo.crash_loop_job("crashy")
     demo.apply(cluster, body, namespace)
     name = body["metadata"]["name"]
 
@@ -105,12 +100,7 @@ def test_trainer_that_exits_successfully_completes_the_job(cluster, kube, namesp
     if process_runtime is None:
         pytest.skip("needs pods that run to completion (local control plane)")
     operator()
-    body = demo.load_example("separated", process_nodes=True, name_override="finish")
-    body["spec"]["inference"]["replicas"] = 1
-    demo.set_trainer_args(body, versions=3, interval=1.0)
-    trainer = body["spec"]["trainer"]["template"]["spec"]
-    trainer["restartPolicy"] = "OnFailure"
-    trainer["containers"][0]["command"] = [*trainer["containers"][0]["command"], "--exit"]
+    body = demo.finishing_job("finish", versions=3)
     demo.apply(cluster, body, namespace)
     name = body["metadata"]["name"]
 
