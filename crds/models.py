@@ -727,6 +727,11 @@ class WeightSyncJobStatus(_Model):
                     f"first, up to {MAX_REPLICAS_IN_STATUS}.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["index"]},
     )
+    replica_versions: str | None = Field(
+        default=None, alias="replicaVersions", max_length=256,
+        description="The version each inference replica serves, in replica order (`-` for none), e.g. `7,7,6`; "
+                    "with more than 16 replicas, counts per version, e.g. `7x60 6x4` (kubectl get wsj -o wide).",
+    )
     selector: str | None = Field(
         default=None, max_length=512,
         description="Label selector of the inference pods (the scale subresource's, for HPAs).",

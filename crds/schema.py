@@ -163,7 +163,7 @@ def printer_columns() -> list[dict[str, Any]]:
          "description": "Desired inference replicas."},
         {"name": "Ready-Replicas", "type": "integer", "jsonPath": ".status.replicas.ready", "priority": 1,
          "description": "Inference replicas Ready."},
-        {"name": "Replica-Versions", "type": "string", "jsonPath": ".status.inferenceReplicas[*].servedVersion",
+        {"name": "Replica-Versions", "type": "string", "jsonPath": ".status.replicaVersions",
          "priority": 1, "description": "The version each inference replica serves, in replica order (skew at a glance)."},
     ]
 

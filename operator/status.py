@@ -229,6 +229,7 @@ def aggregate(
         served_epoch=served_key[0] if served_key else None,
         selector=inference_selector(plan),
         inference_replicas=replica_statuses(states, pods, tv_key),
+        replica_versions=replica_versions(states),
         membership_generation=membership_generation,
         replicas=ReplicaCounts(inference=len(complete), synced=len(synced), ready=len(ready)),
         last_sync=_last_sync(plan, pods, prev_last),
@@ -260,6 +261,17 @@ def replica_statuses(states: list[ReplicaState], pods: Mapping[str, Mapping[str,
         out = sorted(out, key=lambda r: (r.index not in behind, r.index))[:MAX_REPLICAS_IN_STATUS]
         out.sort(key=lambda r: r.index)
     return out
+
+
+def replica_versions(states: list[ReplicaState]) -> str:
+    """status.replicaVersions: skew at a glance (a printer column shows one string, not a list)."""
+    served = ["-" if s.served is None else str(s.served) for s in states]
+    if len(served) <= 16:
+        return ",".join(served)
+    counts: dict[str, int] = {}
+    for v in served:
+        counts[v] = counts.get(v, 0) + 1
+    return " ".join(f"{v}x{n}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1]))[:256]
 
 
 def inference_selector(plan: Plan) -> str:

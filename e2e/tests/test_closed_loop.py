@@ -81,6 +81,7 @@ def _final_status_is_correct(j: dict[str, Any], last: int, replicas: int) -> Non
     assert st["trainerVersion"] == last and st["servedVersion"] == last, st
     assert st["replicas"] == {"inference": replicas, "synced": replicas, "ready": replicas}, st
     assert st["observedGeneration"] == j["metadata"]["generation"]
+    assert st["replicaVersions"] == ",".join([str(last)] * replicas), st  # the -o wide skew column
     per_replica = st["inferenceReplicas"]
     assert [r["index"] for r in per_replica] == list(range(replicas)), per_replica
     for r in per_replica:

@@ -265,6 +265,7 @@ def test_inference_replicas_status_shows_each_replica(separated):
     assert (reps[1].served_version, reps[1].target_version) == (4, 5)
     assert (reps[2].ready, reps[2].last_error) == (False, "engine /update_weights timed out")
     assert reps[0].pods == ["demo-inference-0-0"]
+    assert st.replica_versions == "5,4,3"
 
 
 def test_inference_replicas_status_is_bounded_and_keeps_the_replicas_behind(separated):
@@ -279,6 +280,9 @@ def test_inference_replicas_status_is_bounded_and_keeps_the_replicas_behind(sepa
     assert len(out) == MAX_REPLICAS_IN_STATUS
     assert out[-1].index == n - 1, "the replica behind is listed even beyond the bound"
     assert [r.index for r in out] == sorted(r.index for r in out)
+    from weightsync.operator.status import replica_versions
+
+    assert replica_versions(replica_states(p, pods)) == f"5x{n - 1} 4x1"
 
 
 def test_complete_when_every_trainer_pod_succeeded(separated):
