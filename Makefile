@@ -11,18 +11,24 @@ PYTEST_ARGS ?=
 # The engine releases the adapters follow; their code is imported by the `engines` test tier (pip's cache
 # keeps the wheels between runs, outside the repository).
 ENGINES := sglang==0.5.23 vllm==0.33.0
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+# constraints.txt is the one lock: the venv (tests) and the images (Dockerfile) install the same versions.
+LOCK := constraints.txt
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile $(LOCK) | sha1sum | cut -c1-12)
 
-.PHONY: setup binaries test test-engines test-unit e2e demo bench crds docs troubleshooting-doc lint dev-up dev-down dev-status clean image image-lint docker-check
+.PHONY: setup binaries lock test test-engines test-unit e2e e2e-images demo bench crds docs troubleshooting-doc lint dev-up dev-down dev-status clean image base-image image-lint
 
 setup: $(STAMP) binaries
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip >/dev/null
-	$(VPY) -m pip install -e '.[agent,gdr,dev,engines]'
-	$(VPY) -m pip install --no-deps $(ENGINES)
+	$(VPY) -m pip install --constraint $(LOCK) -e '.[agent,gdr,dev,engines]'
+	$(VPY) -m pip install --constraint $(LOCK) --no-deps $(ENGINES)
 	touch $@
+
+## lock: rewrite constraints.txt from the venv (after changing pyproject.toml's dependencies or ENGINES).
+lock: $(STAMP)
+	{ sed -n '1,/^[^#]/{/^#/p}' $(LOCK); $(VPY) -m pip freeze --all --exclude-editable | grep -v '^pip=='; } > $(LOCK).new && mv $(LOCK).new $(LOCK)
 
 binaries:
 	bash e2e/scripts/build-binaries.sh >/dev/null
@@ -89,9 +95,15 @@ dev-status:
 clean:
 	rm -rf .dev build *.egg-info
 
-## image: both images from the one Dockerfile (`--target operator`, `--target agent`). Defaults: the chart's
-## image repositories and appVersion, so `helm install` finds them. DOCKER=podman works too.
+## image: both images from the one Dockerfile (`--target operator`, `--target agent`) with Docker, or with
+## buildah where no Docker engine runs (images/build.sh; BUILDER=docker|buildah forces one). Defaults: the
+## chart's image repositories and appVersion, so `helm install` finds them. IMAGE_TARGETS="operator" builds
+## one. Sizes and each image's `pip freeze` land in build/images/.
+## base-image: a python3.11 base from Debian's packages (debootstrap) for machines that cannot pull the pinned
+## one: `make base-image image PYTHON_IMAGE=$(BASE_IMAGE)`.
 DOCKER ?= docker
+BASE_IMAGE ?= localhost/weightsync-base:bookworm-py311
+IMAGE_TARGETS ?= operator agent
 CHART_DIR := helm/weightsync-operator
 IMAGE_TAG ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$$/\1/p' $(CHART_DIR)/Chart.yaml)
 OPERATOR_IMAGE_REPO ?= ghcr.io/weightsync/weightsync-operator
@@ -100,17 +112,13 @@ OPERATOR_IMAGE ?= $(OPERATOR_IMAGE_REPO):$(IMAGE_TAG)
 AGENT_IMAGE ?= $(AGENT_IMAGE_REPO):$(IMAGE_TAG)
 PYTHON_IMAGE ?=
 IMAGE_BUILD_ARGS ?=
-IMAGE_REVISION := $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
-_image_args = --build-arg VERSION=$(IMAGE_TAG) --build-arg REVISION=$(IMAGE_REVISION) \
-	$(if $(PYTHON_IMAGE),--build-arg PYTHON_IMAGE=$(PYTHON_IMAGE)) $(IMAGE_BUILD_ARGS)
+image: image-lint
+	TARGETS="$(IMAGE_TARGETS)" OPERATOR_IMAGE=$(OPERATOR_IMAGE) AGENT_IMAGE=$(AGENT_IMAGE) VERSION=$(IMAGE_TAG) \
+	  PYTHON_IMAGE=$(PYTHON_IMAGE) IMAGE_BUILD_ARGS="$(IMAGE_BUILD_ARGS)" bash images/build.sh
+	@echo "built $(foreach t,$(IMAGE_TARGETS),$(if $(filter operator,$(t)),$(OPERATOR_IMAGE),$(AGENT_IMAGE)))"
 
-docker-check:
-	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "make image: '$(DOCKER)' not found. Install Docker, or use podman: make image DOCKER=podman" >&2; exit 1; }
-
-image: docker-check image-lint
-	$(DOCKER) build --target operator $(_image_args) -t $(OPERATOR_IMAGE) .
-	$(DOCKER) build --target agent $(_image_args) -t $(AGENT_IMAGE) .
-	@echo "built $(OPERATOR_IMAGE) and $(AGENT_IMAGE)"
+base-image:
+	BASE_IMAGE=$(BASE_IMAGE) bash images/base-image.sh
 
 ## image-lint: hadolint and the repository's Dockerfile rules (no Docker engine needed; CI runs the same tests).
 image-lint: $(STAMP)

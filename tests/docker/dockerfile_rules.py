@@ -21,6 +21,7 @@ TARGETS = ("operator", "agent")
 # Extras whose packages must never reach the operator image (they pull torch / nixl).
 AGENT_ONLY_EXTRAS = ("agent", "gdr")
 AGENT_ONLY_PACKAGES = ("torch", "nixl", "numpy", "xxhash")
+PIP_CACHE = "/root/.cache/pip"  # pip's cache dir for root, where the builds run pip
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,16 @@ def _pip_installs(ins: Instruction) -> list[list[str]]:
     return cmds
 
 
+def _pip_cache_mounted(ins: Instruction) -> bool:
+    """A cache mount at pip's cache dir: downloads are reused between builds and never land in a layer."""
+    for flag in ins.flags:
+        if flag.startswith("--mount="):
+            opts = dict(kv.partition("=")[::2] for kv in flag.removeprefix("--mount=").split(","))
+            if opts.get("type") == "cache" and opts.get("target", opts.get("dst")) == PIP_CACHE:
+                return True
+    return False
+
+
 def _env_sets(ins: Instruction, name: str) -> bool:
     return ins.cmd == "ENV" and re.search(rf"(?:^|\s){name}=(?:1|true|yes|on|\"1\")(?:\s|$)", ins.value, re.I) is not None
 
@@ -283,9 +294,13 @@ def check(text: str, repo: Path, dockerignore: str | None = None, pyproject: dic
             if ins not in s.instructions:
                 continue
             for args in _pip_installs(ins):
-                if "--no-cache-dir" not in args and not no_cache_env:
+                if "--no-cache-dir" not in args and not no_cache_env and not _pip_cache_mounted(ins):
                     problems.append(f"line {ins.line}: `pip {' '.join(args[:1])}` without --no-cache-dir "
-                                    "(or ENV PIP_NO_CACHE_DIR=1): the image keeps pip's cache")
+                                    f"(or ENV PIP_NO_CACHE_DIR=1, or RUN --mount=type=cache,target={PIP_CACHE}): "
+                                    "the image keeps pip's cache")
+                if args[0] == "install" and s.name in TARGETS and "--constraint" not in args and "-c" not in args:
+                    problems.append(f"line {ins.line}: target {s.name}: `pip install` without --constraint: the "
+                                    "image would not install the locked versions the tests run (constraints.txt)")
 
     # The builder copies every package folder of the distribution.
     wheel_stages = [s for s in all_stages if any(a[0] == "wheel" for i in s.instructions for a in _pip_installs(i))]

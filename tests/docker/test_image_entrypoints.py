@@ -48,7 +48,9 @@ def make_images() -> dict[str, str]:
     """target -> the tag `make image` gives it (from `make -n`: nothing is built)."""
     out = subprocess.run(["make", "-n", "--no-print-directory", "image"], cwd=REPO, capture_output=True,
                          text=True, check=True, timeout=60).stdout
-    found = dict(re.findall(r"build --target (\w+) .* -t (\S+) \.$", out, re.M))
+    # images/build.sh builds each of TARGETS and tags it with <TARGET>_IMAGE
+    found = {t.lower(): tag for t, tag in re.findall(r"\b(OPERATOR|AGENT)_IMAGE=(\S+)", out)}
+    assert re.search(r'TARGETS="operator agent"', out) and "images/build.sh" in out, out
     assert set(found) == {"operator", "agent"}, out
     return found
 

@@ -105,8 +105,8 @@ def test_scripts_use_the_images_make_builds() -> None:
                   env={"IMAGE_TAG": "", "OPERATOR_IMAGE_REPO": "", "AGENT_IMAGE_REPO": ""})
     assert sourced.returncode == 0, sourced.stderr
     made = run(["make", "-n", "--no-print-directory", "image"]).stdout
-    tags = re.findall(r"build --target (\w+) .* -t (\S+) \.$", made, re.M)
-    assert sourced.stdout.split() == [dict(tags)["operator"], dict(tags)["agent"]]
+    tags = dict(re.findall(r"\b(OPERATOR|AGENT)_IMAGE=(\S+)", made))
+    assert sourced.stdout.split() == [tags["OPERATOR"], tags["AGENT"]], made
 
 
 def test_run_e2e_selects_kind() -> None:
