@@ -36,7 +36,7 @@ binaries:
 ## test: every CI test (unit, agent multi-process, control plane, e2e); GPU tests are deselected.
 ## (`kind` tests need a kind GPU cluster: e2e/kind/run-e2e.sh runs them.)
 test: setup
-	$(VENV)/bin/pytest -m 'not gpu and not kind' $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m 'not gpu and not kind and not images' $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -m 'not gpu and not cluster and not e2e and not kind' $(PYTEST_ARGS)
@@ -117,8 +117,20 @@ image: image-lint
 	  PYTHON_IMAGE=$(PYTHON_IMAGE) IMAGE_BUILD_ARGS="$(IMAGE_BUILD_ARGS)" bash images/build.sh
 	@echo "built $(foreach t,$(IMAGE_TARGETS),$(if $(filter operator,$(t)),$(OPERATOR_IMAGE),$(AGENT_IMAGE)))"
 
+print-base-image:
+	@echo $(BASE_IMAGE)
+
 base-image:
 	BASE_IMAGE=$(BASE_IMAGE) bash images/base-image.sh
+
+## e2e-images: build both images (on the base from Debian's packages unless PYTHON_IMAGE names one that can
+## be pulled), check their hygiene, then install the chart with them and run the demo job with the operator,
+## every agent and the demo trainer / engines started from the images (the process runtime's image mode).
+e2e-images: setup
+	$(if $(PYTHON_IMAGE),,$(MAKE) --no-print-directory base-image)
+	$(MAKE) --no-print-directory image PYTHON_IMAGE=$(or $(PYTHON_IMAGE),$(BASE_IMAGE))
+	WEIGHTSYNC_IMAGE_TARGETS="$(IMAGE_TARGETS)" $(VENV)/bin/pytest -m images tests/docker/test_built_images.py $(PYTEST_ARGS)
+	WEIGHTSYNC_RUNTIME_IMAGES=buildah $(VENV)/bin/pytest -m images e2e/tests/test_images.py $(PYTEST_ARGS)
 
 ## image-lint: hadolint and the repository's Dockerfile rules (no Docker engine needed; CI runs the same tests).
 image-lint: $(STAMP)

@@ -561,9 +561,11 @@ def start_private_runtime(env: Environment, state_dir: Path) -> Any:
     if env.runtime is not None:
         return env.runtime
     from weightsync.e2e.runtime import ProcessRuntime
+    from weightsync.e2e.runtime.images import images_for_tests
 
     state_dir.mkdir(parents=True, exist_ok=True)
-    runtime = ProcessRuntime(str(env.kubeconfig), env.process_node_names, state_dir, pod_cidr=private_pod_cidr())
+    runtime = ProcessRuntime(str(env.kubeconfig), env.process_node_names, state_dir, pod_cidr=private_pod_cidr(),
+                             images=images_for_tests())
     runtime.start()
     env.runtime = runtime
     env.runtime_state_dir = state_dir

@@ -176,7 +176,11 @@ class Environment:
             self._owned_dirs.append(state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         self.runtime_state_dir = state_dir
-        self.runtime = ProcessRuntime(str(self.kubeconfig), self.process_node_names, state_dir)
+        from weightsync.e2e.runtime.images import images_for_tests
+
+        # WEIGHTSYNC_RUNTIME_IMAGES=buildah (`make e2e-images`): containers run from the images `make image` built
+        self.runtime = ProcessRuntime(str(self.kubeconfig), self.process_node_names, state_dir,
+                                      images=images_for_tests())
         self.runtime.start()
         log.info("process runtime started nodes=%s state_dir=%s", self.process_node_names, state_dir)
         return self.runtime

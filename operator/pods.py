@@ -112,7 +112,9 @@ def _volumes(job: JobRef, spec: WeightSyncJobSpec) -> list[dict[str, Any]]:
         {"name": VOL_SOCKET, "emptyDir": {}},
         {"name": VOL_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_size_mb(spec.transfer.bucket_size_mb)}Mi"}},
         {"name": VOL_TOPOLOGY, "configMap": {"name": contract.topology_configmap_name(job.name)}},
-        {"name": VOL_TOKEN, "secret": {"secretName": contract.token_secret_name(job.name), "defaultMode": 0o400}},
+        # 0444: the kubelet writes Secret files root-owned and the agent runs as its image's non-root user (a
+        # user template rarely sets fsGroup); only the agent container mounts this volume.
+        {"name": VOL_TOKEN, "secret": {"secretName": contract.token_secret_name(job.name), "defaultMode": 0o444}},
         _kube_api_volume(),
     ]
 

@@ -30,9 +30,18 @@ def read_current(target: Path) -> Payload | None:
     return current
 
 
-def write_atomic(target: Path, payload: Payload) -> bool:
-    """Publish `payload` in `target`; returns False (and touches nothing) when it is already current."""
+def with_fs_group(payload: Payload) -> Payload:
+    """The kubelet's SetVolumeOwnership for a read-only volume of a pod with fsGroup: group-readable."""
+    return {rel: FileEntry(e.data, e.mode | 0o440) for rel, e in payload.items()}
+
+
+def write_atomic(target: Path, payload: Payload, fs_group: int | None = None) -> bool:
+    """Publish `payload` in `target`; returns False (and touches nothing) when it is already current.
+    With `fs_group` the files belong to that group and are group-readable (the pod's fsGroup), so a
+    container running as a non-root user in that group reads them (image mode)."""
     target.mkdir(parents=True, exist_ok=True)
+    if fs_group is not None:
+        payload = with_fs_group(payload)
     if read_current(target) == payload:
         return False
     stamp = time.strftime("..%Y_%m_%d_%H_%M_%S.", time.gmtime()) + str(time.monotonic_ns())
@@ -43,6 +52,8 @@ def write_atomic(target: Path, payload: Payload) -> bool:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(entry.data)
         os.chmod(path, entry.mode)
+        if fs_group is not None:
+            os.chown(path, -1, fs_group)
     data_link = target / DATA_LINK
     old_dir = os.readlink(data_link) if data_link.is_symlink() else None
     tmp_link = target / "..data_tmp"

@@ -133,7 +133,9 @@ class PodVolumes:
                     payload = projected_payload(volume["projected"], pod, pod_ip, host_ip, lookup, token)
                 else:
                     continue
-                if write_atomic(self.host_dir(volume, namespace), payload):
+                fs_group = ((pod.get("spec") or {}).get("securityContext") or {}).get("fsGroup")
+                if write_atomic(self.host_dir(volume, namespace), payload,
+                                int(fs_group) if fs_group is not None else None):
                     log.debug("volume updated pod=%s volume=%s", pod["metadata"].get("name"), volume["name"])
             except VolumeError as exc:
                 errors.append(f"volume {volume['name']}: {exc}")

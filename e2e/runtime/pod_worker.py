@@ -18,8 +18,20 @@ from typing import Any
 from weightsync.e2e.runtime.containers import Backoff, ContainerRunner, rfc3339
 from weightsync.e2e.runtime.envvars import EnvError, Lookup, container_env, expand, service_env
 from weightsync.e2e.runtime.events import EventRecorder
+from weightsync.e2e.runtime.images import (
+    ImageError,
+    ImageStore,
+    LocalImage,
+    check_non_root,
+    container_argv,
+    container_user,
+    find_in_image,
+    image_env,
+    image_wrapper_argv,
+    supplementary_groups,
+)
 from weightsync.e2e.runtime.kube import ApiError, KubeClient, pod_path
-from weightsync.e2e.runtime.launch import find_executable, keep_visible, wrapper_argv
+from weightsync.e2e.runtime.launch import Mount, find_executable, keep_visible, wrapper_argv
 from weightsync.e2e.runtime.orphans import RUNTIME_ID_ENV
 from weightsync.e2e.runtime.pod_volumes import PodVolumes
 from weightsync.e2e.runtime.probes import ProbeState, run_probe
@@ -53,6 +65,7 @@ class RuntimeContext:
     release_ip: Callable[[str], None]
     events: EventRecorder
     runtime_id: str
+    images: ImageStore | None = None  # image mode: containers whose image is in this store run from it
 
 
 def pod_dir_name(namespace: str, name: str, uid: str) -> str:
@@ -273,6 +286,10 @@ class PodWorker:
             runner.next_start_at = retry_at
             self._event("Failed", f"Error: {exc}", runner.name, warning=True)
             return
+        image = self._image(spec)
+        if image is not None:
+            self._launch_from_image(pod, runner, image, self.volumes.mounts_for(pod, spec), now)
+            return
         argv = [expand(a, env) for a in (spec.get("command") or []) + (spec.get("args") or [])]
         if not spec.get("command"):
             message = (
@@ -300,6 +317,57 @@ class PodWorker:
             "container started pod=%s container=%s kind=%s pid=%s restarts=%d argv=%s",
             self.key, runner.name, runner.kind, runner.pid, runner.restart_count, argv,
         )
+
+    def _image(self, spec: JSON) -> LocalImage | None:
+        """The container's image from the runtime's image store (image mode), else None: a host process."""
+        if self.ctx.images is None or not spec.get("image"):
+            return None
+        try:
+            return self.ctx.images.get(str(spec["image"]))
+        except Exception as exc:  # a broken store: say so and run on the host as without one
+            log.warning("image store failed pod=%s image=%s: %s", self.key, spec.get("image"), exc)
+            return None
+
+    def _launch_from_image(self, pod: JSON, runner: ContainerRunner, image: LocalImage, mounts: list[Mount],
+                           now: float) -> None:
+        """Image mode: the container's root is an overlay over the image, argv from its Entrypoint/Cmd, env
+        from the image then the pod, user from the pod's securityContext or the image's USER."""
+        spec = runner.spec
+        retry_at = now + max(self.ctx.backoff_base_s, 1.0)
+        try:
+            base = {**image_env(image.config), "HOSTNAME": self.name, RUNTIME_ID_ENV: self.ctx.runtime_id,
+                    **service_env(self.ctx.api_host, self.ctx.api_port)}
+            base.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            env = container_env(pod, spec, self.pod_ip, self.host_ip, self.ctx.lookup, base)
+            uid, gid = container_user(pod, spec, image)
+            check_non_root(pod, spec, uid)
+        except (EnvError, ImageError) as exc:
+            runner.set_waiting(exc.reason, str(exc))
+            runner.next_start_at = retry_at
+            self._event("Failed", f"Error: {exc}", runner.name, warning=True)
+            return
+        argv = [expand(a, env) for a in container_argv(spec, image.config)]
+        workdir = spec.get("workingDir") or image.config.workdir or "/"
+        if not argv or find_in_image(argv[0], env, workdir, image) is None:
+            message = (f'exec: "{argv[0] if argv else ""}": executable file not found in the image {image.ref} '
+                       f'(PATH={env.get("PATH", "")})')
+            runner.set_waiting("CreateContainerError", message)
+            runner.next_start_at = retry_at
+            self._event("Failed", f"Error: {message}", runner.name, warning=True)
+            return
+        container_dir = str(self.dir / "containers" / runner.name)
+        try:
+            wrapper = image_wrapper_argv(image, container_dir, mounts, workdir, uid, gid, argv, supplementary_groups(pod))
+        except ImageError as exc:  # e.g. a symlink loop in the image under a mountPath
+            runner.set_waiting(exc.reason, str(exc))
+            runner.next_start_at = retry_at
+            self._event("Failed", f"Error: {exc}", runner.name, warning=True)
+            return
+        runner.launch(wrapper, env, now)
+        self._last_warning.pop(runner.name, None)
+        self._event("Started", f"Started container {runner.name}", runner.name)
+        log.info("container started pod=%s container=%s kind=%s pid=%s restarts=%d image=%s uid=%d argv=%s",
+                 self.key, runner.name, runner.kind, runner.pid, runner.restart_count, image.ref, uid, argv)
 
     def _host_env_paths(self) -> list[str]:
         """What the host processes run from: the Python environment and the project's source tree."""

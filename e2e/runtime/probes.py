@@ -82,7 +82,7 @@ def run_probe(probe: JSON, pod_ip: str, pid: int | None, env: Mapping[str, str],
             if pid is None:
                 return ProbeResult(False, "container is not running")
             command = list(probe["exec"].get("command") or [])
-            argv = ["nsenter", "-t", str(pid), "-m", "--", *command]
+            argv = ["nsenter", "-t", str(pid), "-m", "-r", "--", *command]  # -r: its root too (image mode)
             done = subprocess.run(argv, env=dict(env), capture_output=True, timeout=timeout, check=False)
             output = (done.stdout + done.stderr).decode(errors="replace").strip()[-500:]
             return ProbeResult(done.returncode == 0, f"exit code {done.returncode}: {output}")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.e2e.runtime.events import EventRecorder
+from weightsync.e2e.runtime.images import ImageStore
 from weightsync.e2e.runtime.ips import DEFAULT_LEASE_DIR, DEFAULT_POD_CIDR, HostLeases, PodIPAllocator
 from weightsync.e2e.runtime.kube import ApiError, KubeClient, endpoint_from_kubeconfig, pod_path
 from weightsync.e2e.runtime.orphans import kill_marked
@@ -83,6 +84,7 @@ class ProcessRuntime:
         backoff_base_s: float = 1.0,
         backoff_max_s: float = 20.0,
         tick_s: float = 0.25,
+        images: ImageStore | None = None,
     ) -> None:
         if not node_names:
             raise ValueError("ProcessRuntime needs at least one node name (--nodes a,b)")
@@ -117,6 +119,7 @@ class ProcessRuntime:
             release_ip=self._ips.release,
             events=EventRecorder(self.client),
             runtime_id=tag,
+            images=images,
         )
         self._workers: dict[str, PodWorker] = {}
         self._done: dict[str, float] = {}  # uids whose worker finished (never re-admitted)
@@ -154,6 +157,8 @@ class ProcessRuntime:
         self._ips.release_all()
         self.ctx.events.close()
         shutil.rmtree(self.ctx.shm_root, ignore_errors=True)
+        if self.ctx.images is not None:
+            self.ctx.images.close()
         log.info("process runtime stopped pods=%d", len(workers))
 
     def log_path(self, namespace: str, pod: str, container: str) -> Path:
