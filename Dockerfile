@@ -5,8 +5,10 @@
 # agent with `[agent,gdr]`, both under constraints.txt: the exact versions the test environment runs (one
 # lock for the venv and the images). Both run as UID/GID 65532 (the chart's runAsUser), start a console
 # script and record their packages in /usr/share/weightsync/pip-freeze.txt.
-# pip's downloads are kept between builds in a cache mount (never in a layer); a CA bundle for pip, where the
-# network needs one, comes in as the build secret `pip_ca` (`make image` passes the host's).
+# Downloads are kept between builds in a wheelhouse cache mount (never in a layer): `pip download` skips the
+# files it finds there and `pip install --no-index` installs from it. (pip's own HTTP cache is not enough:
+# behind some proxies it stores nothing.) A CA bundle for pip, where the network needs one, comes in as
+# the build secret `pip_ca` (`make image` passes the host's).
 # `make image` builds both with Docker or, without a Docker engine, with buildah (images/build.sh);
 # `make base-image` assembles a fallback base from Debian's packages (images/base-image.sh).
 # Checked in CI without a Docker engine: hadolint and tests/docker/ (pinned bases, non-root, exec-form
@@ -30,10 +32,9 @@ COPY crds ./crds
 COPY operator ./operator
 COPY agent ./agent
 COPY e2e ./e2e
-RUN --mount=type=cache,id=weightsync-pip,target=/root/.cache/pip,sharing=locked \
-    --mount=type=secret,id=pip_ca \
+RUN --mount=type=secret,id=pip_ca \
     if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi; \
-    pip wheel --no-deps --wheel-dir /wheels . \
+    pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
     && set -- /wheels/weightsync-*.whl && test "$#" = 1 && test -f "$1" \
     && cp constraints.txt /wheels/
 
@@ -59,10 +60,13 @@ LABEL org.opencontainers.image.title="weightsync-operator" \
 COPY --from=builder /wheels /wheels
 # The wheel is this repository's own build; every dependency is pinned by constraints.txt.
 # hadolint ignore=DL3013
-RUN --mount=type=cache,id=weightsync-pip,target=/root/.cache/pip,sharing=locked \
+RUN --mount=type=cache,id=weightsync-wheelhouse,target=/var/cache/wheelhouse,sharing=locked \
     --mount=type=secret,id=pip_ca \
     if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi; \
-    pip install --constraint /wheels/constraints.txt /wheels/weightsync-*.whl && rm -rf /wheels \
+    pip download --no-cache-dir --dest /var/cache/wheelhouse --constraint /wheels/constraints.txt \
+      /wheels/weightsync-*.whl && rm -f /var/cache/wheelhouse/weightsync-*.whl \
+    && pip install --no-cache-dir --no-index --find-links /var/cache/wheelhouse \
+      --constraint /wheels/constraints.txt /wheels/weightsync-*.whl && rm -rf /wheels \
     && mkdir -p /usr/share/weightsync && pip freeze > /usr/share/weightsync/pip-freeze.txt
 ENV PIP_NO_CACHE_DIR=1
 USER 65532:65532
@@ -74,11 +78,14 @@ LABEL org.opencontainers.image.title="weightsync-agent" \
       org.opencontainers.image.description="The weightsync agent sidecar: moves weights between trainer and inference pods."
 COPY --from=builder /wheels /wheels
 # hadolint ignore=DL3013
-RUN --mount=type=cache,id=weightsync-pip,target=/root/.cache/pip,sharing=locked \
+RUN --mount=type=cache,id=weightsync-wheelhouse,target=/var/cache/wheelhouse,sharing=locked \
     --mount=type=secret,id=pip_ca \
     set -eu; if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi; \
     wheel="$(echo /wheels/weightsync-*.whl)"; \
-    pip install --constraint /wheels/constraints.txt "${wheel}[agent,gdr]" && rm -rf /wheels \
+    pip download --no-cache-dir --dest /var/cache/wheelhouse --constraint /wheels/constraints.txt "${wheel}[agent,gdr]" \
+    && rm -f /var/cache/wheelhouse/weightsync-*.whl \
+    && pip install --no-cache-dir --no-index --find-links /var/cache/wheelhouse \
+      --constraint /wheels/constraints.txt "${wheel}[agent,gdr]" && rm -rf /wheels \
     && mkdir -p /usr/share/weightsync && pip freeze > /usr/share/weightsync/pip-freeze.txt
 ENV PIP_NO_CACHE_DIR=1
 USER 65532:65532

@@ -16,6 +16,13 @@ builder="${BUILDER:-}"
 if [ -z "$builder" ]; then
   if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then builder=docker; else builder=buildah; fi
 fi
+missing=()
+command -v "$builder" >/dev/null || missing+=("$builder")
+command -v debootstrap >/dev/null || missing+=(debootstrap)
+if [ ${#missing[@]} -gt 0 ] && [ "$builder" = buildah ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "base-image: installing ${missing[*]} from Debian's packages"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
 command -v "$builder" >/dev/null || { echo "base-image: $builder not found (apt-get install buildah)" >&2; exit 1; }
 command -v debootstrap >/dev/null || { echo "base-image: debootstrap not found (apt-get install debootstrap)" >&2; exit 1; }
 exists() {

@@ -18,10 +18,14 @@ targets="${TARGETS:-operator agent}"
 builder="${BUILDER:-}"
 if [ -z "$builder" ]; then
   if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then builder=docker
-  elif command -v buildah >/dev/null 2>&1; then builder=buildah
   else
-    echo "make image: no Docker engine answers and buildah is not installed (apt-get install buildah)" >&2
-    exit 1
+    builder=buildah
+    if ! command -v buildah >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      echo "make image: no Docker engine answers; installing buildah from Debian's packages"
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah >/dev/null
+    fi
+    command -v buildah >/dev/null 2>&1 || {
+      echo "make image: no Docker engine answers and buildah is not installed (apt-get install buildah)" >&2; exit 1; }
   fi
 fi
 pip_ca="${PIP_CA:-${PIP_CERT:-${REQUESTS_CA_BUNDLE:-}}}"
@@ -74,3 +78,8 @@ for target in $targets; do
   fi
   record "$target" "$tag" "$((SECONDS - t0))"
 done
+# The agent image is 6.5 GB: drop what earlier builds left untagged (their layer cache too; the downloads
+# stay in the wheelhouse cache mount) unless KEEP_LAYERS=1.
+if [ "$builder" = buildah ] && [ "${KEEP_LAYERS:-0}" != 1 ]; then
+  buildah rmi --prune >/dev/null 2>&1 || true
+fi

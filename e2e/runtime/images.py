@@ -277,7 +277,7 @@ class BuildahImages:
         name = f"weightsync-rt-{image_id[:12]}"
         if self._run("inspect", "--type", "container", name, check=False).returncode != 0:
             self._run("from", "--pull-never", "--name", name, ref)
-            self._containers.append(name)
+        self._containers.append(name)  # left by a runtime that died: reused, and removed by close() all the same
         rootfs = self._run("mount", name).stdout.strip()
         log.info("image mounted ref=%s id=%s rootfs=%s", ref, image_id[:12], rootfs)
         return LocalImage(ref, image_id, rootfs, config)

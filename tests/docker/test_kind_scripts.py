@@ -113,3 +113,13 @@ def test_run_e2e_selects_kind() -> None:
     text = (KIND_DIR / "run-e2e.sh").read_text()
     assert "export E2E_CLUSTER=kind" in text
     assert re.search(r"pytest\" -m \"\$\{PYTEST_MARKERS:-e2e or kind\}\" e2e/tests", text)
+
+
+@pytest.mark.parametrize("name", ["build.sh", "base-image.sh"])
+def test_image_scripts_pass_shellcheck(name: str) -> None:
+    """images/: what `make image` and `make base-image` run (built for real in CI and `make e2e-images`)."""
+    path = REPO / "images" / name
+    text = path.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n") and "\nset -euo pipefail\n" in text
+    r = run([shellcheck(), "-x", str(path)])
+    assert r.returncode == 0, r.stdout + r.stderr
