@@ -59,10 +59,10 @@ demo: setup
 ## bench: every benchmark, one JSON file each in bench/results/ (ratios against a raw reference in the same run).
 bench: setup
 	mkdir -p bench/results
-	$(VPY) -m weightsync.agent.bench --transport nccl --size-mb 1024 --json | tee bench/results/nccl.json
-	$(VPY) -m weightsync.agent.bench --transport ipc --size-mb 1024 --json | tee bench/results/ipc.json
-	$(VPY) -m weightsync.agent.bench --transport gdr --size-mb 1024 --json | tee bench/results/gdr.json
-	$(VPY) -m weightsync.agent.bench --transport gdr --size-mb 256 --iters 3 --verify --delta-fraction 0.05 --json | tee bench/results/gdr-verify-delta.json
+	$(VPY) bench/transport_ratio.py --transport nccl --size-mb 1024 --json | tee bench/results/nccl.json
+	$(VPY) bench/transport_ratio.py --transport ipc --size-mb 1024 --json | tee bench/results/ipc.json
+	$(VPY) bench/transport_ratio.py --transport gdr --size-mb 1024 --json | tee bench/results/gdr.json
+	$(VPY) bench/transport_ratio.py --transport gdr --size-mb 256 --iters 3 --verify --delta-fraction 0.05 --json | tee bench/results/gdr-verify-delta.json
 	$(VPY) bench/status_latency.py --versions 50 --pods 8 | tee bench/results/status-latency.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 64 --versions 8 | tee bench/results/agent-pipeline-nccl.json
 	$(VPY) bench/operator_scale.py --replicas 8 32 64 | tee bench/results/operator-scale.json

@@ -1,8 +1,8 @@
-"""Bench plugins (loaded by agent/bench.py): `--transport gdr`, `--verify`, `--delta-fraction F`.
+"""Bench plugins (loaded by bench/transport_ratio.py): `--transport gdr`, `--verify`, `--delta-fraction F`.
 
-    python -m weightsync.agent.bench --transport gdr --size-mb 1024 [--prefetch K] [--verify]
-    python -m weightsync.agent.bench --transport gdr --size-mb 256 --delta-fraction 0.05
-    python -m weightsync.agent.bench --transport ipc --size-mb 256 --verify
+    python bench/transport_ratio.py --transport gdr --size-mb 1024 [--prefetch K] [--verify]
+    python bench/transport_ratio.py --transport gdr --size-mb 256 --delta-fraction 0.05
+    python bench/transport_ratio.py --transport ipc --size-mb 256 --verify
 
 gdr: the agent path (plan, WeightSender -> GdrTransport -> WeightReceiver, loading every tensor) and a raw
 NIXL READ of the same bytes per (source, destinations) stream, same processes, same NIXL/UCX setup, no
@@ -29,14 +29,14 @@ import time
 from typing import Any
 
 import torch
-
-from . import bench, verify
-from .bench import BenchConfig, MiB, register_bench, register_option
-from .delta import DeltaConfig
-from .link import Mailbox
-from .plan import Box, TransferPlan, build_plan
-from .sync import WeightReceiver, WeightSender
-from .transports.gdr import Backoff, GdrTransport, NixlEndpoint, _desc, _mem_of
+import transport_ratio as bench
+from transport_ratio import BenchConfig, MiB, register_bench, register_option
+from weightsync.agent import verify
+from weightsync.agent.delta import DeltaConfig
+from weightsync.agent.link import Mailbox
+from weightsync.agent.plan import Box, TransferPlan, build_plan
+from weightsync.agent.sync import WeightReceiver, WeightSender
+from weightsync.agent.transports.gdr import Backoff, GdrTransport, NixlEndpoint, _desc, _mem_of
 
 _CHECKSUM_BENCH_BYTES = 256 * MiB
 
@@ -71,7 +71,7 @@ def _worker(cfg: BenchConfig, role: str, rank: int, port: int, out: Any) -> None
 
 
 def _run(cfg: BenchConfig, role: str, rank: int, port: int) -> dict[str, Any]:
-    from .transports.nccl import make_store
+    from weightsync.agent.transports.nccl import make_store
 
     store = make_store(bench.HOST, port, is_master=False, timeout=cfg.timeout)
     world = cfg.num_src + cfg.num_dst
@@ -255,7 +255,7 @@ def _read_streams(nx: NixlEndpoint, remotes: dict[int, tuple[str, tuple[int, int
 
 def run_gdr(cfg: BenchConfig) -> dict[str, Any]:
     """Run the GDR agent and raw NIXL phases with one process per rank; return the JSON fields."""
-    from .transports.nccl import make_store
+    from weightsync.agent.transports.nccl import make_store
 
     metas = bench.model_metas(cfg.size_mb)
     sources, needs = bench.layouts(cfg, metas)
@@ -338,7 +338,7 @@ register_bench("gdr", run_gdr)
 
 
 def _add(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("gdr / verify / delta (agent/bench_extras.py)")
+    g = p.add_argument_group("gdr / verify / delta (bench/transport_ratio_extras.py)")
     g.add_argument("--verify", action="store_true", help="verify: Checksum on the agent path; adds verify_gbps")
     g.add_argument("--delta-fraction", type=float, default=None,
                    help="gdr: change this fraction of the trainer's words per version; adds wire_fraction")

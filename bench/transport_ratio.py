@@ -1,6 +1,6 @@
 """Benchmark: N MB through the agent path and through the raw transport under it, in the same run.
 
-    python -m weightsync.agent.bench --transport {ipc,nccl} --size-mb N \
+    python bench/transport_ratio.py --transport {ipc,nccl} --size-mb N \
         [--trainer-tp A --inference-tp B] [--fsdp K] [--bucket-mb M] [--json]
 
 Every trainer and inference rank is a separate process (forkserver). The agent path is the real one:
@@ -17,8 +17,9 @@ and raw rounds alternate (after warm-up rounds that form groups and fault pages 
 from a common barrier to the last rank's end; medians are reported. The agent's result is verified
 bit for bit against the trainer's tensors. One JSON object is printed.
 
-Extensible: other modules register transports (`register_bench`) and options (`register_option`); any
-module `weightsync.agent.bench_*` is imported at start so it can do so (H7: gdr, --verify, delta).
+Extensible: other modules register transports (`register_bench`) and options (`register_option`); every
+module in PLUGINS (next to this file) is imported at start so it can do so (gdr, --verify, delta).
+Benchmark code lives in bench/, out of the product package; run it as a script (`make bench`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import pkgutil
 import queue
 import statistics
 import sys
@@ -41,13 +41,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from weightsync.agent.buckets import BucketLayout, entry_view, itemsize, to_dtype
+from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
+from weightsync.agent.link import LinkListener, Mailbox, connect
+from weightsync.agent.plan import Box, TensorShard, TransferPlan, build_plan
+from weightsync.agent.sync import SyncHooks, WeightReceiver, WeightSender
+from weightsync.agent.transports.base import Transport
 
-from .buckets import BucketLayout, entry_view, itemsize, to_dtype
-from .layout import TensorMeta, inference_layout, trainer_layout
-from .link import LinkListener, Mailbox, connect
-from .plan import Box, TensorShard, TransferPlan, build_plan
-from .sync import SyncHooks, WeightReceiver, WeightSender
-from .transports.base import Transport
+# Plugins sit next to this file; with PYTHONSAFEPATH (the Makefile's) a script's folder is not on sys.path.
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+if BENCH_DIR not in sys.path:
+    sys.path.insert(0, BENCH_DIR)
+PLUGINS = ("transport_ratio_extras",)
 
 MiB = 1 << 20
 HOST = "127.0.0.1"
@@ -105,11 +110,9 @@ def register_option(
 
 
 def load_plugins() -> None:
-    """Import every `weightsync.agent.bench_*` module so it can register transports and options."""
-    pkg = importlib.import_module("weightsync.agent")
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.name.startswith("bench_"):
-            importlib.import_module(f"weightsync.agent.{mod.name}")
+    """Import every PLUGINS module so it can register transports and options."""
+    for name in PLUGINS:
+        importlib.import_module(name)
 
 
 # -- the synthetic model ----------------------------------------------------------------------------
@@ -159,7 +162,7 @@ def _arena(layout: BucketLayout, device: str, shm_path: str | None = None) -> tu
     segment): in shared memory when `shm_path` is given. Returns (buffer, owner handle, views)."""
     owner: Any = None
     if shm_path is not None:
-        from .transports.ipc import _ShmSegment
+        from weightsync.agent.transports.ipc import _ShmSegment
 
         owner = _ShmSegment(shm_path, max(layout.nbytes, 1), create=True)
         flat = owner.tensor
@@ -202,10 +205,10 @@ def _make_transport(cfg: BenchConfig, store: Any) -> Transport:
     if cfg.transport_factory is not None:
         return cfg.transport_factory(cfg, store)
     if cfg.transport == "ipc":
-        from .transports.ipc import IpcTransport
+        from weightsync.agent.transports.ipc import IpcTransport
 
         return IpcTransport(prefix="weightsync-bench", close_each_bucket=bool(cfg.extra.get("ipc_close_each_bucket")))
-    from .transports.nccl import NcclTransport
+    from weightsync.agent.transports.nccl import NcclTransport
 
     return NcclTransport(store, host=HOST, timeout=cfg.timeout)
 
@@ -227,7 +230,7 @@ def _worker(cfg: BenchConfig, role: str, rank: int, port: int, out: Any) -> None
 
 
 def _run_worker(cfg: BenchConfig, role: str, rank: int, port: int) -> dict[str, Any]:
-    from .transports.nccl import make_store
+    from weightsync.agent.transports.nccl import make_store
 
     # One intra-op thread: copies are memory-bound, and OpenMP barriers on a busy 2-core machine cost
     # far more than they gain. (Agent processes should do the same.)
@@ -401,7 +404,7 @@ def _raw_ipc(cfg: BenchConfig, role: str, rank: int, store: Any, buf: torch.Tens
             return t0, time.time()
 
         return cuda_step, lambda: None
-    from .transports.ipc import _ShmSegment
+    from weightsync.agent.transports.ipc import _ShmSegment
 
     maps: dict[int, _ShmSegment] = {}
     if role == "src":
@@ -439,7 +442,7 @@ def _span(results: list[dict[str, Any]], key: str, i: int) -> float:
 
 def run_processes(cfg: BenchConfig) -> dict[str, Any]:
     """Run the agent and raw phases with one process per rank; return the JSON fields."""
-    from .transports.nccl import make_store
+    from weightsync.agent.transports.nccl import make_store
 
     metas = model_metas(cfg.size_mb)
     sources, needs = layouts(cfg, metas)
@@ -529,7 +532,7 @@ register_bench("nccl", run_processes)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m weightsync.agent.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python bench/transport_ratio.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--transport", required=True, help=f"one of: {', '.join(sorted(BENCHES))}")
     p.add_argument("--size-mb", type=int, default=1024, help="model size in MiB (default 1024)")
     p.add_argument("--trainer-tp", type=int, default=1)
@@ -578,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main so worker functions pickle as weightsync.agent.bench._worker.
-    from weightsync.agent.bench import main as _main
+    # Run the imported module's main so worker functions pickle as transport_ratio._worker (importable in the
+    # forkserver's children: they get this process's sys.path), not as __main__._worker.
+    from transport_ratio import main as _main
 
     sys.exit(_main())
