@@ -27,6 +27,7 @@ from weightsync.agent.groups import RoutingTransport
 from weightsync.agent.layout import LayoutError, TensorMeta, inference_layout
 from weightsync.agent.link import Link, LinkError, LinkTimeout, Mailbox, connect
 from weightsync.agent.plan import TensorShard, TransferPlan, build_plan
+from weightsync.agent.plan_cache import PLANS
 from weightsync.agent.sync import SyncStats, WeightReceiver
 from weightsync.agent.transports.base import Transport, WorldMap
 from weightsync.agent.verify import ChecksumHooks
@@ -399,7 +400,7 @@ def fetch_version(
             names.setdefault(s.name, s)
     needs = compute_needs(names, rep.world_size, rep.tensor, layout_fn)
     inputs = P.encode_plan_inputs(sources, needs, bucket_bytes)
-    plan = build_plan(sources, needs, bucket_bytes)
+    plan = PLANS.get_or_build(inputs, lambda: build_plan(sources, needs, bucket_bytes))  # once per layout
     host_of: dict[int, str] = {}
     for m in topo.trainer.pods:
         for r in m.ranks:

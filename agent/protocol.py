@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from weightsync.agent.plan import DEFAULT_ALIGNMENT, TensorShard, TransferPlan, build_plan
+from weightsync.agent.plan_cache import PLANS
 
 HELLO = "ws.hello"
 WELCOME = "ws.welcome"
@@ -89,8 +90,12 @@ def decode_plan_inputs(payload: bytes | memoryview) -> tuple[list[list[TensorSha
 
 
 def plan_from_inputs(payload: bytes | memoryview) -> TransferPlan:
-    sources, needs, bucket_bytes, alignment = decode_plan_inputs(payload)
-    return build_plan(sources, needs, bucket_bytes, alignment=alignment)
+    """The plan the destination's inputs give: built once per distinct inputs (agent/plan_cache.py)."""
+    def build() -> TransferPlan:
+        sources, needs, bucket_bytes, alignment = decode_plan_inputs(payload)
+        return build_plan(sources, needs, bucket_bytes, alignment=alignment)
+
+    return PLANS.get_or_build(payload, build)
 
 
 def require(header: Mapping[str, Any], key: str, typ: type) -> Any:
