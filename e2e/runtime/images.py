@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from weightsync.e2e.runtime.launch import Mount, sort_mounts
+from weightsync.e2e.runtime.launch import Mount, bind_lines, sort_mounts
 
 log = logging.getLogger(__name__)
 
@@ -197,17 +197,7 @@ def image_mount_script(image: LocalImage, container_dir: str, mounts: Sequence[M
     for path in HOST_FILES:
         dst = q(root + resolve_in_root(image.rootfs, path))
         lines.append(f"if [ -f {path} ]; then [ -e {dst} ] || : > {dst}; mount --bind {path} {dst}; fi")
-    for i, m in enumerate(ordered):
-        dst = q(root + resolve_in_root(image.rootfs, m.container_path))
-        if m.is_file:
-            lines.append(f"mkdir -p $(dirname {dst}); [ -e {dst} ] || : > {dst}")
-        else:
-            lines.append(f"mkdir -p {dst}")
-        lines.append(f"mount --bind --no-canonicalize /proc/self/fd/$WS_FD{i} {dst}  # {q(m.host_path)}")
-        if m.read_only:
-            lines.append(f"mount -o remount,bind,ro {dst}")
-    for i in range(len(ordered)):
-        lines.append(f"exec {{WS_FD{i}}}<&-")
+    lines += bind_lines(ordered, lambda m: root + resolve_in_root(image.rootfs, m.container_path))
     lines.append(f"mkdir -p {q(root + resolve_in_root(image.rootfs, workdir))}")
     extra = ",".join(str(g) for g in groups)
     lines.append(f"exec chroot --userspec={uid}:{gid} --groups={q(extra)} {q(root)} "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import posixpath
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 WRAPPER_NAME = "weightsync-container"
@@ -54,21 +54,29 @@ def mount_script(mounts: Sequence[Mount], workdir: str) -> str:
     lines = ["set -e"]
     for i, m in enumerate(ordered):
         lines.append(f"exec {{WS_FD{i}}}<{shlex.quote(m.host_path)}")
+    lines += bind_lines(ordered, lambda m: m.container_path)
+    lines.append(f"mkdir -p {shlex.quote(workdir)}; cd {shlex.quote(workdir)}")
+    lines.append('exec "$@"')
+    return "\n".join(lines)
+
+
+def bind_lines(ordered: Sequence[Mount], target_of: Callable[[Mount], str]) -> list[str]:
+    """Bind each volume (opened before as fd WS_FD<i>, in `ordered` order) at `target_of(mount)`, read-only
+    where asked, then close the fds. The target is where the mount point is as this shell sees it: the
+    container path in host mode, the path under the container's root in image mode."""
+    lines = []
     for i, m in enumerate(ordered):
-        dst = shlex.quote(m.container_path)
+        dst = shlex.quote(target_of(m))
         if m.is_file:
-            parent = shlex.quote(posixpath.dirname(m.container_path) or "/")
+            parent = shlex.quote(posixpath.dirname(target_of(m)) or "/")
             lines.append(f"mkdir -p {parent}; [ -e {dst} ] || : > {dst}")
         else:
             lines.append(f"mkdir -p {dst}")
         lines.append(f"mount --bind --no-canonicalize /proc/self/fd/$WS_FD{i} {dst}  # {shlex.quote(m.host_path)}")
         if m.read_only:
             lines.append(f"mount -o remount,bind,ro {dst}")
-    for i in range(len(ordered)):
-        lines.append(f"exec {{WS_FD{i}}}<&-")
-    lines.append(f"mkdir -p {shlex.quote(workdir)}; cd {shlex.quote(workdir)}")
-    lines.append('exec "$@"')
-    return "\n".join(lines)
+    lines += [f"exec {{WS_FD{i}}}<&-" for i in range(len(ordered))]
+    return lines
 
 
 def wrapper_argv(mounts: Sequence[Mount], workdir: str, argv: Sequence[str]) -> list[str]:
