@@ -218,11 +218,10 @@ def image_wrapper_argv(image: LocalImage, container_dir: str, mounts: Sequence[M
 def find_in_image(name: str, env: Mapping[str, str], workdir: str, image: LocalImage) -> str | None:
     """execvp inside the image: the path `name` resolves to, or None."""
     def ok(path: str) -> bool:
-        host = os.path.join(image.rootfs, path.lstrip("/"))
-        if os.path.islink(host):  # absolute links point inside the image
-            target = os.readlink(host)
-            host = os.path.join(image.rootfs, target.lstrip("/")) if target.startswith("/") else \
-                os.path.join(os.path.dirname(host), target)
+        try:  # the image's links (/usr/local/bin/python -> /usr/bin/python3) resolve inside the image
+            host = os.path.join(image.rootfs, resolve_in_root(image.rootfs, path).lstrip("/"))
+        except ImageError:
+            return False
         return os.path.isfile(host) and os.access(host, os.X_OK)
 
     if "/" in name:
