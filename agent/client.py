@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -262,6 +262,27 @@ def _link_lost(exc: BaseException) -> bool:
         exc, (TimeoutError, local.PeerAnswer))
 
 
+def arena_offsets(shards: Sequence[LocalShard], layout: Any, size: int) -> list[int] | None:
+    """Offsets of `shards` in the staging layout the agent asked for (its plan's buckets, so they are sent
+    straight from staging), or None when that layout does not describe exactly these tensors (first
+    version, changed model): then they are packed in order and the agent packs buckets itself."""
+    if not isinstance(layout, dict):
+        return None
+    try:
+        index = {e.name: e for e in buckets.BucketLayout.from_dict(layout).entries}
+    except (KeyError, TypeError, ValueError):
+        return None
+    if set(index) != {s.name for s in shards}:
+        return None
+    out = []
+    for s in shards:
+        e = index[s.name]
+        if e.dtype != staging.dtype_name(s.tensor.dtype) or e.shape != tuple(s.tensor.shape) or e.offset + e.nbytes > size:
+            return None
+        out.append(e.offset)
+    return out
+
+
 class TrainerSession:
     """A trainer rank's connection to its agent. Not thread-safe: one publish at a time per session.
 
@@ -348,6 +369,7 @@ class TrainerSession:
         conn = self._connection()
         reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total, "device": device})
         seg = self._segment(reply["segment"])
+        offsets = arena_offsets(shards, reply.get("layout"), seg.size) or offsets
         metas = []
         with torch.no_grad():
             for s, off, n in zip(shards, offsets, sizes, strict=True):

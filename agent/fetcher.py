@@ -28,6 +28,7 @@ from weightsync.agent.layout import LayoutError, TensorMeta, inference_layout
 from weightsync.agent.link import Link, LinkError, LinkTimeout, Mailbox, connect
 from weightsync.agent.plan import TensorShard, TransferPlan, build_plan
 from weightsync.agent.plan_cache import PLANS
+from weightsync.agent.staging import SharedSlotAllocator
 from weightsync.agent.sync import SyncStats, WeightReceiver
 from weightsync.agent.transports.base import Transport, WorldMap
 from weightsync.agent.verify import ChecksumHooks
@@ -405,6 +406,9 @@ def fetch_version(
     for m in topo.trainer.pods:
         for r in m.ranks:
             host_of[r] = m.ip or ""
+    receive_allocator = getattr(adapter, "receive_allocator", None)
+    if not isinstance(receive_allocator, SharedSlotAllocator):
+        receive_allocator = None  # only an adapter that hands shared segments to its engine has one
     links: dict[int, dict[int, Mailbox]] = {r: {} for r in my_ranks}
     all_links: list[Mailbox] = []
     hooks = {r: ChecksumHooks() if verify else None for r in my_ranks}
@@ -425,6 +429,8 @@ def fetch_version(
             for s, mb in links[r].items():
                 h, _ = mb.get(P.EPOCH, timeout=EPOCH_TIMEOUT)
                 t, _ = transport_for({**group, "epoch": str(h.get("epoch"))}, plan, f"dst{r}<-src{s}")
+                if receive_allocator is not None:
+                    t.use_allocator(receive_allocator)  # buckets land where the engine loads them from
                 by_src[s] = t
             transport = RoutingTransport(by_src)
             hook = hooks[r]

@@ -251,6 +251,7 @@ class Agent:
         self._unreachable_reported = False
         self._unreachable_message: str | None = None
         self._loading = False  # a version is being fetched and loaded (progress is reported)
+        self._engine_copied = 0  # the Custom adapter's copied_bytes already counted in the metrics
         self.pod: PodLink | None = None
 
         topo = self.watcher.current
@@ -389,10 +390,12 @@ class Agent:
             try:
                 if op == "stage":
                     t0 = time.perf_counter()
-                    seg = self.store.stage(int(h["rank"]), int(h["version"]), int(h["nbytes"]),
+                    rank, nbytes = int(h["rank"]), int(h["nbytes"])
+                    arena = self.store.arena(rank)  # lay staging out like the plan's buckets: sent without a pack
+                    seg = self.store.stage(rank, int(h["version"]), max(nbytes, arena.nbytes if arena else 0),
                                            str(h.get("device", "cpu")), session=session)
                     self._stage_t0 = t0
-                    conn.reply_ok(segment=seg.handle())
+                    conn.reply_ok(segment=seg.handle(), **({"layout": arena.to_dict()} if arena else {}))
                 elif op == "publish":
                     sv = self.store.publish(int(h["rank"]), int(h["version"]), str(h["segment"]), h.get("tensors"),
                                             dict(h.get("aliases") or {}))
@@ -419,6 +422,7 @@ class Agent:
         self.published_epoch = self.store.trainer_epoch
         self.metrics.published_version.set(sv.version)
         self.metrics.staged_bytes.inc(sv.nbytes)
+        self.metrics.copied_bytes.labels("publish").inc(sv.nbytes)
         log.info("version staged version=%s bytes=%s ranks=%s", sv.version, sv.nbytes, sorted(sv.ranks))
         if self.server is not None:
             self.server.announce(sv.version, self.published_epoch)
@@ -707,6 +711,11 @@ class Agent:
         self.metrics.verified_bytes.inc(res.verified_bytes)
         self.metrics.sync_seconds.labels(self.mode).observe(took)
         st = res.stats
+        self.metrics.copied_bytes.labels("unpack").inc(sum(x.copied_bytes for x in st))
+        engine_copied = getattr(self.adapter, "copied_bytes", None)
+        if isinstance(engine_copied, int):
+            self.metrics.copied_bytes.labels("engine_pack").inc(max(0, engine_copied - self._engine_copied))
+            self._engine_copied = engine_copied
         log.info("version committed version=%s bytes=%s wire_bytes=%s delta_buckets=%s seconds=%.3f handshake=%.3f "
                  "wait=%.3f engine_load=%.3f", version, res.bytes, wire, delta_buckets, took,
                  sum(x.handshake_seconds for x in st), sum(x.wait_seconds for x in st), sum(x.load_seconds for x in st))

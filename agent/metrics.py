@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .staging import STAGING
+
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -37,6 +39,19 @@ class AgentMetrics:
             "(0 between loads; inference)", registry=r)
         self.staged_bytes = Counter(
             "weightsync_agent_staged_bytes_total", "Bytes the local trainer published into staging", registry=r)
+        self.copied_bytes = Counter(
+            "weightsync_agent_copied_bytes_total", "Weight bytes copied in memory besides the wire and the engine's "
+            "own load, by stage: publish (trainer into staging), pack (staging into a send buffer), unpack "
+            "(receive buffer into assembled tensors), engine_pack (into the Custom engine's segment)",
+            ["stage"], registry=r)
+        self.staging_bytes = Gauge(
+            "weightsync_agent_staging_bytes", "Staging memory this agent holds now: shared segments and "
+            "transport slot buffers", registry=r)
+        self.staging_bytes.set_function(lambda: STAGING.current)
+        self.staging_peak_bytes = Gauge(
+            "weightsync_agent_staging_peak_bytes", "Most staging memory this agent held at once since it started",
+            registry=r)
+        self.staging_peak_bytes.set_function(lambda: STAGING.peak)
         self.sync_seconds = Histogram(
             "weightsync_agent_sync_seconds", "Seconds to fetch, load and commit one version (inference)",
             ["mode"], buckets=_SECONDS, registry=r)

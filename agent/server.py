@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from weightsync.agent import protocol as P
 from weightsync.agent import staging
+from weightsync.agent.buckets import SMALL_ALIGNMENT, BucketLayout
 from weightsync.agent.groups import epoch_of
 from weightsync.agent.link import AuthError, FrameError, Link, LinkError, LinkListener, LinkTimeout, Mailbox
 from weightsync.agent.metrics import AgentMetrics
@@ -93,7 +94,7 @@ def validate_metas(metas: Any, segment_size: int) -> list[dict[str, Any]]:
         names.add(shard.name)
         if n != shard.nbytes:
             raise StagingError(f"tensor {shard.name!r}: nbytes={n} but its dtype/shape need {shard.nbytes}")
-        if off < end or off + n > segment_size or off % staging.ALIGN:
+        if off < end or off + n > segment_size or off % (staging.ALIGN if n >= staging.ALIGN else SMALL_ALIGNMENT):
             raise StagingError(f"tensor {shard.name!r}: bytes [{off}, {off + n}) overlap, are unaligned or "
                                f"leave the {segment_size}-byte segment")
         end = off + n
@@ -120,6 +121,25 @@ class StagingStore:
         self.floor: int | None = None
         self._rank_sessions: dict[int, str] = {}  # rank -> the trainer session that staged its last version
         self._retired: list[StagedVersion] = []  # old-epoch versions still being read
+        # rank -> (plan hash, arena): where the last plan that read this rank wants each tensor, so the next
+        # publish lays its staging out like the buckets and they are sent from staging without a pack
+        self._arenas: dict[int, tuple[str, BucketLayout]] = {}
+
+    def prefer_arena(self, rank: int, plan: TransferPlan) -> None:
+        """Remember the source arena of `plan` for `rank` (computed once per plan)."""
+        with self._lock:
+            known = self._arenas.get(rank)
+            if known is not None and known[0] == plan.hash:
+                return
+        arena = plan.arena("src", rank)
+        with self._lock:
+            self._arenas[rank] = (plan.hash, arena)
+
+    def arena(self, rank: int) -> BucketLayout | None:
+        """The staging layout the next publish of `rank` should use (None until a plan read the rank)."""
+        with self._lock:
+            known = self._arenas.get(rank)
+            return known[1] if known is not None else None
 
     def resume(self, epoch: int, published: int | None) -> None:
         """Continue from what this pod's agent published before a restart."""
@@ -583,9 +603,13 @@ class WeightServer:
                 if mine != theirs:
                     raise StagingError(f"the destination's plan describes source rank {rdv.src} differently from "
                                        f"what was staged for version {rdv.version}")
+                self.store.prefer_arena(rdv.src, rdv.plan)
                 # transfers of different replicas run concurrently (each replica has its own groups):
                 # serialising them per agent could deadlock two trainer pods serving two replicas.
                 transport, world = self.transport_for({**rdv.group, "epoch": epoch}, rdv.plan, f"src{rdv.src}")
+                seg = rs.slot.segment
+                if isinstance(seg, staging.ShmSegment) and callable(getattr(transport, "register_shared", None)):
+                    transport.register_shared(str(seg.path), seg.tensor)  # IPC hands buckets out of staging
                 sender = WeightSender(rdv.plan, rdv.src, transport, rdv.peers, timeout=self.timeout,
                                       world=world, device=self.device,
                                       hooks=ChecksumHooks() if self.verify else None)
@@ -602,6 +626,7 @@ class WeightServer:
                 mb.close()
         took = time.perf_counter() - t0
         self.metrics.transfer_bytes.labels("sent", self.mode).inc(stats.bytes)
+        self.metrics.copied_bytes.labels("pack").inc(stats.copied_bytes)
         self.metrics.serve_seconds.labels(self.mode).observe(took)
         self.metrics.versions.labels("served").inc()
         log.info("serve.done version=%s src=%s dsts=%s bytes=%s seconds=%.3f", rdv.version, rdv.src,

@@ -18,6 +18,7 @@ import os
 import pickle
 import threading
 import uuid
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,12 +64,37 @@ def pack_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
     return offsets, max(pos, ALIGN)
 
 
+class StagingAccount:
+    """Bytes of staging memory this process holds (segments it created, transport slots), and the peak.
+
+    Why: `bucketSizeMB` is meant to bound the agent's memory; this is the figure that says whether it does
+    (the `weightsync_agent_staging_bytes` gauges and bench/agent_pipeline.py's `peak_staging_bytes`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+
+    def sub(self, nbytes: int) -> None:
+        with self._lock:
+            self.current = max(0, self.current - nbytes)
+
+
+STAGING = StagingAccount()
+
+
 class Segment:
     """A flat uint8 buffer visible to two processes. `handle()` is what the other side passes to `attach`."""
 
     name: str
     size: int
     tensor: torch.Tensor
+    owner: bool = False
 
     def handle(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -109,13 +135,18 @@ class ShmSegment(Segment):
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
-        return cls(path, size, owner=True)
+        seg = cls(path, size, owner=True)
+        STAGING.add(size)
+        return seg
 
     def handle(self) -> dict[str, Any]:
         return {"kind": "shm", "name": self.name, "size": self.size, "dir": str(self.path.parent)}
 
     def unlink(self) -> None:
         self.close()
+        SHARED.forget(self)
+        if self.owner and self.path.exists():
+            STAGING.sub(self.size)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
@@ -127,13 +158,17 @@ class CudaSegment(Segment):
         self.tensor = tensor
         self.name = name
         self.size = tensor.numel()
+        self.owner = False
 
     @classmethod
     def create(cls, size: int, prefix: str, device: str) -> CudaSegment:
         if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
             log.warning("expandable_segments is on: CUDA IPC may fail with pidfd_getfd errors (NeMo-RL #3782)")
         t = torch.empty(size, dtype=torch.uint8, device=device)
-        return cls(t, f"{prefix}-{uuid.uuid4().hex[:12]}")
+        STAGING.add(size)
+        seg = cls(t, f"{prefix}-{uuid.uuid4().hex[:12]}")
+        seg.owner = True
+        return seg
 
     def handle(self) -> dict[str, Any]:
         from torch.multiprocessing.reductions import reduce_tensor
@@ -143,7 +178,10 @@ class CudaSegment(Segment):
         return {"kind": "cuda", "name": self.name, "size": self.size, "ipc": blob}
 
     def unlink(self) -> None:
+        if self.owner and self.tensor.numel():
+            STAGING.sub(self.size)
         self.close()
+        SHARED.forget(self)
         torch.cuda.ipc_collect()
 
 
@@ -167,6 +205,113 @@ def attach_segment(handle: dict[str, Any]) -> Segment:
         rebuild, args = pickle.loads(base64.b64decode(handle["ipc"]))  # pod-local socket: same trust domain
         return CudaSegment(rebuild(*args), str(handle["name"]))
     raise ValueError(f"unknown segment kind {kind!r}")
+
+
+class MappedFile:
+    """A shared-memory file another owner created and a transport of this process mapped whole (an IPC
+    reader's view of a staging segment). Holds the transport's mapping weakly: once the transport unmaps
+    it, `tensor` is empty and nothing here keeps the memory alive."""
+
+    def __init__(self, path: str, holder: Any) -> None:
+        self.path = Path(path)
+        self.name = self.path.name
+        self._holder = weakref.ref(holder)  # an object whose `.tensor` is the mapping (None once unmapped)
+        t = holder.tensor
+        self.size = int(t.numel()) if t is not None else 0
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        holder = self._holder()
+        t = getattr(holder, "tensor", None) if holder is not None else None
+        return t if t is not None else torch.empty(0, dtype=torch.uint8)
+
+    def handle(self) -> dict[str, Any]:
+        return {"kind": "shm", "name": self.name, "size": self.size, "dir": str(self.path.parent)}
+
+
+class SharedSegments:
+    """Memory of this process that another local process can map (segments it created, files a transport
+    mapped), found by address.
+
+    Why: a tensor that already lies in such memory (a receive slot, a staged version) can be handed to a
+    Custom engine as (segment handle, offset) instead of being copied into the engine's segment. Names of
+    entries that went away are kept (bounded) until `take_gone()`, so the engine can unmap them too."""
+
+    GONE_MAX = 1024
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._segs: dict[str, Segment | MappedFile] = {}
+        self._gone: list[str] = []
+
+    def add(self, seg: Segment | MappedFile) -> None:
+        with self._lock:
+            self._segs[seg.name] = seg
+
+    def forget(self, seg: Segment | MappedFile | str) -> None:
+        name = seg if isinstance(seg, str) else seg.name
+        with self._lock:
+            if self._segs.pop(name, None) is not None:
+                self._gone = [*self._gone[-(self.GONE_MAX - 1):], name]
+
+    def take_gone(self) -> list[str]:
+        """Names that left the registry since the last call."""
+        with self._lock:
+            gone, self._gone = self._gone, []
+        return gone
+
+    def locate(self, t: torch.Tensor) -> tuple[Segment | MappedFile, int] | None:
+        """(segment, byte offset) of a contiguous tensor lying wholly inside shared memory, else None."""
+        if not t.is_contiguous() or not t.numel():
+            return None
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        with self._lock:
+            segs = list(self._segs.values())
+        for seg in segs:
+            base = seg.tensor
+            if not base.numel() or base.device != t.device:
+                continue
+            start = base.data_ptr()
+            if start <= lo and hi <= start + seg.size:
+                return seg, lo - start
+        return None
+
+
+SHARED = SharedSegments()
+
+
+class SharedSlotAllocator:
+    """Transport slot buffers in shared segments, for an adapter that hands them to a local engine process.
+
+    A transport calls it like `buckets.allocate(nbytes, device)`. When a slot buffer is dropped (the
+    transport rebinds or closes), its segment is queued; `reap()` hands the queued segments back so the
+    owner can tell the engine to unmap them before unlinking (never while a view is alive)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._lock = threading.Lock()
+        self._dead: list[Segment] = []
+        self.segments = 0
+
+    def __call__(self, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        seg = create_segment(nbytes, self.prefix, str(torch.device(device)))
+        SHARED.add(seg)
+        view = seg.tensor[:nbytes]
+        weakref.finalize(view, self._died, seg)
+        with self._lock:
+            self.segments += 1
+        return view
+
+    def _died(self, seg: Segment) -> None:
+        with self._lock:
+            self._dead.append(seg)
+            self.segments -= 1
+
+    def reap(self) -> list[Segment]:
+        with self._lock:
+            dead, self._dead = self._dead, []
+        return dead
 
 
 def cleanup_stale(prefix: str) -> int:

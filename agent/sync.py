@@ -117,6 +117,7 @@ class SyncStats:
     load_seconds: float = 0.0
     tensors: int = 0
     direct_buckets: int = 0  # buckets moved without a pack (sender) or unpack copy (receiver)
+    copied_bytes: int = 0  # bytes this endpoint copied besides the wire (sender: packs; receiver: unpacks)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -292,8 +293,8 @@ class WeightSender(_Endpoint):
             cls = PeerFailed if isinstance(exc, (LinkError, TransportError)) else SyncError
             raise cls(msg) from exc
         stats.seconds = time.perf_counter() - t0
-        log.info("sync.sent version=%s endpoint=%s buckets=%s bytes=%s seconds=%.3f", version, self.me,
-                 stats.buckets, stats.bytes, stats.seconds)
+        log.info("sync.sent version=%s endpoint=%s buckets=%s direct=%s bytes=%s copied_bytes=%s seconds=%.3f", version,
+                 self.me, stats.buckets, stats.direct_buckets, stats.bytes, stats.copied_bytes, stats.seconds)
         return stats
 
     def _handshake(self, version: int) -> None:
@@ -352,6 +353,7 @@ class WeightSender(_Endpoint):
             buf = self.transport.send_buffer(slot)
             for e, region in zip(bucket.entries, regions, strict=True):
                 entry_view(buf, e.bucket_entry).copy_(region)
+                stats.copied_bytes += e.piece.nbytes
             del regions
             meta = self.hooks.on_send_bucket(version, bucket, buf[: bucket.nbytes])
             stats.pack_seconds += time.perf_counter() - tp
@@ -483,8 +485,8 @@ class WeightReceiver(_Endpoint):
             cls = PeerFailed if isinstance(exc, (LinkError, TransportError)) else SyncError
             raise cls(msg) from exc
         stats.seconds = time.perf_counter() - t0
-        log.info("sync.received version=%s endpoint=%s buckets=%s bytes=%s seconds=%.3f", version, self.me,
-                 stats.buckets, stats.bytes, stats.seconds)
+        log.info("sync.received version=%s endpoint=%s buckets=%s direct=%s bytes=%s copied_bytes=%s seconds=%.3f",
+                 version, self.me, stats.buckets, stats.direct_buckets, stats.bytes, stats.copied_bytes, stats.seconds)
         return stats
 
     def _handshake(self, expected_version: int | None) -> tuple[int, bool]:
@@ -574,7 +576,8 @@ class WeightReceiver(_Endpoint):
                 meta = h.get("meta")
             stats.wait_seconds += time.perf_counter() - tw
             tl = time.perf_counter()
-            self._consume(version, bucket, data, meta, remaining, on_bucket, into, slot < 0, target)
+            stats.copied_bytes += self._consume(version, bucket, data, meta, remaining, on_bucket, into, slot < 0,
+                                                target)
             del data, target  # every view of the bucket must be gone before the transport releases it
             stats.load_seconds += time.perf_counter() - tl
             self.transport.release_recv(bucket, slot)
@@ -601,11 +604,14 @@ class WeightReceiver(_Endpoint):
         into: Mapping[str, torch.Tensor] | None,
         direct: bool,
         target: torch.Tensor | None = None,
-    ) -> None:
-        """Verify, unpack (views), assemble split tensors and hand complete ones to `on_bucket`."""
+    ) -> int:
+        """Verify, unpack (views), assemble split tensors and hand complete ones to `on_bucket`. Returns the
+        bytes copied on the way (0 when the bucket is handed on where it landed)."""
         self.hooks.on_recv_bucket(version, bucket, data, meta)
+        copied = 0
         if target is not None and not direct:
             target.copy_(data)  # one memcpy for the whole bucket instead of one per tensor
+            copied += bucket.nbytes
             direct = True
         ready: NamedTensors = []
         for e in bucket.entries:
@@ -615,6 +621,7 @@ class WeightReceiver(_Endpoint):
             if into is not None:
                 if not direct:
                     into[p.name][p.box.slices_within(need.box)].copy_(entry_view(data, e.bucket_entry))
+                    copied += p.nbytes
                 if remaining[p.name] == 0:
                     ready.append((p.name, into[p.name]))
                 continue
@@ -624,7 +631,9 @@ class WeightReceiver(_Endpoint):
                 continue
             asm = self._assembly_buffer(p.name)
             asm[p.box.slices_within(need.box)].copy_(view)
+            copied += p.nbytes
             if remaining[p.name] == 0:
                 ready.append((p.name, asm))
         if ready and on_bucket is not None:
             on_bucket(ready)
+        return copied

@@ -1,8 +1,12 @@
 """The Custom engine adapter: forwards every engine operation to the app's InferenceSession.
 
 The app connects to the agent's Unix socket (agent/local.py) and says hello as `inference`; the agent
-registers that connection in an `AppRegistry`. Buckets are packed into one reusable staging segment and
-only their index travels over the socket, so one bucket costs one copy and one round trip.
+registers that connection in an `AppRegistry`. Only a bucket's index travels over the socket (one round
+trip per bucket); its bytes are in shared memory the app maps:
+* zero copy: the agent's transports receive into shared segments (`receive_allocator`), so a bucket
+  that arrived whole is handed over where it landed, as (segment, offsets);
+* otherwise (tensors assembled from pieces, aliases) the bucket is packed into one reusable segment:
+  one copy, counted in `copied_bytes`.
 """
 
 from __future__ import annotations
@@ -76,6 +80,10 @@ class CustomEngineAdapter:
         self.device = device
         self._segment: staging.Segment | None = None
         self._version: int | None = None
+        #: transports of this agent receive into these shared segments (see fetcher.fetch_version)
+        self.receive_allocator = staging.SharedSlotAllocator(f"{prefix}-recv")
+        self.copied_bytes = 0  # bytes packed into the engine segment (not handed over in place)
+        self.shared_bytes = 0  # bytes handed over where the transport received them
 
     def _request(self, rank: int, header: dict[str, Any]) -> dict[str, Any]:
         conn = self.registry.wait(rank, self.connect_timeout)
@@ -117,13 +125,57 @@ class CustomEngineAdapter:
         self._segment = staging.create_segment(nbytes, f"{self.prefix}-engine", self.device)
         return self._segment
 
+    def _release_dead_segments(self) -> None:
+        """Shared memory that went away (receive segments a transport dropped, files an IPC reader unmapped):
+        the app unmaps it first, then owned segments are unlinked."""
+        dead = self.receive_allocator.reap()
+        names = {seg.name for seg in dead} | set(staging.SHARED.take_gone())
+        for name in sorted(names):
+            for r in self.registry.connected():
+                try:
+                    self._request(r, {"op": "release", "name": name})
+                except EngineError as exc:
+                    log.info("release of segment %s by rank %s failed: %s", name, r, exc)
+        for seg in dead:
+            seg.unlink()
+
+    @staticmethod
+    def in_place(tensors: NamedTensors) -> tuple[staging.Segment | staging.MappedFile, buckets.BucketLayout] | None:
+        """(segment, index at the tensors' own offsets) when every tensor already lies, contiguous and
+        without overlap, in one shared segment the app can map; None otherwise."""
+        seg: staging.Segment | staging.MappedFile | None = None
+        entries = []
+        for name, t in tensors:
+            found = staging.SHARED.locate(t)
+            if found is None or (seg is not None and found[0] is not seg):
+                return None
+            seg = found[0]
+            entries.append(buckets.BucketEntry(name, buckets.dtype_name(t.dtype), tuple(t.shape), found[1]))
+        if seg is None:
+            return None
+        entries.sort(key=lambda e: e.offset)
+        layout = buckets.BucketLayout(tuple(entries), max(e.offset + e.nbytes for e in entries), 1)
+        try:
+            layout.validate()  # aliases (one tensor under two names) overlap: those are packed instead
+        except buckets.BucketError:
+            return None
+        return seg, layout
+
     def load_bucket(self, tensors: NamedTensors) -> None:
         if self._version is None:
             raise EngineError("load_bucket called before begin_update")
-        layout = buckets.BucketLayout.build((n, t.dtype, t.shape) for n, t in tensors)
-        seg = self._ensure_segment(layout.nbytes)
-        with torch.no_grad():
-            buckets.pack(seg.tensor, layout, [t for _, t in tensors])
+        self._release_dead_segments()
+        found = self.in_place(tensors)
+        seg: staging.Segment | staging.MappedFile
+        if found is not None:
+            seg, layout = found
+            self.shared_bytes += sum(e.nbytes for e in layout.entries)
+        else:
+            layout = buckets.BucketLayout.build((n, t.dtype, t.shape) for n, t in tensors)
+            seg = self._ensure_segment(layout.nbytes)
+            with torch.no_grad():
+                buckets.pack(seg.tensor, layout, [t for _, t in tensors])
+            self.copied_bytes += sum(e.nbytes for e in layout.entries)
         if seg.tensor.is_cuda:
             torch.cuda.synchronize(seg.tensor.device)
         self._request(self.rank, {"op": "bucket", "version": self._version, "segment": seg.handle(),
@@ -156,6 +208,8 @@ class CustomEngineAdapter:
         return True
 
     def close(self) -> None:
+        for seg in self.receive_allocator.reap():
+            seg.unlink()
         if self._segment is not None:
             self._segment.unlink()
             self._segment = None

@@ -192,6 +192,12 @@ class Transport(ABC):
         caller then receives into a slot and copies. `release_recv` is still called afterwards."""
         return None
 
+    def use_allocator(self, alloc: Callable[[int, torch.device], torch.Tensor]) -> bool:
+        """Take slot buffers from `alloc(nbytes, device)` from the next bind on (e.g. shared segments a
+        local engine maps, so a received bucket is loaded without a copy). False where this transport's
+        buffers cannot come from elsewhere (the caller then copies as usual)."""
+        return False
+
     def abort(self, reason: str) -> None:  # noqa: B027 - optional hook
         """Best effort after a failure: unblock pending operations, release peer resources."""
 

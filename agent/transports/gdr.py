@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -353,6 +353,7 @@ class GdrTransport(Transport):
         self._store_views: dict[int, torch.Tensor] = {}
         self._rreg: Any = None
         self._rkey: tuple[str, str] | None = None
+        self._alloc: Callable[[int, torch.device], torch.Tensor] | None = None  # receive buffers (use_allocator)
         self._pending_ids: dict[int, int | None] = {}
         self._targets: dict[int, tuple[torch.Tensor, tuple[int, int, int]]] = {}  # index -> (target, remote)
         self._remote_mem: dict[int, tuple[str, str]] = {}  # index -> (remote agent, remote mem type)
@@ -541,7 +542,7 @@ class GdrTransport(Transport):
                 for b in mine:
                     offsets[b.index] = total
                     total += (b.nbytes + 255) // 256 * 256
-                self._store = allocate(max(total, 1), ctx.device, pin_memory=pin)
+                self._store = self._recv_buffer(max(total, 1), ctx.device, pin)
                 for b in mine:
                     view = self._store[offsets[b.index] : offsets[b.index] + b.nbytes]
                     self._store_views[b.index] = view
@@ -552,7 +553,7 @@ class GdrTransport(Transport):
                 self._rslots = []
                 regs = [self._store, *self._rdslots]
             else:
-                self._rslots = [allocate(max(size, 1), ctx.device, pin_memory=pin) for _ in range(self.num_slots)]
+                self._rslots = [self._recv_buffer(max(size, 1), ctx.device, pin) for _ in range(self.num_slots)]
                 self._store = None
                 regs = list(self._rslots)
             self._rreg = self.nixl.register(regs)
@@ -568,6 +569,20 @@ class GdrTransport(Transport):
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(target=self._work, name=f"gdr-prefetch-{ctx.me}", daemon=True)
             self._worker.start()
+
+    def _recv_buffer(self, nbytes: int, device: torch.device, pin: bool) -> torch.Tensor:
+        """A buffer buckets are READ into and handed on from: the allocator's (shared with the engine), or
+        private (pinned host memory when CUDA exists)."""
+        if self._alloc is not None:
+            return self._alloc(nbytes, device)
+        return allocate(nbytes, device, pin_memory=pin)
+
+    def use_allocator(self, alloc: Callable[[int, torch.device], torch.Tensor]) -> bool:
+        """Receive buffers from `alloc` from the next bind on (they are registered with NIXL as usual)."""
+        if alloc is not self._alloc:
+            self._alloc = alloc
+            self._rkey = None  # re-register at the next bind
+        return True
 
     def _get(
         self, mb: Mailbox, kind: str, match: dict[str, Any] | None, timeout: float, what: str

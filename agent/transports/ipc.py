@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..plan import BucketPlan
+from ..staging import SHARED, MappedFile
 from .base import Endpoint, Pending, Transport, TransportContext, TransportError, dst, register, src
 
 log = logging.getLogger(__name__)
@@ -241,7 +242,10 @@ class IpcTransport(Transport):
 
     def register_shared(self, path: str, mapping: torch.Tensor) -> None:
         """Declare that `mapping` (1-d uint8) is the whole of shared-memory file `path` (e.g. a staging
-        segment the trainer wrote into), so buckets laid out inside it are handed out without a pack."""
+        segment the trainer wrote into), so buckets laid out inside it are handed out without a pack.
+        Registering a path again replaces its mapping; segments whose file is gone are forgotten (their
+        memory is not kept alive here)."""
+        self._shared = [(p, m) for p, m in self._shared if p != path and os.path.exists(p)]
         self._shared.append((path, mapping))
 
     def _free_send(self, i: int) -> None:
@@ -323,6 +327,7 @@ class IpcTransport(Transport):
             torch.UntypedStorage._release_ipc_counter(
                 base64.b64decode(handle["ref_handle"]), int(handle["ref_offset"]), device=self._ctx.device)
         if mapped is None:
+            self._forget_unlinked()
             if kind == "shm":
                 path = str(handle.get("path", ""))
                 name = os.path.basename(path)
@@ -330,6 +335,8 @@ class IpcTransport(Transport):
                     raise TransportError(f"refusing shared memory path {path!r}: not {self.shm_dir}/"
                                          f"{{{','.join(self.accept_prefixes)}}}-*")
                 mapped = _ShmSegment(path, size, create=False, offset=map_offset)
+                if map_offset == 0:
+                    SHARED.add(MappedFile(path, mapped))  # a Custom engine can load from it in place
             elif kind == "cuda":
                 if self._ctx.device.type != "cuda":
                     raise TransportError("got a CUDA IPC handle but this receiver's device is CPU")
@@ -372,8 +379,17 @@ class IpcTransport(Transport):
                     torch.cuda.ipc_collect()
         self._peer(src(bucket.src)).send("ipc.release", index=bucket.index, version=self._version)
 
+    def _forget_unlinked(self) -> None:
+        """Unmap shared-memory files their owner unlinked (e.g. a staging segment it replaced), unless lent:
+        a mapping kept for reuse must not keep freed memory alive."""
+        lent = set(self._lent.values())
+        for ident, mapped in list(self._maps.items()):
+            if ident not in lent and isinstance(mapped, _ShmSegment) and not os.path.exists(mapped.path):
+                self._close_map(self._maps.pop(ident))
+
     def _close_map(self, mapped: _ShmSegment | torch.Tensor) -> None:
         if isinstance(mapped, _ShmSegment):
+            SHARED.forget(os.path.basename(mapped.path))
             with contextlib.suppress(TransportError):
                 mapped.close()
 

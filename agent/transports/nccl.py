@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from ..buckets import allocate
 from ..plan import BucketPlan
+from ..staging import STAGING
 from .base import Endpoint, Pending, Transport, TransportContext, TransportError, register
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,9 @@ class NcclTransport(Transport):
         self._groups: dict[GroupKey, Any] = {}
         self._incarnation: dict[GroupKey, int] = {}
         self._slots: list[torch.Tensor | None] = [None] * self.num_slots
+        self._private = [False] * self.num_slots  # slot made by this transport (counted in STAGING here)
+        self._need = 1  # bytes of a slot for the bound plan
+        self._alloc: Callable[[int, torch.device], torch.Tensor] | None = None  # None: private buffers
         self._ctx: TransportContext | None = None
         self._inflight: set[_WorkPending] = set()
 
@@ -140,22 +145,45 @@ class NcclTransport(Transport):
                         f"could not form the {self.backend} group src{key[0]}->dst{list(key[1])} within "
                         f"{self.timeout:.0f}s: {exc} (is every member agent up and reachable?)"
                     ) from exc
-        need = max((b.nbytes for b in mine), default=0)
+        self._need = max(1, max((b.nbytes for b in mine), default=0))
         for i, buf in enumerate(self._slots):
-            if buf is None or buf.numel() < need or buf.device != ctx.device:
-                self._slots[i] = allocate(max(need, 1), ctx.device)
+            if buf is not None and (buf.numel() < self._need or buf.device != ctx.device):
+                self._set_slot(i, None)  # made again at first use: a sender that only sends in place needs none
+
+    def _buffer(self, slot: int) -> torch.Tensor:
+        if self._ctx is None:
+            raise TransportError("transport used before bind()")
+        buf = self._slots[slot]
+        if buf is None:
+            if self._alloc is not None:  # its segments are counted where they are made
+                buf = self._alloc(self._need, self._ctx.device)
+                self._set_slot(slot, buf, private=False)
+            else:
+                buf = allocate(self._need, self._ctx.device)
+                self._set_slot(slot, buf, private=True)
+        return buf
+
+    def _set_slot(self, i: int, buf: torch.Tensor | None, *, private: bool = False) -> None:
+        old = self._slots[i]
+        if old is not None and self._private[i]:
+            STAGING.sub(old.numel())
+        self._slots[i], self._private[i] = buf, private
+        if buf is not None and private:
+            STAGING.add(buf.numel())
+
+    def use_allocator(self, alloc: Callable[[int, torch.device], torch.Tensor]) -> bool:
+        """Slot buffers from `alloc` from the next bind on; buffers made otherwise are replaced then."""
+        if alloc is not self._alloc:
+            self._alloc = alloc
+            for i in range(self.num_slots):
+                self._set_slot(i, None)
+        return True
 
     def _slot(self, slot: int, nbytes: int) -> torch.Tensor:
-        buf = self._slots[slot]
-        if buf is None:
-            raise TransportError("transport used before bind()")
-        return buf[:nbytes]
+        return self._buffer(slot)[:nbytes]
 
     def send_buffer(self, slot: int) -> torch.Tensor:
-        buf = self._slots[slot]
-        if buf is None:
-            raise TransportError("transport used before bind()")
-        return buf
+        return self._buffer(slot)
 
     def _start(self, bucket: BucketPlan, slot: int, sending: bool, buf: torch.Tensor | None = None) -> _WorkPending:
         assert self._ctx is not None
@@ -230,7 +258,8 @@ class NcclTransport(Transport):
             except Exception:
                 log.debug("nccl.shutdown_failed", exc_info=True)
         self._groups.clear()
-        self._slots = [None] * self.num_slots
+        for i in range(self.num_slots):
+            self._set_slot(i, None)
         if self._owned is not None and hasattr(self._owned, "close"):
             self._owned.close()
 
