@@ -1,231 +1,406 @@
 """Agent pipeline benchmark: publish -> stage -> transfer -> engine load -> commit, through real processes.
 
-    .venv/bin/python bench/agent_pipeline.py --mode nccl --size-mb 64 --versions 5 > bench/results/agent-pipeline-nccl.json
-    .venv/bin/python bench/agent_pipeline.py --mode ipc  --size-mb 64 --versions 5 > bench/results/agent-pipeline-ipc.json
+    .venv/bin/python bench/agent_pipeline.py --mode {nccl,ipc,gdr} --size-mb N \
+        [--fsdp A --inference-tp B] [--bucket-mb M] [--versions V] --json
 
-What runs: a trainer app (TrainerSession), its agent, an inference agent and a Custom engine app
-(InferenceSession), each its own process on its own loopback IP (separated, NCCL over gloo), or one
-colocated agent between the two apps (IPC over POSIX shared memory). No Kubernetes (the agents follow the
-trainer's announcements). The trainer publishes version v+1 only after the engine committed v, so every
-version is measured alone.
+What runs is what a pod runs: `--fsdp A` trainer processes (TrainerSession, each publishing its FSDP
+Shard(0) chunk of a Llama-shaped bf16 model), their agent, an inference agent and `--inference-tp B`
+Custom engine processes (InferenceSession, each loading its TP shard), every agent and app its own
+process on its own loopback "pod" address (separated pods: NCCL over gloo, or GDR over NIXL/UCX), or one
+colocated pod (IPC over POSIX shared memory, A == B). No Kubernetes: the agents follow the trainer's
+announcements. The trainers publish version v+1 only after every engine rank committed v, so every version
+is measured alone.
 
-Per version: `publish_s` (TrainerSession.publish: the copy into staging + the agent's ack, i.e. how long
-training is held), `commit_latency_s` (publish returned -> engine commit callback), `end_to_end_s`
-(publish called -> commit), and the effective rate size / end_to_end. The last version's bytes are checked
-bit for bit (sha256 of every tensor on both sides). NCCL mode then measures, in the same run and between
-the same two pod addresses, the raw transport the product uses (a gloo group, the same bytes in the same
-bucket sizes, real processes): `raw_s_p50` and `ratio` = raw / product (1.0: no overhead over the wire).
+Then, in the same run and between the same pods, the raw transport with the same bytes in the same bucket
+sizes: gloo send/recv (nccl), NIXL READ (gdr), and for ipc a writer process copying into a shared-memory
+file and a reader process copying it out (the two copies any hand-off through shared memory needs).
+
+JSON fields (steady state: version 1 excluded, it forms groups, faults pages in and learns the layout):
+  end_to_end_s       p50 of first publish call -> last engine rank committed
+  trainer_blocked_s  p50 of the longest TrainerSession.publish (how long training is held)
+  raw_s, ratio       the raw transport's p50 seconds and raw / end_to_end (1.0: the product adds nothing)
+  copies_per_byte    bytes copied in memory besides the wire and the engine's own load, per model byte and
+                     version, counted by the agents (weightsync_agent_copied_bytes_total, all stages)
+  peak_staging_bytes the agents' staging memory high-water mark (weightsync_agent_staging_peak_bytes)
+  bit_exact          every engine rank's tensors equal the trainer's last version, byte for byte
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "agent_process"))
+BENCH_DIR = Path(__file__).resolve().parent
+for _p in (BENCH_DIR, REPO / "tests" / "agent_process"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+MiB = 1 << 20
+RAW_ITERS = 3
 
 
-def _tensors(size_mb: int, count: int) -> dict[str, torch.Tensor]:
-    per = max(1, (size_mb << 20) // 4 // count)
-    g = torch.Generator().manual_seed(0)
-    return {f"layers.{i}.weight": torch.randn(per, generator=g) for i in range(count)}
+# -- the model ------------------------------------------------------------------------------------------
+def model(size_mb: int) -> list[Any]:
+    from transport_ratio import model_metas
+
+    return model_metas(size_mb)
 
 
-def _commits(path: Path) -> dict[int, float]:
+def full_tensor(meta: Any) -> torch.Tensor:
+    """The trainer's full tensor before version 1 (a cheap deterministic byte pattern)."""
+    from transport_ratio import _pattern, synth_full
+
+    return synth_full(_pattern(), meta.name, meta.dtype, meta.shape)
+
+
+def advance(t: torch.Tensor, versions: int = 1) -> None:
+    """What one training step does to a tensor here: every 16-bit word + 1 (exact, wraps)."""
+    t.view(torch.int16).add_(versions)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
-        return {}
-    out = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            d = json.loads(line)
-            out[int(d["version"])] = float(d["t"])
-    return out
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_trainer(size_mb: int, count: int, versions: int, log: Path, commits: Path) -> None:
-    from weightsync.agent.client import TrainerSession, checksums
+def _committed(run: Path, version: int, ranks: int) -> bool:
+    return len({d["rank"] for d in _read_jsonl(run / "commits.jsonl") if d["version"] == version}) >= ranks
 
-    weights = _tensors(size_mb, count)
-    with TrainerSession() as s, log.open("a") as fh:
+
+# -- app processes -------------------------------------------------------------------------------------
+def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int) -> None:
+    from weightsync.agent.client import TensorShard, TrainerSession
+    from weightsync.agent.layout import trainer_layout
+    from weightsync.agent.plan import Box
+
+    metas = model(size_mb)
+    weights: dict[str, Any] = {}
+    for s in trainer_layout(metas, fsdp_size=fsdp, fsdp_rank=rank):
+        meta = next(m for m in metas if m.name == s.name)
+        local = full_tensor(meta)[s.box.slices_within(Box.full(s.global_shape))].clone()
+        weights[s.name] = TensorShard(local, s.global_shape, s.box.offset)
+    with TrainerSession(rank=rank) as session, (run / f"trainer-{rank}.jsonl").open("a") as fh:
         for v in range(1, versions + 1):
-            for t in weights.values():
-                t.add_(1.0)
+            while not (run / f"go-{v}").exists():
+                time.sleep(0.002)
+            for w in weights.values():
+                advance(w.tensor)
             t0 = time.time()
-            s.publish(weights, v)
-            t1 = time.time()
-            sums = checksums(weights.items()) if v == versions else None
-            fh.write(json.dumps({"version": v, "t_start": t0, "t_published": t1, "checksums": sums}) + "\n")
+            session.publish(weights, v)
+            fh.write(json.dumps({"rank": rank, "version": v, "t_start": t0, "t_published": time.time()}) + "\n")
             fh.flush()
-            deadline = time.time() + 300
-            while v not in _commits(commits) and time.time() < deadline:
-                time.sleep(0.005)
     threading.Event().wait()
 
 
-def run_engine(size_mb: int, count: int, versions: int, out: Path) -> None:
-    from weightsync.agent.client import InferenceSession, checksums
+def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int) -> None:
+    from weightsync.agent.client import InferenceSession
+    from weightsync.agent.layout import inference_layout
+    from weightsync.agent.plan import Box
 
-    params = {n: torch.empty_like(t) for n, t in _tensors(size_mb, count).items()}
+    metas = model(size_mb)
+    needs = inference_layout(metas, tp, rank)
+    params = {s.name: torch.empty(s.box.shape, dtype=getattr(torch, s.dtype)) for s in needs}
 
     def on_bucket(version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         for n, t in tensors:
-            params[n].copy_(t)
+            params[n].copy_(t)  # the engine's own load
 
     def on_commit(version: int) -> None:
         t = time.time()
-        if version == versions:  # written before the commit line the parent waits for
-            (out.parent / f"engine-sums-{version}.json").write_text(json.dumps(checksums(params.items())))
-        with out.open("a") as fh:
-            fh.write(json.dumps({"version": version, "t": t}) + "\n")
+        if version == versions:  # checked before the commit line the parent waits for
+            bad = []
+            for s in needs:
+                want = full_tensor(next(m for m in metas if m.name == s.name))[s.box.slices_within(
+                    Box.full(s.global_shape))].clone()
+                advance(want, versions)
+                if not torch.equal(want.view(torch.int16), params[s.name].view(torch.int16)):
+                    bad.append(s.name)
+            (run / f"exact-{rank}.json").write_text(json.dumps({"bit_exact": not bad, "mismatched": bad[:5],
+                                                                "tensors": len(needs)}))
+        with (run / "commits.jsonl").open("a") as fh:
+            fh.write(json.dumps({"rank": rank, "version": version, "t": t}) + "\n")
 
-    InferenceSession(on_bucket, on_commit).start()
+    InferenceSession(on_bucket, on_commit, rank=rank).start()
     threading.Event().wait()
 
 
-def run_raw(rank: int, ip: str, store_host: str, store_port: int, size_mb: int, bucket_mb: int, iters: int,
-            out: Path) -> None:
-    """The raw transport the NCCL-mode product path uses: a gloo group between the two pods' addresses,
-    rank 0 sending the same bytes in the same bucket sizes to rank 1; rank 1 writes each iteration's time."""
-    import datetime
-
+# -- raw transports --------------------------------------------------------------------------------------
+def _store(addr: str, rank: int) -> Any:
     import torch.distributed as dist
 
-    store = dist.TCPStore(store_host, store_port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))
+    host, port = addr.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), 2, rank == 0, timeout=datetime.timedelta(seconds=120))
+
+
+def _chunks(total: int, step: int) -> list[tuple[int, int]]:
+    return [(o, min(step, total - o)) for o in range(0, total, step)]
+
+
+def _barrier(store: Any, name: str) -> None:
+    if store.add(name, 1) == 2:
+        store.set(f"{name}/go", "1")
+    store.wait([f"{name}/go"])
+
+
+def run_raw(kind: str, rank: int, ip: str, store_addr: str, nbytes: int, bucket: int, iters: int, out: Path) -> None:
+    """Rank 0 (trainer pod) -> rank 1 (inference pod): `nbytes` in `bucket`-sized pieces, `iters` timed
+    rounds after one warm-up; rank 1 writes the seconds of each round."""
+    store = _store(store_addr, rank)
+    times = {"nccl": _raw_gloo, "gdr": _raw_nixl, "ipc": _raw_shm}[kind](store, rank, ip, nbytes, bucket, iters, out)
+    if rank == 1:
+        out.write_text(json.dumps(times))
+    _barrier(store, "raw-end")
+
+
+def _raw_gloo(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path) -> list[float]:
+    import torch.distributed as dist
+
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
     opts._timeout = datetime.timedelta(seconds=120)
     pg = dist.ProcessGroupGloo(store, rank, 2, opts)
-    total, step = size_mb << 20, bucket_mb << 20
-    bufs = [torch.ones(min(step, total - o), dtype=torch.uint8) for o in range(0, total, step)]
+    bufs = [torch.ones(n, dtype=torch.uint8) for _, n in _chunks(nbytes, bucket)]
     times = []
-    for _ in range(iters + 1):  # the first one warms the connections up
+    for _ in range(iters + 1):
         pg.barrier().wait()
         t0 = time.perf_counter()
         for b in bufs:
             (pg.send([b], 1, 0) if rank == 0 else pg.recv([b], 0, 0)).wait()
         times.append(time.perf_counter() - t0)
-    if rank == 1:
-        out.write_text(json.dumps(times[1:]))
-    pg.barrier().wait()
+    return times[1:]
 
 
-def raw_reference(c: Any, t: Any, i: Any, size_mb: int, bucket_mb: int, iters: int) -> list[float]:
-    """Seconds per iteration of the raw gloo transfer between the same two pod addresses (real processes)."""
-    from weightsync.e2e.procs import free_port
+def _raw_shm(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path) -> list[float]:
+    """Writer copies each bucket into a shared-memory file, the reader (own mapping, own process) copies
+    it out: two slots, like a double-buffered hand-off."""
+    path = out.with_name("raw-shm")
+    if rank == 0:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 2 * bucket)
+        os.close(fd)
+    _barrier(store, "shm-made")
+    shm = torch.from_file(str(path), shared=True, size=2 * bucket, dtype=torch.uint8)
+    mine = torch.ones(nbytes, dtype=torch.uint8)
+    chunks = _chunks(nbytes, bucket)
+    times = []
+    for i in range(iters + 1):
+        _barrier(store, f"it{i}")
+        t0 = time.perf_counter()
+        for k, (o, n) in enumerate(chunks):
+            slot = shm[(k % 2) * bucket:(k % 2) * bucket + n]
+            if rank == 0:
+                if k >= 2:
+                    store.wait([f"r{i}/{k - 2}"])
+                slot.copy_(mine[o:o + n])
+                store.set(f"w{i}/{k}", "1")
+            else:
+                store.wait([f"w{i}/{k}"])
+                mine[o:o + n].copy_(slot)
+                store.set(f"r{i}/{k}", "1")
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        _barrier(store, "shm-done")
+        path.unlink()
+    else:
+        _barrier(store, "shm-done")
+    return times[1:]
 
-    me, out, port = str(Path(__file__).resolve()), c.root / "raw.json", free_port(t.ip)
-    procs = [c.spawn(pod, f"raw{rank}", [sys.executable, me, "raw", "--rank", str(rank), "--ip", pod.ip,
-                                         "--store", f"{t.ip}:{port}", "--size-mb", str(size_mb),
-                                         "--bucket-mb", str(bucket_mb), "--iters", str(iters), "--out", str(out)])
-             for rank, pod in ((0, t), (1, i))]
-    for proc in procs:
-        proc.wait(300)
-    return [float(x) for x in json.loads(out.read_text())]
+
+def _raw_nixl(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path) -> list[float]:
+    """The reader READs the writer's registered buffer in bucket-sized descriptors, one request."""
+    from transport_ratio_extras import _read_streams
+    from weightsync.agent.transports.gdr import NixlEndpoint, _desc, _mem_of, configure_ucx
+
+    configure_ucx()
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    nx = NixlEndpoint()
+    reg = nx.register([buf])
+    times = []
+    try:
+        if rank == 0:
+            store.set("md", nx.metadata())
+            store.set("desc", json.dumps({"agent": nx.name, "desc": list(_desc(buf)), "mem": _mem_of(buf)[0]}))
+        else:
+            d = json.loads(store.get("desc"))
+            name = nx.load_remote(str(d["agent"]), bytes(store.get("md")))
+            a, n, dev = d["desc"]
+            remotes = {0: (name, (int(a), int(n), int(dev)), str(d["mem"]))}
+        for i in range(iters + 1):
+            _barrier(store, f"it{i}")
+            t0 = time.perf_counter()
+            if rank == 1:
+                _read_streams(nx, remotes, [(0, (1,), nbytes)], buf, bucket, 120.0)
+            times.append(time.perf_counter() - t0)
+            _barrier(store, f"done{i}")
+    finally:
+        nx.deregister(reg)
+        nx.close()
+    return times[1:]
 
 
-def run(mode: str, size_mb: int, count: int, versions: int, bucket_mb: int) -> dict[str, Any]:
+# -- the run -----------------------------------------------------------------------------------------------
+_METRIC = re.compile(r'^(weightsync_agent_[a-z_]+?)(?:\{([^}]*)\})? ([0-9.eE+-]+)$')
+
+
+def scrape(url: str) -> dict[str, float]:
+    """`name{labels}` -> value of every weightsync_agent_* sample at `url`/metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if m:
+            out[f"{m.group(1)}{{{m.group(2) or ''}}}"] = float(m.group(3))
+    return out
+
+
+def copied_bytes(samples: list[dict[str, float]]) -> dict[str, float]:
+    by_stage: dict[str, float] = {}
+    for s in samples:
+        for key, v in s.items():
+            if key.startswith("weightsync_agent_copied_bytes_total{"):
+                stage = key.split('stage="', 1)[1].split('"', 1)[0]
+                by_stage[stage] = by_stage.get(stage, 0.0) + v
+    return by_stage
+
+
+def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: int) -> dict[str, Any]:
     from podprocs import Cluster, wait_for
     from weightsync.crds import contract
+    from weightsync.e2e.procs import free_port
 
-    root = Path(tempfile.mkdtemp(prefix="ws-bench-"))
+    if mode == "ipc" and fsdp != tp:
+        raise SystemExit("--mode ipc runs one colocated pod whose trainer and engine ranks are the same GPUs: "
+                         f"--fsdp ({fsdp}) must equal --inference-tp ({tp})")
+    metas = model(size_mb)
+    model_bytes = sum(int(torch.Size(m.shape).numel()) * 2 for m in metas)
+    run_dir = Path(tempfile.mkdtemp(prefix="ws-bench-"))
     me = str(Path(__file__).resolve())
     if mode == "ipc":
-        c = Cluster(root, mode="IPC", placement="Colocated", bucket_mb=bucket_mb)
-        t = i = c.add_pod("bench-colocated-0", contract.ROLE_COLOCATED)
+        c = Cluster(run_dir, mode="IPC", placement="Colocated", bucket_mb=bucket_mb)
+        t = i = c.add_pod("bench-colocated-0", contract.ROLE_COLOCATED, ranks=list(range(fsdp)))
         pods = [t]
     else:
-        c = Cluster(root, mode="NCCL", bucket_mb=bucket_mb)
-        t = c.add_pod("bench-trainer-0", contract.ROLE_TRAINER)
-        i = c.add_pod("bench-inference-0-0", contract.ROLE_INFERENCE)
+        c = Cluster(run_dir, mode=mode.upper(), bucket_mb=bucket_mb)
+        t = c.add_pod("bench-trainer-0", contract.ROLE_TRAINER, ranks=list(range(fsdp)))
+        i = c.add_pod("bench-inference-0-0", contract.ROLE_INFERENCE, ranks=list(range(tp)))
         pods = [t, i]
     c.write_topology()
-    commits, tlog = root / "commits.jsonl", root / "trainer.jsonl"
+    common = ["--run", str(run_dir), "--size-mb", str(size_mb), "--versions", str(versions)]
+    scrapes: list[list[dict[str, float]]] = []
     try:
         for p in pods:
             c.start_agent(p, WEIGHTSYNC_LOG_LEVEL=os.environ.get("WEIGHTSYNC_LOG_LEVEL", "WARNING"))
-        c.spawn(i, "engine", [sys.executable, me, "engine", "--size-mb", str(size_mb), "--count", str(count),
-                              "--versions", str(versions), "--out", str(commits)])
-        c.spawn(t, "trainer", [sys.executable, me, "trainer", "--size-mb", str(size_mb), "--count", str(count),
-                               "--versions", str(versions), "--log", str(tlog), "--commits", str(commits)])
-        wait_for(lambda: versions in _commits(commits), 120 + versions * size_mb / 10, "the last commit", c)
-        pubs = {int(d["version"]): d for d in map(json.loads, tlog.read_text().splitlines())}
-        done = _commits(commits)
-        engine_sums = json.loads((root / f"engine-sums-{versions}.json").read_text())
-        bit_exact = engine_sums == pubs[versions]["checksums"]
-        if mode == "nccl":
-            for p in pods:  # the agents are done: measure the raw transport alone on the same addresses
-                c.kill(p, "agent")
-            raw = raw_reference(c, t, i, size_mb, bucket_mb, max(versions - 1, 1))
+        for r in range(tp):
+            c.spawn(i, f"engine{r}", [sys.executable, me, "engine", "--rank", str(r), "--tp", str(tp), *common])
+        for r in range(fsdp):
+            c.spawn(t, f"trainer{r}", [sys.executable, me, "trainer", "--rank", str(r), "--fsdp", str(fsdp), *common])
+        budget = 120 + size_mb / 5
+        for v in range(1, versions + 1):
+            (run_dir / f"go-{v}").touch()
+            wait_for(lambda v=v: _committed(run_dir, v, tp), budget, f"version {v} committed by {tp} engine ranks", c)
+            if v == 1:  # steady-state counters start after the first version
+                scrapes.append([scrape(p.metrics_url) for p in pods])
+        scrapes.append([scrape(p.metrics_url) for p in pods])
+        exact = [json.loads((run_dir / f"exact-{r}.json").read_text()) for r in range(tp)]
+        for p in pods:  # the agents are done: the raw transport alone between the same pods
+            c.kill(p, "agent")
+        raw_out = run_dir / "raw.json"
+        port = free_port(t.ip)
+        procs = [c.spawn(pod, f"raw{k}", [sys.executable, me, "raw", "--kind", mode, "--rank", str(k), "--ip", pod.ip,
+                                          "--store", f"{t.ip}:{port}", "--nbytes", str(model_bytes),
+                                          "--bucket", str(bucket_mb * MiB), "--iters", str(RAW_ITERS),
+                                          "--out", str(raw_out)])
+                 for k, pod in ((0, t), (1, i))]
+        for proc in procs:
+            if proc.wait(600) != 0:
+                raise RuntimeError(f"raw {mode} reference failed; see {run_dir}")
+        raw = [float(x) for x in json.loads(raw_out.read_text())]
     finally:
         c.stop_all()
-    nbytes = sum(t.numel() * 4 for t in _tensors(size_mb, count).values())
+
+    pubs = [d for r in range(fsdp) for d in _read_jsonl(run_dir / f"trainer-{r}.jsonl")]
+    commits = _read_jsonl(run_dir / "commits.jsonl")
     rows = []
     for v in range(1, versions + 1):
-        p = pubs[v]
-        rows.append({"version": v, "publish_s": p["t_published"] - p["t_start"],
-                     "commit_latency_s": done[v] - p["t_published"], "end_to_end_s": done[v] - p["t_start"]})
-    steady = rows[1:] or rows  # version 1 includes group creation and first-touch of shared memory
-    e2e = [r["end_to_end_s"] for r in steady]
+        pv = [d for d in pubs if d["version"] == v]
+        start = min(d["t_start"] for d in pv)
+        rows.append({"version": v, "trainer_blocked_s": max(d["t_published"] - d["t_start"] for d in pv),
+                     "end_to_end_s": max(d["t"] for d in commits if d["version"] == v) - start})
+    steady = rows[1:] or rows
+    e2e = statistics.median(r["end_to_end_s"] for r in steady)
+    raw_s = statistics.median(raw)
+    before, after = copied_bytes(scrapes[0]), copied_bytes(scrapes[-1])
+    steady_versions = max(1, versions - 1)
+    stages = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / (model_bytes * steady_versions) for k in after}
+    peak = sum(s.get("weightsync_agent_staging_peak_bytes{}", 0.0) for s in scrapes[-1])
     return {
-        "benchmark": "agent_pipeline", "mode": mode, "size_mb": size_mb, "tensors": count, "bytes": nbytes,
-        "bucket_mb": bucket_mb, "versions": versions, "bit_exact": bit_exact,
-        "publish_s_p50": statistics.median(r["publish_s"] for r in steady),
-        "commit_latency_s_p50": statistics.median(r["commit_latency_s"] for r in steady),
-        "end_to_end_s_p50": statistics.median(e2e), "end_to_end_s_max": max(e2e),
-        "effective_gbps_p50": nbytes / statistics.median(e2e) / 1e9,
-        "first_version_end_to_end_s": rows[0]["end_to_end_s"],
-        **({"raw_s_p50": statistics.median(raw), "raw_gbps_p50": nbytes / statistics.median(raw) / 1e9,
-            "ratio": statistics.median(raw) / statistics.median(e2e)} if mode == "nccl" else {}),
+        "benchmark": "agent_pipeline", "mode": mode, "size_mb": size_mb, "bytes": model_bytes, "tensors": len(metas),
+        "fsdp": fsdp, "inference_tp": tp, "bucket_mb": bucket_mb, "versions": versions,
+        "bit_exact": all(e["bit_exact"] for e in exact),
+        "end_to_end_s": round(e2e, 4), "end_to_end_s_max": round(max(r["end_to_end_s"] for r in steady), 4),
+        "trainer_blocked_s": round(statistics.median(r["trainer_blocked_s"] for r in steady), 4),
+        "raw_s": round(raw_s, 4), "ratio": round(raw_s / e2e, 3),
+        "effective_gbps": round(model_bytes / e2e / 1e9, 3), "raw_gbps": round(model_bytes / raw_s / 1e9, 3),
+        "copies_per_byte": round(sum(stages.values()), 3),
+        "copies_per_byte_by_stage": {k: round(v, 3) for k, v in sorted(stages.items())},
+        "peak_staging_bytes": int(peak),
+        "first_version_end_to_end_s": round(rows[0]["end_to_end_s"], 4),
+        "raw_kind": {"nccl": "gloo send/recv", "gdr": "NIXL READ",
+                     "ipc": "shared-memory hand-off: writer copy in + reader copy out"}[mode],
         "per_version": rows,
         "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(),
-        "note": "CPU only, shared machine (see load_avg_1m); steady-state figures exclude version 1",
+        "note": "CPU only (no GPU here); steady-state figures exclude version 1",
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python bench/agent_pipeline.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd")
     rp = sub.add_parser("raw")
-    for flag, kind in (("--rank", int), ("--ip", str), ("--store", str), ("--size-mb", int), ("--bucket-mb", int),
-                       ("--iters", int), ("--out", str)):
+    for flag, kind in (("--kind", str), ("--rank", int), ("--ip", str), ("--store", str), ("--nbytes", int),
+                       ("--bucket", int), ("--iters", int), ("--out", str)):
         rp.add_argument(flag, type=kind, required=True)
     for name in ("trainer", "engine"):
         sp = sub.add_parser(name)
-        sp.add_argument("--size-mb", type=int, required=True)
-        sp.add_argument("--count", type=int, required=True)
-        sp.add_argument("--versions", type=int, required=True)
-        if name == "trainer":
-            sp.add_argument("--log", required=True)
-            sp.add_argument("--commits", required=True)
-        else:
-            sp.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=("nccl", "ipc"), default="nccl")
-    p.add_argument("--size-mb", type=int, default=64)
-    p.add_argument("--count", type=int, default=64, help="number of tensors")
-    p.add_argument("--versions", type=int, default=5)
-    p.add_argument("--bucket-mb", type=int, default=16)
-    a = p.parse_args()
+        for flag in ("--rank", "--size-mb", "--versions", "--fsdp" if name == "trainer" else "--tp"):
+            sp.add_argument(flag, type=int, required=True)
+        sp.add_argument("--run", required=True)
+    p.add_argument("--mode", choices=("nccl", "ipc", "gdr"), default="nccl")
+    p.add_argument("--size-mb", type=int, default=64, help="model size in MiB")
+    p.add_argument("--fsdp", type=int, default=1, help="trainer ranks (FSDP Shard(0))")
+    p.add_argument("--inference-tp", type=int, default=1, help="engine ranks of the one replica (TP)")
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--versions", type=int, default=6)
+    p.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
+    a = p.parse_args(argv)
     if a.cmd == "trainer":
-        run_trainer(a.size_mb, a.count, a.versions, Path(a.log), Path(a.commits))
-    elif a.cmd == "raw":
-        host, port = a.store.rsplit(":", 1)
-        run_raw(a.rank, a.ip, host, int(port), a.size_mb, a.bucket_mb, a.iters, Path(a.out))
+        run_trainer(Path(a.run), a.rank, a.fsdp, a.size_mb, a.versions)
     elif a.cmd == "engine":
-        run_engine(a.size_mb, a.count, a.versions, Path(a.out))
+        run_engine(Path(a.run), a.rank, a.tp, a.size_mb, a.versions)
+    elif a.cmd == "raw":
+        run_raw(a.kind, a.rank, a.ip, a.store, a.nbytes, a.bucket, a.iters, Path(a.out))
     else:
-        print(json.dumps(run(a.mode, a.size_mb, a.count, a.versions, a.bucket_mb), indent=1))
+        if a.versions < 2:
+            p.error("--versions must be at least 2 (version 1 is the warm-up)")
+        print(json.dumps(run(a.mode, a.size_mb, a.fsdp, a.inference_tp, a.bucket_mb, a.versions), indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
