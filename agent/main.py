@@ -390,12 +390,10 @@ class Agent:
             try:
                 if op == "stage":
                     t0 = time.perf_counter()
-                    rank, nbytes = int(h["rank"]), int(h["nbytes"])
-                    arena = self.store.arena(rank)  # lay staging out like the plan's buckets: sent without a pack
-                    seg = self.store.stage(rank, int(h["version"]), max(nbytes, arena.nbytes if arena else 0),
-                                           str(h.get("device", "cpu")), session=session)
+                    reply = self.store.stage_request(int(h["rank"]), int(h["version"]), int(h["nbytes"]),
+                                                     str(h.get("device", "cpu")), session=session)
                     self._stage_t0 = t0
-                    conn.reply_ok(segment=seg.handle(), **({"layout": arena.to_dict()} if arena else {}))
+                    conn.reply_ok(**reply)
                 elif op == "publish":
                     sv = self.store.publish(int(h["rank"]), int(h["version"]), str(h["segment"]), h.get("tensors"),
                                             dict(h.get("aliases") or {}))

@@ -135,6 +135,13 @@ class StagingStore:
         with self._lock:
             self._arenas[rank] = (plan.hash, arena)
 
+    def stage_request(self, rank: int, version: int, nbytes: int, device: str, session: str = "") -> dict[str, Any]:
+        """The agent's answer to a trainer's stage request: a segment to copy into and, once a plan read this
+        rank, the layout to copy in (its plan arena: the buckets are then sent from staging, no pack)."""
+        arena = self.arena(rank)
+        seg = self.stage(rank, version, max(nbytes, arena.nbytes if arena else 0), device, session=session)
+        return {"segment": seg.handle(), **({"layout": arena.to_dict()} if arena else {})}
+
     def arena(self, rank: int) -> BucketLayout | None:
         """The staging layout the next publish of `rank` should use (None until a plan read the rank)."""
         with self._lock:

@@ -18,7 +18,7 @@ def serve_staging(path: Path, store: StagingStore) -> LocalServer:
             h, _ = conn.recv()
             try:
                 if h["op"] == "stage":
-                    conn.reply_ok(segment=store.stage(h["rank"], h["version"], h["nbytes"], h["device"]).handle())
+                    conn.reply_ok(**store.stage_request(h["rank"], h["version"], h["nbytes"], h["device"]))
                 else:
                     store.publish(h["rank"], h["version"], h["segment"], h["tensors"], h["aliases"])
                     conn.reply_ok()

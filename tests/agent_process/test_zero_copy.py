@@ -1,0 +1,153 @@
+"""One copy per byte: the trainer stages in its plan's arena (buckets are sent from staging without a pack), a
+Custom engine loads received buckets where the transport put them (no copy into the engine segment), and the
+agents count every copy they still make (weightsync_agent_copied_bytes_total{stage})."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from podprocs import Cluster, get_text, metric_value, wait_for
+from staging_agent import serve_staging
+from test_agent_inprocess import _Engine, engine_registry_server
+from test_demo_processes import engine_sums, trainer_sums
+from weightsync.agent import staging
+from weightsync.agent.client import InferenceSession, TrainerSession, arena_offsets, checksums, local_shards
+from weightsync.agent.engines.base import load_version
+from weightsync.agent.engines.custom import CustomEngineAdapter
+from weightsync.agent.plan import build_plan, shards_of
+from weightsync.agent.server import StagingStore
+from weightsync.agent.sync import in_place
+from weightsync.crds import contract
+
+
+def _bucket_in(buf: torch.Tensor, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Views of `tensors` written back to back into `buf` (as a transport's receive slot holds them)."""
+    out, off = [], 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        view = buf[off:off + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append((name, view))
+        off += (n + 255) // 256 * 256
+    return out
+
+
+def test_custom_engine_loads_shared_slots_in_place_and_packs_the_rest(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    registry, server = engine_registry_server(tmp_path / "agent.sock")
+    eng = _Engine()
+    sess = InferenceSession(eng.on_bucket, eng.on_commit, socket_path=tmp_path / "agent.sock", rank=0).start()
+    adapter = CustomEngineAdapter(registry, [0], prefix="wstest", connect_timeout=10)
+    try:
+        tensors = {"a": torch.randn(64, 8), "b": torch.arange(100, dtype=torch.int32),
+                   "c": torch.randn(16).to(torch.bfloat16)}
+        slot = adapter.receive_allocator(1 << 16, torch.device("cpu"))  # what a transport's slot is
+        assert len(list(tmp_path.glob("wstest-recv-*"))) == 1
+        bucket = _bucket_in(slot, tensors)
+        load_version(adapter, 1, [bucket], pause_generation=False)
+        assert checksums(eng.loaded.items()) == checksums(tensors.items())
+        assert adapter.copied_bytes == 0 and adapter.shared_bytes == sum(t.numel() * t.element_size()
+                                                                        for t in tensors.values())
+        # an alias (one tensor under two names) overlaps itself, a private tensor is in no shared segment:
+        # both are packed into the engine segment, still bit-exact
+        aliased = [*bucket, ("a_alias", bucket[0][1])]
+        private = [("p", torch.randn(5))]
+        load_version(adapter, 2, [aliased, private], pause_generation=False)
+        assert torch.equal(eng.loaded["a_alias"], tensors["a"]) and torch.equal(eng.loaded["p"], private[0][1])
+        assert adapter.copied_bytes == 2 * tensors["a"].numel() * 4 + tensors["b"].numel() * 4 + \
+            tensors["c"].numel() * 2 + 5 * 4
+        # the transport drops its slot: the engine unmaps it and the agent unlinks it at the next load
+        del slot, bucket, aliased
+        gc.collect()
+        load_version(adapter, 3, [private], pause_generation=False)
+        assert not list(tmp_path.glob("wstest-recv-*")), "a dropped receive segment must be unlinked"
+        assert not any(n.startswith("wstest-recv-") for n in sess._segments), "the engine still maps it"
+    finally:
+        adapter.close()
+        sess.close()
+        server.close()
+
+
+def test_trainer_stages_in_the_plan_arena_so_every_bucket_is_sent_in_place(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    store = StagingStore([0], "wstest")
+    server = serve_staging(tmp_path / "agent.sock", store)
+    weights = {f"layer{i}.weight": torch.randn(32 + i, 16) for i in range(12)} | {"tiny": torch.randn(3)}
+    try:
+        with TrainerSession(tmp_path / "agent.sock", rank=0) as s:
+            s.publish(weights, version=1)
+            sv1 = store.get(1)
+            assert sv1 is not None
+            shards = sv1.ranks[0].shards()
+            # buckets in a different order than the trainer's dict, several tensors per bucket
+            plan = build_plan([shards], [sorted(shards, key=lambda x: x.name, reverse=True)], 8 << 10)
+            first = sv1.ranks[0].tensors()
+            assert not all(in_place(b, [first[e.piece.name] for e in b.entries]) is not None for b in plan.buckets)
+            store.prefer_arena(0, plan)
+            s.publish(weights, version=2)
+        staged = store.get(2)
+        assert staged is not None
+        got = staged.ranks[0].tensors()
+        assert checksums(got.items()) == checksums(weights.items())
+        for b in plan.buckets:  # every bucket is one contiguous range of staging: sent without a pack
+            assert in_place(b, [got[e.piece.name] for e in b.entries]) is not None, b.index
+    finally:
+        server.close()
+        store.close()
+
+
+def test_a_layout_for_other_tensors_is_not_used() -> None:
+    shards, _ = local_shards({"a": torch.zeros(4), "b": torch.zeros(2, 2)})
+    plan = build_plan([shards_of([("a", torch.zeros(4)), ("b", torch.zeros(2, 2))])],
+                      [shards_of([("a", torch.zeros(4)), ("b", torch.zeros(2, 2))])], 1 << 20)
+    layout = plan.arena("src", 0).to_dict()
+    assert arena_offsets(shards, layout, 1 << 20) is not None
+    assert arena_offsets(shards, layout, 16) is None  # does not fit the segment
+    other, _ = local_shards({"a": torch.zeros(4), "b": torch.zeros(2, 3)})
+    assert arena_offsets(other, layout, 1 << 20) is None  # a shape changed
+    fewer, _ = local_shards({"a": torch.zeros(4)})
+    assert arena_offsets(fewer, layout, 1 << 20) is None
+    assert arena_offsets(shards, {"entries": "junk"}, 1 << 20) is None
+    assert arena_offsets(shards, None, 1 << 20) is None
+
+
+def _metrics(url: str) -> str:
+    _, text = get_text(f"{url}/metrics")
+    return text
+
+
+@pytest.mark.parametrize("mode", ["NCCL", "IPC"])
+def test_steady_versions_copy_each_byte_once(mode: str, tmp_path: Path, clusters: list[Cluster]) -> None:
+    """Real agents, demo trainer and engine processes: after the first version (which teaches the trainer
+    the plan's layout) nothing is packed on the way, and the engine serves the trainer's bytes exactly."""
+    versions = 4
+    c = Cluster(tmp_path, mode=mode, placement="Colocated" if mode == "IPC" else "Separated", bucket_mb=1)
+    clusters.append(c)
+    if mode == "IPC":
+        t = c.add_pod("demo-colocated-0", contract.ROLE_COLOCATED)
+        c.write_topology()
+        c.start_agent(t)
+        c.start_engine(t, "--port", "8001")
+        c.start_trainer(t, "--versions", str(versions), "--interval", "0.5")
+        engines = [(t, f"http://{t.ip}:8001")]
+    else:
+        t, infs = c.start_separated(1, "--versions", str(versions), "--interval", "0.5")
+        engines = [(p, p.demo_url) for p in infs]
+    for p, url in engines:
+        wait_for(lambda url=url: engine_sums(url)[0] == versions, 120, f"{p.name} serving {versions}", c)
+        assert engine_sums(url)[1] == trainer_sums(t, versions)
+    tm = _metrics(t.metrics_url)
+    staged = metric_value(tm, "weightsync_agent_copied_bytes_total", 'stage="publish"') or 0.0
+    assert staged == metric_value(tm, "weightsync_agent_staged_bytes_total") and staged > 0
+    packed = metric_value(tm, "weightsync_agent_copied_bytes_total", 'stage="pack"') or 0.0
+    assert packed <= staged / versions, f"{packed} bytes packed: more than the first version ({staged / versions})"
+    for p, _ in engines:
+        im = _metrics(p.metrics_url)
+        assert metric_value(im, "weightsync_agent_copied_bytes_total", 'stage="engine_pack"') == 0.0
+        assert metric_value(im, "weightsync_agent_copied_bytes_total", 'stage="unpack"') == 0.0
+        assert (metric_value(im, "weightsync_agent_staging_peak_bytes") or 0.0) > 0
