@@ -117,6 +117,23 @@ class Segment:
         """Owner only: free the memory once every process closed it."""
 
 
+def pin_host(t: torch.Tensor) -> bool:
+    """Page-lock host memory we did not allocate through torch (an mmap'ed segment) with cudaHostRegister,
+    so copies between it and a GPU run at full DMA speed. False (nothing done) without CUDA."""
+    if t.device.type != "cpu" or not t.numel() or not torch.cuda.is_available():
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        log.warning("cudaHostRegister of %s bytes failed (error %s): staging stays pageable", t.numel(), int(err))
+        return False
+    return True
+
+
+def unpin_host(t: torch.Tensor) -> None:
+    if t.numel():
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
 class ShmSegment(Segment):
     """POSIX shared memory: a /dev/shm file mapped MAP_SHARED (torch.from_file), so no resource tracker."""
 
@@ -126,6 +143,7 @@ class ShmSegment(Segment):
         self.size = size
         self.owner = owner
         self.tensor = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        self.pinned = False
 
     @classmethod
     def create(cls, size: int, prefix: str) -> ShmSegment:
@@ -136,8 +154,15 @@ class ShmSegment(Segment):
         finally:
             os.close(fd)
         seg = cls(path, size, owner=True)
+        seg.pinned = pin_host(seg.tensor)  # GPU nodes: host staging is pinned (H2D / D2H at DMA speed)
         STAGING.add(size)
         return seg
+
+    def close(self) -> None:
+        if self.pinned:
+            unpin_host(self.tensor)
+            self.pinned = False
+        super().close()
 
     def handle(self) -> dict[str, Any]:
         return {"kind": "shm", "name": self.name, "size": self.size, "dir": str(self.path.parent)}

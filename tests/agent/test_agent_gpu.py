@@ -3,6 +3,8 @@ tests: CUDA IPC handles between two processes on one GPU, and NCCL where a secon
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_agent_sync import assert_all_ok, llama_metas, tp_scenario
@@ -25,3 +27,48 @@ def test_cuda_ipc_large_bucket_reuse() -> None:
     big = [m for m in llama_metas(layers=4, hidden=512, inter=1024, vocab=1024)]
     scn = tp_scenario(big, 1, 1, transport="ipc", device="cuda", bucket=1 << 20, versions=[1, 2])
     assert_all_ok(run_scenario(scn, deadline=180), 1, [1, 2])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="ProcessGroupNCCL needs one GPU per rank")
+@pytest.mark.parametrize("into", [False, True])
+def test_process_group_nccl_reshard_bit_exact(into: bool) -> None:
+    # FSDP 2 -> TP 2 over ProcessGroupNCCL (the transport picks NCCL for CUDA buffers), one GPU per process
+    scn = tp_scenario(llama_metas(hidden=64, inter=128, vocab=256), 1, 2, fsdp=2, transport="nccl",
+                      device="cuda:spread", into=into, versions=[1, 2, 3])
+    assert_all_ok(run_scenario(scn, deadline=240), 2, [1, 2, 3])
+
+
+def test_host_staging_is_pinned_on_gpu_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightsync.agent import staging
+
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    seg = staging.create_segment(4 << 20, "wsgpu")
+    try:
+        assert isinstance(seg, staging.ShmSegment) and seg.pinned and seg.tensor.is_pinned()
+        seg.tensor.copy_(torch.arange(4 << 20, dtype=torch.int64).to(torch.uint8))
+        on_gpu = seg.tensor.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(on_gpu.cpu(), seg.tensor)
+    finally:
+        seg.unlink()
+
+
+def test_custom_engine_receive_slots_on_gpu_are_cuda_ipc_segments() -> None:
+    from weightsync.agent import staging
+    from weightsync.agent.engines.custom import CustomEngineAdapter
+
+    alloc = staging.SharedSlotAllocator("wsgpu-recv")
+    slot = alloc(1 << 20, torch.device("cuda"))
+    t = slot[:4096].view(torch.float32)
+    found = CustomEngineAdapter.in_place([("w", t)])
+    assert found is not None
+    seg, layout = found
+    assert isinstance(seg, staging.CudaSegment) and seg.handle()["kind"] == "cuda"
+    assert layout.entries[0].offset == 0 and layout.nbytes == 4096
+    del slot, t, found, seg
+    import gc
+
+    gc.collect()
+    dead = alloc.reap()
+    assert len(dead) == 1
+    dead[0].unlink()

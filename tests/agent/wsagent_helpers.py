@@ -117,6 +117,16 @@ class DyingTransport(Transport):
         self.inner.release_recv(bucket, slot)
 
 
+def rank_device(scn: Scenario, role: str, rank: int) -> str:
+    """The device of one endpoint: `scn.device`, except "cuda:spread" (NCCL): one GPU per process, trainer
+    ranks first, as NCCL needs (two ranks of a communicator may not share a GPU)."""
+    if scn.device != "cuda:spread":
+        return scn.device
+    index = rank if role == "src" else len(scn.sources) + rank
+    torch.cuda.set_device(index % torch.cuda.device_count())
+    return f"cuda:{index % torch.cuda.device_count()}"
+
+
 def _transport(kind: str, store: Any, timeout: float) -> Transport:
     if kind == "ipc":
         return IpcTransport()
@@ -139,13 +149,14 @@ def _sender(scn: Scenario, rank: int, port: int, out: Any) -> None:
         transport = _transport(scn.transport, store, scn.timeout)
         if scn.die_at_bucket is not None and scn.die_at_bucket[0] == rank:
             transport = DyingTransport(transport, scn.die_at_bucket[1])
-        sender = WeightSender(plan, rank, transport, peers, timeout=scn.timeout, device=scn.device,
+        device = rank_device(scn, "src", rank)
+        sender = WeightSender(plan, rank, transport, peers, timeout=scn.timeout, device=device,
                               hooks=SumHooks() if scn.hooks else None)
         mine = {s.name: s for s in plan.sources[rank]}
         res["versions"] = []
-        staged = arena_tensors(plan.arena("src", rank), scn.device) if scn.into else None
+        staged = arena_tensors(plan.arena("src", rank), device) if scn.into else None
         for v in scn.versions:
-            tensors = {n: slice_of(full_tensor(n, s.dtype, s.global_shape, v), s.box).to(scn.device)
+            tensors = {n: slice_of(full_tensor(n, s.dtype, s.global_shape, v), s.box).to(device)
                        for n, s in mine.items()}
             if staged is not None:
                 for n, t in tensors.items():
@@ -177,9 +188,10 @@ def _receiver(scn: Scenario, rank: int, port: int, out: Any) -> None:
             mb.send("hello", dst=rank)
             peers[s] = mb
         transport = _transport(scn.transport, store, scn.timeout)
-        receiver = WeightReceiver(plan, rank, transport, peers, timeout=scn.timeout, device=scn.device,
+        device = rank_device(scn, "dst", rank)
+        receiver = WeightReceiver(plan, rank, transport, peers, timeout=scn.timeout, device=device,
                                   hooks=SumHooks() if scn.hooks else None)
-        dest = arena_tensors(plan.arena("dst", rank), scn.device) if scn.into else None
+        dest = arena_tensors(plan.arena("dst", rank), device) if scn.into else None
         needs = {s.name: s for s in plan.needs[rank]}
         res["checked"] = 0
         res["mismatches"] = []

@@ -151,3 +151,17 @@ def test_steady_versions_copy_each_byte_once(mode: str, tmp_path: Path, clusters
         assert metric_value(im, "weightsync_agent_copied_bytes_total", 'stage="engine_pack"') == 0.0
         assert metric_value(im, "weightsync_agent_copied_bytes_total", 'stage="unpack"') == 0.0
         assert (metric_value(im, "weightsync_agent_staging_peak_bytes") or 0.0) > 0
+
+
+def test_host_staging_pins_only_where_cuda_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU side of pinned staging (the `gpu` test checks the CUDA call): without CUDA nothing is pinned
+    and the segment works as before; the staging account follows create and unlink."""
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    before = staging.STAGING.current
+    seg = staging.create_segment(1 << 20, "wspin")
+    assert isinstance(seg, staging.ShmSegment)
+    assert seg.pinned == torch.cuda.is_available()
+    assert staging.STAGING.current == before + (1 << 20) and staging.STAGING.peak >= before + (1 << 20)
+    seg.tensor.fill_(7)
+    seg.unlink()
+    assert staging.STAGING.current == before and not list(tmp_path.iterdir())
