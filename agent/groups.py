@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from weightsync.agent import staging
 from weightsync.agent.delta import DeltaConfig
 from weightsync.agent.plan import BucketPlan, TransferPlan
 from weightsync.agent.transports.base import (
@@ -203,7 +204,7 @@ class TransportCache:
 
     def _create(self, group: dict[str, Any], key: tuple[str, int, str, str]) -> Transport:
         if self.mode == "IPC":
-            return IpcTransport(prefix=self.shm_prefix)
+            return IpcTransport(prefix=self.shm_prefix, shm_dir=str(staging.shm_dir()))  # the pod's staging volume
         if self.mode == "NCCL":
             host, port = group["store"]
             base = LinkStore(str(host), int(port), self._job_token(), timeout=self.timeout)

@@ -2,7 +2,7 @@
 
 Why: `publish()` must return as soon as the trainer may reuse its memory, so the trainer copies its local
 shards once into a segment the agent owns; the agent then serves the version from that segment while
-training continues. On CPU a segment is POSIX shared memory (a file in /dev/shm, mapped MAP_SHARED by
+training continues. On CPU a segment is POSIX shared memory (a file in the pod's staging volume, mapped MAP_SHARED by
 both processes); on GPU it is one CUDA allocation shared by a CUDA IPC handle (one handle per segment,
 never per tensor). The agent creates segments and unlinks them; the app only attaches.
 
@@ -35,7 +35,7 @@ SHM_DIR_ENV = "WEIGHTSYNC_SHM_DIR"
 
 
 def shm_dir() -> Path:
-    return Path(os.environ.get(SHM_DIR_ENV) or contract.SHM_DIR)
+    return Path(os.environ.get(SHM_DIR_ENV) or contract.STAGING_DIR)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -135,7 +135,8 @@ def unpin_host(t: torch.Tensor) -> None:
 
 
 class ShmSegment(Segment):
-    """POSIX shared memory: a /dev/shm file mapped MAP_SHARED (torch.from_file), so no resource tracker."""
+    """POSIX shared memory: a file in the memory-backed staging volume mapped MAP_SHARED (torch.from_file), so
+    no resource tracker."""
 
     def __init__(self, path: Path, size: int, *, owner: bool) -> None:
         self.path = path
@@ -340,7 +341,7 @@ class SharedSlotAllocator:
 
 
 def cleanup_stale(prefix: str) -> int:
-    """Remove /dev/shm files a previous agent of this pod left behind (it crashed before unlinking)."""
+    """Remove staging files a previous agent of this pod left behind (it crashed before unlinking)."""
     removed = 0
     d = shm_dir()
     if not d.is_dir():

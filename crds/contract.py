@@ -101,7 +101,9 @@ TOPOLOGY_DIR: Final = "/etc/weightsync/topology"          # the topology ConfigM
 TOPOLOGY_FILE: Final = "topology.json"
 TOKEN_DIR: Final = "/etc/weightsync/token"                # the per-job Secret
 TOKEN_FILE: Final = "token"
-SHM_DIR: Final = "/dev/shm"
+# memory-backed emptyDir shared by the agent and the app: staging segments, receive slots, IPC buckets. Not the
+# app's /dev/shm, which stays the app's own (its size and contents are the app's business: NCCL, dataloaders).
+STAGING_DIR: Final = "/var/run/weightsync-staging"
 
 # --- Ports (per pod; every pod has its own IP) --------------------------------------------------------
 CONTROL_PORT: Final = 47100     # agent <-> agent control channel (HMAC-authenticated frames)

@@ -1,7 +1,7 @@
 """Pod builder: the user's template plus everything weightsync needs, as one manifest.
 
 Added to every owned pod: the agent as a native sidecar (an initContainer with restartPolicy Always),
-shared volumes (agent socket dir, memory-backed /dev/shm sized for transfer buckets, the topology
+shared volumes (agent socket dir, memory-backed staging volume, never the app's /dev/shm, the topology
 ConfigMap, the token Secret on the agent only), the contract env on every container, GPU requests, the
 readiness gate on inference-serving pods, GPU node affinity and topologyKey packing, the per-job
 ServiceAccount and a controller owner reference. Pure: same inputs, same manifest.
@@ -27,17 +27,11 @@ VOL_TOKEN = "weightsync-token"
 VOL_KUBE_API = "weightsync-kube-api-access"
 OUR_VOLUMES = (VOL_SOCKET, VOL_SHM, VOL_TOPOLOGY, VOL_TOKEN, VOL_KUBE_API)
 DRA_CLAIM = "weightsync-gpus"
-SHM_HEADROOM_MB = 256
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
 class TemplateError(ValueError):
     """The user's template cannot be combined with what weightsync injects (reported as InvalidTemplate)."""
-
-
-def shm_size_mb(bucket_size_mb: int) -> int:
-    """/dev/shm holds two buckets in flight (double buffering) plus headroom for torch/NCCL internals."""
-    return 2 * bucket_size_mb + SHM_HEADROOM_MB
 
 
 def resource_claim_template_name(job: str) -> str:
@@ -110,7 +104,10 @@ def _merge_env(existing: Iterable[dict[str, Any]] | None, ours: list[dict[str, A
 def _volumes(job: JobRef, spec: WeightSyncJobSpec) -> list[dict[str, Any]]:
     return [
         {"name": VOL_SOCKET, "emptyDir": {}},
-        {"name": VOL_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_size_mb(spec.transfer.bucket_size_mb)}Mi"}},
+        # staging: the trainer's staged versions and the receive slots live here (sizing: docs/performance.md);
+        # no sizeLimit, since what it holds scales with the model, which the operator does not know: it counts
+        # against the pod's memory like any tmpfs
+        {"name": VOL_SHM, "emptyDir": {"medium": "Memory"}},
         {"name": VOL_TOPOLOGY, "configMap": {"name": contract.topology_configmap_name(job.name)}},
         # 0444: the kubelet writes Secret files root-owned and the agent runs as its image's non-root user (a
         # user template rarely sets fsGroup); only the agent container mounts this volume.
@@ -154,7 +151,7 @@ def _app_mounts(container: dict[str, Any]) -> list[dict[str, Any]]:
     taken = {m.get("mountPath") for m in container.get("volumeMounts") or []}
     mounts = [
         {"name": VOL_SOCKET, "mountPath": contract.SOCKET_DIR},
-        {"name": VOL_SHM, "mountPath": contract.SHM_DIR},
+        {"name": VOL_SHM, "mountPath": contract.STAGING_DIR},
         {"name": VOL_TOPOLOGY, "mountPath": contract.TOPOLOGY_DIR, "readOnly": True},
     ]
     return [m for m in mounts if m["mountPath"] not in taken]
@@ -163,7 +160,7 @@ def _app_mounts(container: dict[str, Any]) -> list[dict[str, Any]]:
 def _agent_mounts() -> list[dict[str, Any]]:
     return [
         {"name": VOL_SOCKET, "mountPath": contract.SOCKET_DIR},
-        {"name": VOL_SHM, "mountPath": contract.SHM_DIR},
+        {"name": VOL_SHM, "mountPath": contract.STAGING_DIR},
         {"name": VOL_TOPOLOGY, "mountPath": contract.TOPOLOGY_DIR, "readOnly": True},
         {"name": VOL_TOKEN, "mountPath": contract.TOKEN_DIR, "readOnly": True},
         KUBE_API_MOUNT,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from weightsync.agent.staging import SHM_DIR_ENV
 from weightsync.crds import contract
 from weightsync.crds.topology import (
     InferenceReplicaTopology,
@@ -87,6 +88,7 @@ class Cluster:
         pod = Pod(name, self.ip(), role, **kw)
         self.pods[name] = pod
         (self.root / name / "sock").mkdir(parents=True, exist_ok=True)
+        (self.root / name / "staging").mkdir(parents=True, exist_ok=True)  # the pod's staging emptyDir
         return pod
 
     def topology(self) -> Topology:
@@ -141,6 +143,7 @@ class Cluster:
             contract.ENV_TOPOLOGY_PATH: str(self.topology_path), contract.ENV_TOKEN_PATH: str(self.token_path),
             contract.ENV_SOCKET_DIR: str(self.root / pod.name / "sock"),
             contract.ENV_APP_SOCKET: str(self.root / pod.name / "sock" / contract.AGENT_SOCKET_NAME),
+            SHM_DIR_ENV: str(self.root / pod.name / "staging"),
             contract.ENV_TRANSFER_MODE: self.mode, contract.ENV_BUCKET_SIZE_MB: str(self.bucket_mb),
             contract.ENV_VERIFY: self.verify, contract.ENV_ENGINE_TYPE: "Custom", contract.ENV_KUBE_ENABLED: "false",
             "WEIGHTSYNC_DEMO_PORT": str(DEMO_PORT), "PYTHONUNBUFFERED": "1",

@@ -13,7 +13,6 @@ from weightsync.operator.pods import (
     build_pod,
     build_pods,
     resource_claim_template_name,
-    shm_size_mb,
 )
 
 
@@ -38,7 +37,7 @@ def test_agent_is_a_native_sidecar_with_configured_image(job, separated, cfg):
         assert agent["image"] == "agent:test" and agent["command"] == ["weightsync-agent"]
         assert {p["containerPort"] for p in agent["ports"]} == set(contract.AGENT_PORTS)
         mounts = {m["mountPath"] for m in agent["volumeMounts"]}
-        assert mounts == {contract.SOCKET_DIR, contract.SHM_DIR, contract.TOPOLOGY_DIR, contract.TOKEN_DIR,
+        assert mounts == {contract.SOCKET_DIR, contract.STAGING_DIR, contract.TOPOLOGY_DIR, contract.TOKEN_DIR,
                           contract.SERVICE_ACCOUNT_DIR}
         assert _env(agent)[contract.ENV_TOKEN_PATH] == f"{contract.TOKEN_DIR}/{contract.TOKEN_FILE}"
 
@@ -102,17 +101,27 @@ def test_contract_env_overrides_a_spoofed_user_value(job, separated, cfg):
     assert [e["value"] for e in env if e["name"] == contract.ENV_RANK] == ["0"]
 
 
-def test_shared_volumes_and_shm_size(job, separated, cfg):
+def test_shared_volumes_and_the_staging_volume(job, separated, cfg):
+    tmpl = {"spec": {"containers": [{"name": "trainer", "image": "t",
+                                     "volumeMounts": [{"name": "my-shm", "mountPath": "/dev/shm"}]}],
+                     "volumes": [{"name": "my-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}]}}
+    pod = _pods(job, separated(transfer={"bucketSizeMB": 300}, trainer={"template": tmpl}), cfg)["demo-trainer-0"]
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    # staging scales with the model, not the bucket: memory-backed, counted against the pod's memory
+    assert vols["weightsync-shm"]["emptyDir"] == {"medium": "Memory"}
+    # the app's own /dev/shm is the app's: ours is mounted elsewhere, in the agent and the app alike
+    app = pod["spec"]["containers"][0]
+    assert {"name": "my-shm", "mountPath": "/dev/shm"} in app["volumeMounts"]
+    assert {"name": "weightsync-shm", "mountPath": contract.STAGING_DIR} in app["volumeMounts"]
+    assert {"name": "weightsync-shm", "mountPath": contract.STAGING_DIR} in _agent(pod)["volumeMounts"]
+    assert not any(m["mountPath"] == "/dev/shm" for m in _agent(pod)["volumeMounts"])
     pod = _pods(job, separated(transfer={"bucketSizeMB": 300}), cfg)["demo-trainer-0"]
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}
-    shm = vols["weightsync-shm"]["emptyDir"]
-    assert shm["medium"] == "Memory" and shm["sizeLimit"] == f"{shm_size_mb(300)}Mi"
-    assert shm_size_mb(300) >= 600
     assert vols["weightsync-topology"]["configMap"]["name"] == "demo-topology"
     assert vols["weightsync-token"]["secret"]["secretName"] == "demo-token"
     app = pod["spec"]["containers"][0]
     mounts = {m["mountPath"] for m in app["volumeMounts"]}
-    assert mounts == {contract.SOCKET_DIR, contract.SHM_DIR, contract.TOPOLOGY_DIR}  # no token for the app
+    assert mounts == {contract.SOCKET_DIR, contract.STAGING_DIR, contract.TOPOLOGY_DIR}  # no token for the app
 
 
 def test_gpu_requests_and_readiness_gate(job, separated, cfg):
