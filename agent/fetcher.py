@@ -28,7 +28,7 @@ from weightsync.agent.layout import LayoutError, TensorMeta, inference_layout
 from weightsync.agent.link import Link, LinkError, LinkTimeout, Mailbox, connect
 from weightsync.agent.plan import TensorShard, TransferPlan, build_plan
 from weightsync.agent.plan_cache import PLANS
-from weightsync.agent.staging import SharedSlotAllocator
+from weightsync.agent.staging import ReceiveSlots, SharedSlotAllocator
 from weightsync.agent.sync import SyncStats, WeightReceiver
 from weightsync.agent.transports.base import Transport, WorldMap
 from weightsync.agent.verify import ChecksumHooks
@@ -352,6 +352,20 @@ def reachable_sources(topo: Topology, group_name: str) -> set[int] | None:
     return {r for m in topo.trainer.pods if m.name in members for r in m.ranks}
 
 
+_RECEIVE_SLOTS: dict[tuple[int, SharedSlotAllocator | None], ReceiveSlots] = {}
+_SLOTS_LOCK = threading.Lock()
+
+
+def receive_slots(rank: int, alloc: SharedSlotAllocator | None) -> ReceiveSlots:
+    """The receive buffers of local destination rank `rank`, kept across versions (and transports)."""
+    key = (rank, alloc)
+    with _SLOTS_LOCK:
+        slots = _RECEIVE_SLOTS.get(key)
+        if slots is None:
+            slots = _RECEIVE_SLOTS[key] = ReceiveSlots(alloc)
+        return slots
+
+
 TransportFor = Callable[[dict[str, Any], TransferPlan, str], tuple[Transport, WorldMap | None]]
 EPOCH_TIMEOUT = 90.0  # the trainer answers with the epoch once every destination of its rank joined
 
@@ -432,7 +446,7 @@ def fetch_version(
                 if receive_allocator is not None:
                     t.use_allocator(receive_allocator)  # buckets land where the engine loads them from
                 by_src[s] = t
-            transport = RoutingTransport(by_src)
+            transport = RoutingTransport(by_src, receive_slots(r, receive_allocator))
             hook = hooks[r]
             if hook is not None and transport.can_refetch:
                 hook.refetch = transport.refetch  # a checksum mismatch reads the bucket again before failing

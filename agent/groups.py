@@ -64,11 +64,17 @@ class RoutingTransport(Transport):
 
     name = "routed"
 
-    def __init__(self, by_src: dict[int, Transport]) -> None:
+    def __init__(self, by_src: dict[int, Transport], slots: staging.ReceiveSlots | None = None) -> None:
+        """`slots`: the destination's receive buffers, shared by every source (each bucket is received into
+        one where its transport can receive into given memory); None: each source's transport uses its own."""
         self.by_src = by_src
+        self.slots = slots
         self.num_slots = min((t.num_slots for t in by_src.values()), default=2)
 
     def bind(self, ctx: TransportContext) -> None:
+        if self.slots is not None:
+            need = max((b.nbytes for b in ctx.plan.buckets_to(ctx.me.rank)), default=0)
+            self.slots.ensure(self.num_slots, max(need, 1), ctx.device)
         for s, t in self.by_src.items():
             sub = dataclasses.replace(ctx.plan, buckets=tuple(b for b in ctx.plan.buckets if b.src == s))
             # only its own source's link: a transport that greets every peer at bind (GDR reads a hello
@@ -89,7 +95,12 @@ class RoutingTransport(Transport):
         return t
 
     def start_recv(self, bucket: BucketPlan, slot: int) -> Pending[torch.Tensor]:
-        return self._of(bucket).start_recv(bucket, slot)
+        t = self._of(bucket)
+        if self.slots is not None:
+            pending = t.start_recv_into(bucket, slot, self.slots.get(slot)[: bucket.nbytes])
+            if pending is not None:
+                return pending
+        return t.start_recv(bucket, slot)
 
     def release_recv(self, bucket: BucketPlan, slot: int) -> None:
         self._of(bucket).release_recv(bucket, slot)

@@ -340,6 +340,45 @@ class SharedSlotAllocator:
         return dead
 
 
+class ReceiveSlots:
+    """The receive buffers of one destination rank: `n` slots shared by all its sources and kept across
+    versions, so receive memory is buckets in flight x bucket size, not peers x buckets.
+
+    From `alloc` (a SharedSlotAllocator: the engine loads from them in place) or private memory."""
+
+    def __init__(self, alloc: SharedSlotAllocator | None = None) -> None:
+        self.alloc = alloc
+        self._bufs: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def ensure(self, n: int, nbytes: int, device: torch.device) -> None:
+        """At least `n` slots of `nbytes` on `device` (reallocated only when they do not fit)."""
+        with self._lock:
+            if len(self._bufs) >= n and all(b.numel() >= nbytes and b.device == device for b in self._bufs[:n]):
+                return
+            self._drop()
+            for _ in range(n):
+                if self.alloc is not None:
+                    self._bufs.append(self.alloc(nbytes, device))
+                else:
+                    self._bufs.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+                    STAGING.add(nbytes)
+
+    def get(self, slot: int) -> torch.Tensor:
+        with self._lock:
+            return self._bufs[slot]
+
+    def _drop(self) -> None:
+        if self.alloc is None:
+            for b in self._bufs:
+                STAGING.sub(b.numel())
+        self._bufs = []  # a SharedSlotAllocator learns it through its finalizers
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
 def cleanup_stale(prefix: str) -> int:
     """Remove staging files a previous agent of this pod left behind (it crashed before unlinking)."""
     removed = 0
