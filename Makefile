@@ -64,7 +64,12 @@ bench: setup
 	$(VPY) bench/transport_ratio.py --transport gdr --size-mb 1024 --json | tee bench/results/gdr.json
 	$(VPY) bench/transport_ratio.py --transport gdr --size-mb 256 --iters 3 --verify --delta-fraction 0.05 --json | tee bench/results/gdr-verify-delta.json
 	$(VPY) bench/status_latency.py --versions 50 --pods 8 | tee bench/results/status-latency.json
-	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 64 --versions 8 | tee bench/results/agent-pipeline-nccl.json
+	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --json | tee bench/results/agent-pipeline-nccl.json
+	$(VPY) bench/agent_pipeline.py --mode ipc --size-mb 1024 --json | tee bench/results/agent-pipeline-ipc.json
+	$(VPY) bench/agent_pipeline.py --mode gdr --size-mb 1024 --json | tee bench/results/agent-pipeline-gdr.json
+	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --fsdp 2 --inference-tp 2 --json | tee bench/results/agent-pipeline-nccl-fsdp2-tp2.json
+	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --json | tee bench/results/agent-pipeline-nccl-256.json
+	$(VPY) bench/plan_scale.py --tensors 70000 --ranks 256 --json | tee bench/results/plan-scale.json
 	$(VPY) bench/operator_scale.py --replicas 8 32 64 | tee bench/results/operator-scale.json
 	$(VPY) -m weightsync.e2e.runtime.bench --pods 8 | tee bench/results/process-runtime.json
 
