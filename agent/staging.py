@@ -427,6 +427,8 @@ class SegmentPool:
                     self._slots.remove(s)
                 slot = Slot(create_segment(size, self.prefix, self.device))
                 self._slots.append(slot)
+                log.info("staging.segment_created bytes=%s slots=%s held_bytes=%s", slot.segment.size,
+                         len(self._slots), sum(s.segment.size for s in self._slots))
             self._writing.add(id(slot))
             return slot
 

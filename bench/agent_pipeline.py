@@ -164,7 +164,9 @@ def run_raw(kind: str, rank: int, ip: str, store_addr: str, nbytes: int, bucket:
     times = {"nccl": _raw_gloo, "gdr": _raw_nixl, "ipc": _raw_shm}[kind](store, rank, ip, nbytes, bucket, iters, out)
     if rank == 1:
         out.write_text(json.dumps(times))
-    _barrier(store, "raw-end")
+        store.set("bye", "1")
+    else:
+        store.wait(["bye"])  # rank 0 hosts the store: it leaves last
 
 
 def _raw_gloo(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path) -> list[float]:
@@ -188,7 +190,7 @@ def _raw_gloo(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: i
 def _raw_shm(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path) -> list[float]:
     """Writer copies each bucket into a shared-memory file, the reader (own mapping, own process) copies
     it out: two slots, like a double-buffered hand-off."""
-    path = out.with_name("raw-shm")
+    path = Path("/dev/shm") / f"{out.parent.name}-raw-shm"  # memory-backed, like the pod's staging volume
     if rank == 0:
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         os.ftruncate(fd, 2 * bucket)
@@ -213,11 +215,9 @@ def _raw_shm(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: in
                 mine[o:o + n].copy_(slot)
                 store.set(f"r{i}/{k}", "1")
         times.append(time.perf_counter() - t0)
+    _barrier(store, "shm-done")
     if rank == 0:
-        _barrier(store, "shm-done")
         path.unlink()
-    else:
-        _barrier(store, "shm-done")
     return times[1:]
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -79,6 +81,9 @@ class Cluster:
         self.pods: dict[str, Pod] = {}
         self.generation = 1
         self.extra_env: dict[str, str] = {}
+        # each pod's staging volume is memory-backed, as in a real pod (a disk-backed file would be written
+        # back to disk, and SIGBUS the writer when the disk fills); removed by stop_all
+        self.staging_root = Path(tempfile.mkdtemp(prefix="ws-podprocs-", dir="/dev/shm"))
 
     def ip(self) -> str:
         self._next_ip += 1
@@ -88,7 +93,7 @@ class Cluster:
         pod = Pod(name, self.ip(), role, **kw)
         self.pods[name] = pod
         (self.root / name / "sock").mkdir(parents=True, exist_ok=True)
-        (self.root / name / "staging").mkdir(parents=True, exist_ok=True)  # the pod's staging emptyDir
+        (self.staging_root / name).mkdir()  # the pod's staging emptyDir
         return pod
 
     def topology(self) -> Topology:
@@ -143,7 +148,7 @@ class Cluster:
             contract.ENV_TOPOLOGY_PATH: str(self.topology_path), contract.ENV_TOKEN_PATH: str(self.token_path),
             contract.ENV_SOCKET_DIR: str(self.root / pod.name / "sock"),
             contract.ENV_APP_SOCKET: str(self.root / pod.name / "sock" / contract.AGENT_SOCKET_NAME),
-            SHM_DIR_ENV: str(self.root / pod.name / "staging"),
+            SHM_DIR_ENV: str(self.staging_root / pod.name),
             contract.ENV_TRANSFER_MODE: self.mode, contract.ENV_BUCKET_SIZE_MB: str(self.bucket_mb),
             contract.ENV_VERIFY: self.verify, contract.ENV_ENGINE_TYPE: "Custom", contract.ENV_KUBE_ENABLED: "false",
             "WEIGHTSYNC_DEMO_PORT": str(DEMO_PORT), "PYTHONUNBUFFERED": "1",
@@ -210,6 +215,7 @@ class Cluster:
                         proc.wait(5)
                     except (ProcessLookupError, subprocess.TimeoutExpired):
                         self.kill(pod, what)
+        shutil.rmtree(self.staging_root, ignore_errors=True)
 
     def log_text(self, pod: Pod, what: str) -> str:
         path = pod.logs.get(what)
