@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +26,7 @@ from weightsync.agent.engines.base import EngineAdapter, NamedTensors, load_vers
 from weightsync.agent.groups import RoutingTransport
 from weightsync.agent.layout import LayoutError, TensorMeta, inference_layout
 from weightsync.agent.link import Link, LinkError, LinkTimeout, Mailbox, connect
-from weightsync.agent.plan import TensorShard, TransferPlan, build_plan
+from weightsync.agent.plan import ShardTable, TensorShard, TransferPlan
 from weightsync.agent.plan_cache import PLANS
 from weightsync.agent.staging import ReceiveSlots, SharedSlotAllocator
 from weightsync.agent.sync import SyncStats, WeightReceiver
@@ -197,7 +197,7 @@ class TrainerPeers:
         with self._lock:
             return bool(self._peers) and all(p.link is not None for p in self._peers.values())
 
-    def meta(self, version: int, timeout: float = 30.0) -> tuple[dict[int, list[TensorShard]], dict[str, str]]:
+    def meta(self, version: int, timeout: float = 30.0) -> tuple[dict[int, Sequence[TensorShard]], dict[str, str]]:
         """Every trainer rank's shards of `version` (pins it on the trainers for the transfer to follow)."""
         with self._lock:
             peers = list(self._peers.values())
@@ -214,7 +214,7 @@ class TrainerPeers:
             except LinkError as exc:
                 raise FetchError(f"asking trainer pod {p.member.name} for version {version}: {exc}") from None
             futs.append((p, fut))
-        ranks: dict[int, list[TensorShard]] = {}
+        ranks: dict[int, Sequence[TensorShard]] = {}
         aliases: dict[str, str] = {}
         for p, fut in futs:
             try:
@@ -403,19 +403,23 @@ def fetch_version(
     missing = [r for r in range(world_src) if r not in src_meta]
     if missing:
         raise FetchError(f"trainer ranks {missing} have not published version {version}")
-    sources = [src_meta[r] for r in range(world_src)]
-    reachable = reachable_sources(topo, str(group.get("name", "")))
-    if reachable is not None:
-        # IPC moves bytes through the shared memory of this pod's group only: replicas of a shard held by
-        # trainer ranks elsewhere (data parallel across pods) must not be chosen as the source.
-        sources = [shards if r in reachable else [] for r, shards in enumerate(sources)]
-    names: dict[str, TensorShard] = {}
-    for shards in sources:
-        for s in shards:
-            names.setdefault(s.name, s)
-    needs = compute_needs(names, rep.world_size, rep.tensor, layout_fn)
-    inputs = P.encode_plan_inputs(sources, needs, bucket_bytes)
-    plan = PLANS.get_or_build(inputs, lambda: build_plan(sources, needs, bucket_bytes))  # once per layout
+    # IPC moves bytes through the shared memory of this pod's group only: replicas of a shard held by
+    # trainer ranks elsewhere (data parallel across pods) must not be chosen as the source (`reachable`).
+    # Tables, inputs and key are memoized: a version with the same layout finds its plan by lookups.
+    sources = P.sources_table(src_meta, world_src, reachable_sources(topo, str(group.get("name", ""))))
+
+    def layout() -> list[list[TensorShard]] | ShardTable:
+        if layout_fn is None and rep.world_size == rep.tensor:
+            try:
+                return P.tp_needs_table(sources, rep.tensor)  # the default rules, as arrays
+            except LayoutError as exc:
+                raise FetchError(f"cannot lay out the model for TP {rep.tensor}: {exc}") from None
+        return compute_needs(dict(sources.full_shards), rep.world_size, rep.tensor, layout_fn)
+
+    needs = P.needs_table(sources, rep.world_size, rep.tensor, layout_fn, layout)
+    inputs = P.plan_inputs(sources, needs, bucket_bytes)
+    plan = PLANS.get_or_build(inputs, inputs.build)  # once per layout
+    sessions = peers.trainer_sessions()
     host_of: dict[int, str] = {}
     for m in topo.trainer.pods:
         for r in m.ranks:
@@ -433,8 +437,9 @@ def fetch_version(
                 if not host_of.get(s):
                     raise FetchError(f"trainer rank {s} has no pod IP yet")
                 link = connect(host_of[s], port, token, timeout=10.0)
-                link.send({"kind": P.TRANSFER, "version": version, "src": s, "dst": r, "replica": replica,
-                           "group": group, "plan_hash": plan.hash, "proposal": proposal}, inputs)
+                P.send_transfer(link, {"kind": P.TRANSFER, "version": version, "src": s, "dst": r, "replica": replica,
+                                       "group": group, "plan_hash": plan.hash, "proposal": proposal}, inputs,
+                                with_inputs=P.SENT_INPUTS.due(host_of[s], sessions, inputs.key))
                 mb = Mailbox(link, name=f"src{s}->dst{r}")
                 links[r][s] = mb
                 all_links.append(mb)
@@ -453,10 +458,12 @@ def fetch_version(
             receivers[r] = WeightReceiver(plan, r, transport, links[r], timeout=timeout, device=device,
                                           hooks=hooks[r])
     except (LinkError, OSError) as exc:
+        P.SENT_INPUTS.forget(inputs.key)  # a trainer agent may lack them (restarted, evicted): send them again
         for mb in all_links:
             mb.close()
         raise FetchError(f"connecting to the trainer agents for version {version}: {exc}") from None
     except BaseException:
+        P.SENT_INPUTS.forget(inputs.key)
         for mb in all_links:
             mb.close()
         raise

@@ -559,13 +559,14 @@ class WeightServer:
         if src not in self.store.ranks:
             raise P.ProtocolError(f"source rank {src} is not served by {self.pod} (ranks {self.store.ranks})")
         key = (version, src, plan_hash, str(group.get("name")), group.get("generation"))
+        inputs = P.recv_transfer_inputs(link, h, payload)  # all its parts, before the Mailbox reads the link
         mb = Mailbox(link, name=f"dst{dst}@{link.peer}")
+        plan = P.transfer_plan(h, inputs)  # cached per inputs; a key-only link waits for a sibling's inputs
         run: _Rendezvous | None = None
         with self._rdv_lock:
             self._expire()
             rdv = self._rdv.get(key)
             if rdv is None:
-                plan = P.plan_from_inputs(payload)
                 if plan.hash != plan_hash:
                     mb.abort(f"plan mismatch: {self.pod} computed {plan.hash}, the destination sent {plan_hash}")
                     raise P.ProtocolError(f"plan hash mismatch for version {version} (ours {plan.hash}, theirs {plan_hash})")

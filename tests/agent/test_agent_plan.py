@@ -106,7 +106,7 @@ def test_hash_is_stable_across_processes_and_versions() -> None:
     assert plan.hash == GOLDEN
 
 
-GOLDEN = "acd640bad70ecc16e6d175e65df0c3345ce66c31f1b7c51cd5e95161f51b57d5"
+GOLDEN = "43bbb15f996d8b6582229ce7044e4987d52a73b11fbb4fdec8c94dd0942aede3"  # PLAN_FORMAT 2 (the columnar hash)
 
 
 def test_buckets_respect_the_bound_and_split_big_tensors() -> None:

@@ -87,3 +87,24 @@ def test_the_serving_side_reuses_the_plan_of_identical_inputs() -> None:
     sources, needs = _inputs(cols=40)
     payload = P.encode_plan_inputs(sources, needs, 1 << 20)
     assert P.plan_from_inputs(payload) is P.plan_from_inputs(memoryview(payload))
+
+
+def test_inputs_objects_are_keyed_once_by_the_bytes_they_send() -> None:
+    sources, needs = _inputs(cols=24)
+    inputs = P.plan_inputs(sources, needs, 1 << 20)
+    assert inputs.key == PlanCache.key(inputs.payload)  # the key the serving side computes from the bytes
+    cache = PlanCache()
+    first = cache.get_or_build(inputs, inputs.build)
+    assert cache.get_or_build(inputs.payload, lambda: pytest.fail("built twice")) is first
+    assert cache.get_or_build_key(inputs.key, lambda: pytest.fail("built twice")) is first
+
+
+def test_plans_are_also_bounded_by_bytes() -> None:
+    plans = {c: build_plan(*_inputs(c), 1 << 20) for c in (8, 16, 24)}
+    cache = PlanCache(capacity=8, max_bytes=2 * max(p.nbytes for p in plans.values()))
+    for c in (8, 16, 24):
+        cache.get_or_build(str(c).encode(), lambda c=c: plans[c])
+    assert len(cache) == 2  # 8 went; the newest always stays, however big
+    tiny = PlanCache(max_bytes=1)
+    tiny.get_or_build(b"24", lambda: plans[24])
+    assert len(tiny) == 1
