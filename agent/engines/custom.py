@@ -3,10 +3,10 @@
 The app connects to the agent's Unix socket (agent/local.py) and says hello as `inference`; the agent
 registers that connection in an `AppRegistry`. Only a bucket's index travels over the socket (one round
 trip per bucket); its bytes are in shared memory the app maps:
-* zero copy: the agent's transports receive into shared segments (`receive_allocator`), so a bucket
-  that arrived whole is handed over where it landed, as (segment, offsets);
-* otherwise (tensors assembled from pieces, aliases) the bucket is packed into one reusable segment:
-  one copy, counted in `copied_bytes`.
+* zero copy: the agent's transports receive into shared segments (`receive_allocator`), so tensors that
+  arrived whole are handed over where they landed, as (segment, offsets), one request per segment;
+* the rest (tensors assembled from pieces, aliases) is packed into one reusable segment: one copy,
+  counted in `copied_bytes`.
 """
 
 from __future__ import annotations
@@ -140,46 +140,53 @@ class CustomEngineAdapter:
             seg.unlink()
 
     @staticmethod
-    def in_place(tensors: NamedTensors) -> tuple[staging.Segment | staging.MappedFile, buckets.BucketLayout] | None:
-        """(segment, index at the tensors' own offsets) when every tensor already lies, contiguous and
-        without overlap, in one shared segment the app can map; None otherwise."""
-        seg: staging.Segment | staging.MappedFile | None = None
-        entries = []
+    def in_place(tensors: NamedTensors) -> tuple[list[tuple[staging.Segment | staging.MappedFile, buckets.BucketLayout]],
+                                                  NamedTensors]:
+        """Split a bucket into what already lies in shared segments the app can map, as (segment, index at
+        the tensors' own offsets) per segment, and the rest (private memory, such as tensors assembled
+        from pieces, and aliases that overlap another entry), which is packed."""
+        groups: dict[str, tuple[staging.Segment | staging.MappedFile, list[buckets.BucketEntry]]] = {}
+        rest: NamedTensors = []
         for name, t in tensors:
             found = staging.SHARED.locate(t)
-            if found is None or (seg is not None and found[0] is not seg):
-                return None
-            seg = found[0]
-            entries.append(buckets.BucketEntry(name, buckets.dtype_name(t.dtype), tuple(t.shape), found[1]))
-        if seg is None:
-            return None
-        entries.sort(key=lambda e: e.offset)
-        layout = buckets.BucketLayout(tuple(entries), max(e.offset + e.nbytes for e in entries), 1)
-        try:
-            layout.validate()  # aliases (one tensor under two names) overlap: those are packed instead
-        except buckets.BucketError:
-            return None
-        return seg, layout
+            if found is None:
+                rest.append((name, t))
+                continue
+            seg, off = found
+            groups.setdefault(seg.name, (seg, []))[1].append(
+                buckets.BucketEntry(name, buckets.dtype_name(t.dtype), tuple(t.shape), off))
+        shared = []
+        by_name = dict(tensors)
+        for seg, entries in groups.values():
+            entries.sort(key=lambda e: e.offset)
+            layout = buckets.BucketLayout(tuple(entries), max(e.offset + e.nbytes for e in entries), 1)
+            try:
+                layout.validate()
+            except buckets.BucketError:  # one tensor under two names overlaps itself: pack this group
+                rest.extend((e.name, by_name[e.name]) for e in entries)
+                continue
+            shared.append((seg, layout))
+        return shared, rest
 
     def load_bucket(self, tensors: NamedTensors) -> None:
         if self._version is None:
             raise EngineError("load_bucket called before begin_update")
         self._release_dead_segments()
-        found = self.in_place(tensors)
-        seg: staging.Segment | staging.MappedFile
-        if found is not None:
-            seg, layout = found
-            self.shared_bytes += sum(e.nbytes for e in layout.entries)
-        else:
-            layout = buckets.BucketLayout.build((n, t.dtype, t.shape) for n, t in tensors)
+        shared, rest = self.in_place(tensors)
+        parts: list[tuple[staging.Segment | staging.MappedFile, buckets.BucketLayout]] = list(shared)
+        self.shared_bytes += sum(e.nbytes for _, layout in shared for e in layout.entries)
+        if rest:
+            layout = buckets.BucketLayout.build((n, t.dtype, t.shape) for n, t in rest)
             seg = self._ensure_segment(layout.nbytes)
             with torch.no_grad():
-                buckets.pack(seg.tensor, layout, [t for _, t in tensors])
+                buckets.pack(seg.tensor, layout, [t for _, t in rest])
             self.copied_bytes += sum(e.nbytes for e in layout.entries)
-        if seg.tensor.is_cuda:
-            torch.cuda.synchronize(seg.tensor.device)
-        self._request(self.rank, {"op": "bucket", "version": self._version, "segment": seg.handle(),
-                                  "layout": layout.to_dict()})
+            parts.append((seg, layout))
+        for seg, layout in parts:
+            if seg.tensor.is_cuda:
+                torch.cuda.synchronize(seg.tensor.device)
+            self._request(self.rank, {"op": "bucket", "version": self._version, "segment": seg.handle(),
+                                      "layout": layout.to_dict()})
 
     def commit(self, version: int) -> None:
         self._all({"op": "commit", "version": version})

@@ -60,12 +60,12 @@ def test_custom_engine_receive_slots_on_gpu_are_cuda_ipc_segments() -> None:
     alloc = staging.SharedSlotAllocator("wsgpu-recv")
     slot = alloc(1 << 20, torch.device("cuda"))
     t = slot[:4096].view(torch.float32)
-    found = CustomEngineAdapter.in_place([("w", t)])
-    assert found is not None
-    seg, layout = found
+    shared, rest = CustomEngineAdapter.in_place([("w", t)])
+    assert len(shared) == 1 and not rest
+    seg, layout = shared[0]
     assert isinstance(seg, staging.CudaSegment) and seg.handle()["kind"] == "cuda"
     assert layout.entries[0].offset == 0 and layout.nbytes == 4096
-    del slot, t, found, seg
+    del slot, t, shared, seg
     import gc
 
     gc.collect()

@@ -60,10 +60,17 @@ def test_custom_engine_loads_shared_slots_in_place_and_packs_the_rest(tmp_path: 
         assert torch.equal(eng.loaded["a_alias"], tensors["a"]) and torch.equal(eng.loaded["p"], private[0][1])
         assert adapter.copied_bytes == 2 * tensors["a"].numel() * 4 + tensors["b"].numel() * 4 + \
             tensors["c"].numel() * 2 + 5 * 4
+        # a bucket mixing both (whole tensors in the slot, one assembled elsewhere): only the latter is copied
+        copied, shared = adapter.copied_bytes, adapter.shared_bytes
+        assembled = torch.randn(7)
+        load_version(adapter, 3, [[*bucket, ("asm", assembled)]], pause_generation=False)
+        assert torch.equal(eng.loaded["asm"], assembled) and torch.equal(eng.loaded["b"], tensors["b"])
+        assert adapter.copied_bytes - copied == 7 * 4
+        assert adapter.shared_bytes - shared == sum(t.numel() * t.element_size() for t in tensors.values())
         # the transport drops its slot: the engine unmaps it and the agent unlinks it at the next load
         del slot, bucket, aliased
         gc.collect()
-        load_version(adapter, 3, [private], pause_generation=False)
+        load_version(adapter, 4, [private], pause_generation=False)
         assert not list(tmp_path.glob("wstest-recv-*")), "a dropped receive segment must be unlinked"
         assert not any(n.startswith("wstest-recv-") for n in sess._segments), "the engine still maps it"
     finally:
