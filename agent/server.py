@@ -183,7 +183,7 @@ class StagingStore:
                 self._rank_sessions[rank] = session
         if nbytes < 0:
             raise StagingError(f"nbytes must be >= 0, got {nbytes}")
-        slot = self._pool(device).acquire(nbytes)
+        slot = self._pool(device).acquire(nbytes, user=rank)
         with self._lock:
             old = self._pending.pop((rank, version), None)
             self._pending[(rank, version)] = slot

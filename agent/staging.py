@@ -399,6 +399,7 @@ class Slot:
     segment: Segment
     version: int | None = None  # the version whose bytes the slot holds (None while free or being written)
     readers: int = 0            # transfers currently reading it
+    user: int | None = None     # who wrote it last (a trainer rank): it gets it back, already mapped and faulted in
 
 
 class SegmentPool:
@@ -415,21 +416,25 @@ class SegmentPool:
         self._writing: set[int] = set()
         self._lock = threading.Lock()
 
-    def acquire(self, size: int) -> Slot:
+    def acquire(self, size: int, user: int | None = None) -> Slot:
+        """A free slot of at least `size` bytes, preferring one `user` wrote before (its process has it mapped
+        and its pages faulted in: handing a rank another rank's slot costs a fresh mapping per version)."""
         with self._lock:
             free = [s for s in self._slots if s.version is None and s.readers == 0 and id(s) not in self._writing]
             fit = [s for s in free if s.segment.size >= size]
             if fit:
-                slot = min(fit, key=lambda s: s.segment.size)
+                slot = min(fit, key=lambda s: (s.user != user, s.segment.size))
             else:
-                for s in free:  # too small: replace it rather than keep both
-                    s.segment.unlink()
-                    self._slots.remove(s)
+                for s in free:  # this user's slot is too small now: replace it rather than keep both
+                    if s.user == user:
+                        s.segment.unlink()
+                        self._slots.remove(s)
                 slot = Slot(create_segment(size, self.prefix, self.device))
                 self._slots.append(slot)
                 log.info("staging.segment_created bytes=%s slots=%s held_bytes=%s", slot.segment.size,
                          len(self._slots), sum(s.segment.size for s in self._slots))
             self._writing.add(id(slot))
+            slot.user = user
             return slot
 
     def find(self, name: str) -> Slot | None:

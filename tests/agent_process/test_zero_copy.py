@@ -172,3 +172,27 @@ def test_host_staging_pins_only_where_cuda_is(tmp_path: Path, monkeypatch: pytes
     seg.tensor.fill_(7)
     seg.unlink()
     assert staging.STAGING.current == before and not list(tmp_path.iterdir())
+
+
+def test_staging_pool_gives_each_rank_back_its_own_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks publishing through one agent: once warm, each gets back the slot it wrote two versions ago
+    (mapped and faulted in by its process), never the other rank's, and no segment is made any more."""
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    pool = staging.SegmentPool("wspool")
+    try:
+        held: dict[int, list[staging.Slot]] = {0: [], 1: []}
+        for version in range(1, 7):
+            for rank, size in ((0, 5000), (1, 4000)):
+                slot = pool.acquire(size, user=rank)
+                pool.fill(slot, version)
+                held[rank].append(slot)
+                if len(held[rank]) > 1:  # keep=1: the version before the newest is released
+                    pool.release(held[rank][-2])
+        made = len(list(tmp_path.iterdir()))
+        for rank in (0, 1):
+            names = [s.segment.name for s in held[rank]]
+            assert len(set(names[2:])) == 2 and names[4:] == names[2:-2], names  # alternates from version 3 on
+        assert not {s.segment.name for s in held[0][2:]} & {s.segment.name for s in held[1][2:]}
+        assert made <= 5  # two per rank, plus at most one made while the other rank held a borrowed one
+    finally:
+        pool.close()
