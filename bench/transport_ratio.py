@@ -440,21 +440,19 @@ def _span(results: list[dict[str, Any]], key: str, i: int) -> float:
     return max(r[key][i][1] for r in results) - min(r[key][i][0] for r in results)
 
 
-def run_processes(cfg: BenchConfig) -> dict[str, Any]:
-    """Run the agent and raw phases with one process per rank; return the JSON fields."""
+def run_workers(cfg: BenchConfig, worker: Callable[..., None], preload: list[str]) -> list[dict[str, Any]]:
+    """One forkserver process per source and destination rank running `worker(cfg, role, rank, store_port,
+    queue)`; their reports. The first error stops the wait (the others would wait for its rank until their
+    timeout); any error or a missing report raises with every worker's message and trace."""
     from weightsync.agent.transports.nccl import make_store
 
-    metas = model_metas(cfg.size_mb)
-    sources, needs = layouts(cfg, metas)
-    plan = build_plan(sources, needs, cfg.bucket_mb * MiB)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "weightsync.agent.sync", "weightsync.agent.layout",
-                                "weightsync.agent.transports.ipc", "weightsync.agent.transports.nccl"])
+    ctx.set_forkserver_preload(["torch", "weightsync.agent.sync", "weightsync.agent.layout", *preload])
     store = make_store(HOST, 0, is_master=True, timeout=cfg.timeout)
     out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(cfg, "src", r, store.port, out), daemon=True)
+    procs = [ctx.Process(target=worker, args=(cfg, "src", r, store.port, out), daemon=True)
              for r in range(cfg.num_src)]
-    procs += [ctx.Process(target=_worker, args=(cfg, "dst", r, store.port, out), daemon=True)
+    procs += [ctx.Process(target=worker, args=(cfg, "dst", r, store.port, out), daemon=True)
               for r in range(cfg.num_dst)]
     for p in procs:
         p.start()
@@ -465,7 +463,7 @@ def run_processes(cfg: BenchConfig) -> dict[str, Any]:
             try:
                 results.append(out.get(timeout=1.0))
                 if "error" in results[-1]:
-                    break  # the others would wait for it until their timeout
+                    break
             except queue.Empty:
                 if time.monotonic() > deadline or not any(p.is_alive() for p in procs):
                     break
@@ -479,6 +477,15 @@ def run_processes(cfg: BenchConfig) -> dict[str, Any]:
     errors = [f"{r['role']}{r['rank']}: {r['error']}\n{r.get('trace', '')}" for r in results if "error" in r]
     if errors or len(results) < len(procs):
         raise RuntimeError("benchmark worker failed: " + ("\n".join(errors) or "a worker died without a report"))
+    return results
+
+
+def run_processes(cfg: BenchConfig) -> dict[str, Any]:
+    """Run the agent and raw phases with one process per rank; return the JSON fields."""
+    metas = model_metas(cfg.size_mb)
+    sources, needs = layouts(cfg, metas)
+    plan = build_plan(sources, needs, cfg.bucket_mb * MiB)
+    results = run_workers(cfg, _worker, ["weightsync.agent.transports.ipc", "weightsync.agent.transports.nccl"])
     delivered = plan.delivered_bytes()
     agent_s = [_span(results, "agent_times", i) for i in range(cfg.iters)]
     raw_s = [_span(results, "raw_times", i) for i in range(cfg.iters)]

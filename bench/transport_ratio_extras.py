@@ -21,9 +21,7 @@ plus, where the trainer and inference layouts are identical, a checksum of every
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import queue
 import statistics
 import time
 from typing import Any
@@ -255,39 +253,10 @@ def _read_streams(nx: NixlEndpoint, remotes: dict[int, tuple[str, tuple[int, int
 
 def run_gdr(cfg: BenchConfig) -> dict[str, Any]:
     """Run the GDR agent and raw NIXL phases with one process per rank; return the JSON fields."""
-    from weightsync.agent.transports.nccl import make_store
-
     metas = bench.model_metas(cfg.size_mb)
     sources, needs = bench.layouts(cfg, metas)
     plan = build_plan(sources, needs, cfg.bucket_mb * MiB)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "weightsync.agent.sync", "weightsync.agent.layout",
-                                "weightsync.agent.transports.gdr"])
-    store = make_store(bench.HOST, 0, is_master=True, timeout=cfg.timeout)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(cfg, "src", r, store.port, out), daemon=True)
-             for r in range(cfg.num_src)]
-    procs += [ctx.Process(target=_worker, args=(cfg, "dst", r, store.port, out), daemon=True)
-              for r in range(cfg.num_dst)]
-    for p in procs:
-        p.start()
-    results: list[dict[str, Any]] = []
-    deadline = time.monotonic() + cfg.timeout
-    try:
-        while len(results) < len(procs):
-            try:
-                results.append(out.get(timeout=1.0))
-            except queue.Empty:
-                if time.monotonic() > deadline or not any(p.is_alive() for p in procs):
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    errors = [f"{r['role']}{r['rank']}: {r['error']}\n{r.get('trace', '')}" for r in results if "error" in r]
-    if errors or len(results) < len(procs):
-        raise RuntimeError("benchmark worker failed: " + ("\n".join(errors) or "a worker died without a report"))
+    results = bench.run_workers(cfg, _worker, ["weightsync.agent.transports.gdr"])
     delivered = plan.delivered_bytes()
     agent_s = [bench._span(results, "agent_times", i) for i in range(cfg.iters)]
     raw_s = [bench._span(results, "raw_times", i) for i in range(cfg.iters)]
