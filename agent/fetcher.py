@@ -449,7 +449,9 @@ def fetch_version(
                 h, _ = mb.get(P.EPOCH, timeout=EPOCH_TIMEOUT)
                 t, _ = transport_for({**group, "epoch": str(h.get("epoch"))}, plan, f"dst{r}<-src{s}")
                 if receive_allocator is not None:
-                    t.use_allocator(receive_allocator)  # buckets land where the engine loads them from
+                    # a transport that cannot receive into the shared slots (GDR with delta sync) takes its
+                    # own receive buffers from the same allocator, so the engine still loads in place
+                    t.use_allocator(receive_allocator)
                 by_src[s] = t
             transport = RoutingTransport(by_src, receive_slots(r, receive_allocator))
             hook = hooks[r]

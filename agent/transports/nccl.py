@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,9 +93,7 @@ class NcclTransport(Transport):
         self._groups: dict[GroupKey, Any] = {}
         self._incarnation: dict[GroupKey, int] = {}
         self._slots: list[torch.Tensor | None] = [None] * self.num_slots
-        self._private = [False] * self.num_slots  # slot made by this transport (counted in STAGING here)
         self._need = 1  # bytes of a slot for the bound plan
-        self._alloc: Callable[[int, torch.device], torch.Tensor] | None = None  # None: private buffers
         self._ctx: TransportContext | None = None
         self._inflight: set[_WorkPending] = set()
 
@@ -148,36 +145,26 @@ class NcclTransport(Transport):
         self._need = max(1, max((b.nbytes for b in mine), default=0))
         for i, buf in enumerate(self._slots):
             if buf is not None and (buf.numel() < self._need or buf.device != ctx.device):
-                self._set_slot(i, None)  # made again at first use: a sender that only sends in place needs none
+                self._set_slot(i, None)  # made again at first use
 
     def _buffer(self, slot: int) -> torch.Tensor:
+        """Slot buffers are made at first use: a sender that only sends in place needs none, and a receiver
+        behind a RoutingTransport receives into its destination's shared slots (start_recv_into)."""
         if self._ctx is None:
             raise TransportError("transport used before bind()")
         buf = self._slots[slot]
         if buf is None:
-            if self._alloc is not None:  # its segments are counted where they are made
-                buf = self._alloc(self._need, self._ctx.device)
-                self._set_slot(slot, buf, private=False)
-            else:
-                buf = allocate(self._need, self._ctx.device)
-                self._set_slot(slot, buf, private=True)
+            buf = allocate(self._need, self._ctx.device)
+            self._set_slot(slot, buf)
         return buf
 
-    def _set_slot(self, i: int, buf: torch.Tensor | None, *, private: bool = False) -> None:
+    def _set_slot(self, i: int, buf: torch.Tensor | None) -> None:
         old = self._slots[i]
-        if old is not None and self._private[i]:
+        if old is not None:
             STAGING.sub(old.numel())
-        self._slots[i], self._private[i] = buf, private
-        if buf is not None and private:
+        self._slots[i] = buf
+        if buf is not None:
             STAGING.add(buf.numel())
-
-    def use_allocator(self, alloc: Callable[[int, torch.device], torch.Tensor]) -> bool:
-        """Slot buffers from `alloc` from the next bind on; buffers made otherwise are replaced then."""
-        if alloc is not self._alloc:
-            self._alloc = alloc
-            for i in range(self.num_slots):
-                self._set_slot(i, None)
-        return True
 
     def _slot(self, slot: int, nbytes: int) -> torch.Tensor:
         return self._buffer(slot)[:nbytes]
