@@ -511,6 +511,22 @@ class ProgressTable:
         return lines
 
 
+def replica_lines(job: Mapping[str, Any]) -> list[str]:
+    """status.inferenceReplicas as a table (index, pods, served / target version, ready, the load under way,
+    last sync seconds, last error): what `kubectl get wsj NAME -o yaml` holds per replica, one line each."""
+    rows = [["INDEX", "PODS", "SERVED", "TARGET", "READY", "PROGRESS", "LAST-SYNC", "LAST-ERROR"]]
+    for r in (job.get("status") or {}).get("inferenceReplicas") or []:
+        prog = r.get("progress") or {}
+        progress = (f"v{prog['version']} bucket {prog['bucket']}/{prog['buckets']} "
+                    f"{prog['bytes']}/{prog['totalBytes']}B" if prog else "-")
+        last = r.get("lastSyncSeconds")
+        rows.append([str(r.get("index")), ",".join(r.get("pods") or []) or "-", _cell(r.get("servedVersion")),
+                     _cell(r.get("targetVersion")), str(bool(r.get("ready"))), progress,
+                     "-" if last is None else f"{float(last):.3f}s", _cell(r.get("lastError"))])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
 # --- following a job -------------------------------------------------------------------------------------------
 def wait_served(custom: kubernetes.client.CustomObjectsApi, namespace: str, name: str, version: int,
                 timeout: float, on_change: Callable[[JSON], None] | None = None,
@@ -626,6 +642,9 @@ def run_demo(env: Environment, example: str, namespace: str, timeout: float, out
              on_timeout=diagnose)
         out(f"[demo] status.servedVersion reached {last} after {time.monotonic() - t0:.1f}s")
         out(f"[demo] $ kubectl get wsj -o wide\n{env.kubectl('get', 'wsj', '-o', 'wide', '-n', namespace).stdout.rstrip()}")
+        final = get_job(custom, namespace, name)
+        out(f"[demo] status.inferenceReplicas (`kubectl get wsj {name} -o jsonpath='{{.status.inferenceReplicas}}'`):\n"
+            + "\n".join(replica_lines(final)))
         out(f"[demo] $ kubectl get pods -o wide\n{env.kubectl('get', 'pods', '-o', 'wide', '-n', namespace).stdout.rstrip()}")
         report = verify_bit_exact(job_pods(api, namespace, name), last)
         for pod, version in report.engines.items():

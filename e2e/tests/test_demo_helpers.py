@@ -137,3 +137,19 @@ def test_progress_row_reads_each_inference_pods_served_version_annotation():
     row = demo.progress_row(_job(name="j", trainer=7, served=6, synced="False", ready="True"), pods)
     assert row.engines == (("colocated-0", "7"), ("inference-0-0", "6"))  # the trainer pod has no column
     assert (row.trainer, row.served, row.synced, row.ready, row.pods) == ("7", "6", "False", "True", "3/3")
+
+
+def test_replica_lines_show_each_replicas_version_progress_and_error():
+    job = {"status": {"inferenceReplicas": [
+        {"index": 0, "pods": ["j-inference-0-0"], "servedVersion": 7, "targetVersion": 7, "ready": True,
+         "lastSyncSeconds": 0.25},
+        {"index": 1, "pods": ["j-inference-1-0", "j-inference-1-1"], "servedVersion": 6, "targetVersion": 7,
+         "ready": False, "progress": {"version": 7, "bucket": 3, "buckets": 8, "bytes": 300, "totalBytes": 800},
+         "lastError": "EngineUnreachable"},
+    ]}}
+    lines = demo.replica_lines(job)
+    assert lines[0].split() == ["INDEX", "PODS", "SERVED", "TARGET", "READY", "PROGRESS", "LAST-SYNC", "LAST-ERROR"]
+    assert lines[1].split() == ["0", "j-inference-0-0", "7", "7", "True", "-", "0.250s", "-"]
+    assert lines[2].split() == ["1", "j-inference-1-0,j-inference-1-1", "6", "7", "False", "v7", "bucket", "3/8",
+                                "300/800B", "-", "EngineUnreachable"]
+    assert [ln.split() for ln in demo.replica_lines({"status": {}})] == [lines[0].split()]

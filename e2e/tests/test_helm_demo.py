@@ -58,6 +58,11 @@ def test_helm_installed_operator_syncs_the_demo_job_and_uninstalls_cleanly(
         table = [line.split() for line in lines if line.startswith("    ")]
         assert table[0][:6] == ["TIME", "TRAINER", "SERVED", "SYNCED", "READY", "PODS"], lines
         assert table[-1][1:4] == ["3", "3", "True"], lines  # the last line: trainer 3, served 3, Synced
+        # status.inferenceReplicas in the demo: one line per replica, each serving 3 and Ready.
+        block = next(ln for ln in lines if "status.inferenceReplicas" in ln).splitlines()[1:]
+        assert block[0].split()[:5] == ["INDEX", "PODS", "SERVED", "TARGET", "READY"], block
+        assert sorted(row.split()[0] for row in block[1:]) == ["0", "1"], block
+        assert all(row.split()[2] == "3" and row.split()[4] == "True" for row in block[1:]), block
 
         # The chart's RBAC was enough: the operator reconciled the job and never got a 403.
         logs = release.logs()
