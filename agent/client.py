@@ -65,17 +65,14 @@ def default_socket_path() -> Path:
 
 
 def _dtensor_shard(name: str, t: Any) -> LocalShard:
+    """The local tensor and its box; a placement with no box (a _StridedShard whose rows are not
+    contiguous, Partial, unknown types) is refused by name (dtensor_layout.PlacementError)."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from weightsync.agent.dtensor_layout import dtensor_local_box
 
     assert isinstance(t, DTensor)
-    if any(p.is_partial() for p in t.placements):
-        raise ValueError(f"{name}: a DTensor with a Partial placement has no bytes to publish; reduce it first")
-    local_t = t.to_local()
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    if tuple(shape) != tuple(local_t.shape):
-        raise ValueError(f"{name}: local shard shape {tuple(local_t.shape)} does not match its placement {tuple(shape)}")
-    return LocalShard(name, local_t.detach(), tuple(t.shape), tuple(int(o) for o in offset))
+    offset, _shape = dtensor_local_box(name, t)
+    return LocalShard(name, t.to_local().detach(), tuple(t.shape), offset)
 
 
 def _is_sharded_tensor(t: Any) -> bool:

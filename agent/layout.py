@@ -181,13 +181,14 @@ def shard_from_local(
 
 def shard_from_dtensor(name: str, t: Any) -> tuple[TensorShard, torch.Tensor]:
     """(shard, local tensor) of a DTensor (e.g. FSDP2 Shard(0)): global shape and the global offset
-    of this rank's local chunk. Plain tensors come back whole."""
+    of this rank's local chunk (any Shard / _StridedShard / Replicate placement whose rows are contiguous;
+    others raise dtensor_layout.PlacementError). Plain tensors come back whole."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
         return TensorShard.full(name, t.dtype, tuple(t.shape)), t
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from .dtensor_layout import dtensor_local_box
 
+    offset, _shape = dtensor_local_box(name, t)
     local = t.to_local()
-    _shape, offset = compute_local_shape_and_global_offset(tuple(t.shape), t.device_mesh, t.placements)
-    return shard_from_local(name, local, tuple(t.shape), tuple(int(o) for o in offset)), local
+    return shard_from_local(name, local, tuple(t.shape), offset), local
