@@ -147,6 +147,9 @@ class OperatorConfig:
     dra_device_class_name: str = ""
     # Periodic level-triggered resync of every known job (seconds); watch events trigger sooner.
     resync_seconds: float = 30.0
+    # Events of one job within this window become one reconcile (and so at most one status write): the
+    # agents of a job commit a version at about the same moment.
+    batch_seconds: float = 0.05
     # Ports of the operator process itself.
     metrics_port: int = 8080
     health_port: int = 8081
@@ -178,6 +181,7 @@ class OperatorConfig:
             rdma_resource_name=e.get("WEIGHTSYNC_RDMA_RESOURCE") or DEFAULT_RDMA_RESOURCE,
             dra_device_class_name=(e.get("WEIGHTSYNC_DRA_DEVICE_CLASS") or "").strip(),
             resync_seconds=float(e.get("WEIGHTSYNC_RESYNC_SECONDS") or 30.0),
+            batch_seconds=float(e.get("WEIGHTSYNC_BATCH_SECONDS") or 0.05),
             metrics_port=_int(e, "WEIGHTSYNC_METRICS_PORT", 8080),
             health_port=_int(e, "WEIGHTSYNC_HEALTH_PORT", 8081),
             dry_run_templates=_bool(e.get("WEIGHTSYNC_DRY_RUN_TEMPLATES"), True),

@@ -1,11 +1,14 @@
-"""kopf wiring: thin handlers that only enqueue work for the reconciler.
+"""kopf wiring: the process lifecycle around the reconciler, its watch caches and its work queue.
 
-Why `on.event` rather than `on.create/update/resume` plus a timer: every event (of the job or of one of
-its pods) just means "reconcile job X", which is what a level-triggered reconciler wants; kopf then keeps
-no progress or diff-base annotations on the user's object and adds no finalizer (timers and daemons
-would), so restarting the operator leaves every resourceVersion untouched and deleting a job never waits
-for the operator. Owned objects are garbage-collected through their owner references. A periodic resync
-covers missed events and deletions of owned objects other than pods.
+Why the operator's own informers (operator/informers.py) rather than kopf's watch handlers: a reconcile
+reads the job and everything it owns from memory instead of GETting eight kinds, and the watch event
+that updated the cache is the one that asks for the reconcile, so a pass never sees state older than its
+trigger. Every event (of the job or of one of its objects) only means "reconcile job X", which is what a
+level-triggered reconciler wants. kopf keeps no progress or diff-base annotations on the user's object
+and adds no finalizer, so restarting the operator leaves every resourceVersion untouched and deleting a
+job never waits for the operator; owned objects are garbage-collected through their owner references.
+kopf still runs the process: startup/cleanup, liveness probes, and peering (active/standby), whose
+answer gates the reconciles (operator/leadership.py). A periodic resync covers anything missed.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from weightsync.crds import contract
 from weightsync.operator import metrics
 from weightsync.operator.config import OperatorConfig
 from weightsync.operator.events import EventRecorder
+from weightsync.operator.informers import OWNED_KINDS, Informers
 from weightsync.operator.kube import Kube
-from weightsync.operator.leadership import PeeringGuard
-from weightsync.operator.reconcile import Reconciler
+from weightsync.operator.leadership import PEERING_LIFETIME_S, REFRESH_SECONDS, PeeringGuard
+from weightsync.operator.reconcile import CachedReader, Reconciler
 from weightsync.operator.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,7 @@ class RuntimeOptions:
     peering_namespace: str | None = None
     priority: int = 0
     scanning: bool = True
+    namespaces: list[str] | None = None  # None: every namespace (cluster-wide)
 
 
 @dataclass
@@ -48,7 +53,30 @@ class OperatorState:
     reconciler: Reconciler
     queue: WorkQueue
     guard: PeeringGuard
+    informers: Informers
+    loop: asyncio.AbstractEventLoop
+    ready: bool = False  # the caches are synced: reconciles may start
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    def request_all(self) -> None:
+        for key in self.informers.jobs():
+            self.queue.request(key)
+
+    def on_change(self, kind: str, type_: str, obj: dict[str, Any]) -> None:
+        """Informer callback (its thread): hand the owning job's key to the event loop."""
+        meta = obj.get("metadata") or {}
+        ns = str(meta.get("namespace") or "")
+        name = str(meta.get("name") or "") if kind == contract.KIND else owner_job(obj)
+        if name:
+            self.loop.call_soon_threadsafe(self._changed, kind, type_, (ns, name))
+
+    def _changed(self, kind: str, type_: str, key: tuple[str, str]) -> None:
+        if kind == contract.KIND and type_ == "DELETED":
+            self.queue.forget(key)
+            metrics.forget_job(*key)
+            return
+        if self.ready and self.guard.is_active:
+            self.queue.request(key)
 
 
 OPTIONS = RuntimeOptions()
@@ -72,6 +100,7 @@ def tune(settings: kopf.OperatorSettings, opts: RuntimeOptions) -> None:
     settings.posting.enabled = True
     settings.posting.level = logging.WARNING     # only problems become Events on the job
     settings.peering.stealth = True              # no keep-alive chatter in the logs
+    settings.peering.lifetime = PEERING_LIFETIME_S  # a killed leader's entry expires this fast
     settings.execution.max_workers = 8
     settings.scanning.disabled = not opts.scanning
 
@@ -79,16 +108,36 @@ def tune(settings: kopf.OperatorSettings, opts: RuntimeOptions) -> None:
 async def _resync_loop(state: OperatorState) -> None:
     while True:
         await asyncio.sleep(state.cfg.resync_seconds)
+        metrics.JOBS.set(len(state.informers.jobs()))
+        if state.ready and state.guard.is_active:
+            state.request_all()
+
+
+async def _leadership_loop(state: OperatorState) -> None:
+    """Re-read the peering object; on becoming the active replica, reconcile every job at once."""
+    while True:
         try:
-            active = await asyncio.to_thread(state.guard.active)
-        except Exception as err:
-            log.warning("resync skipped error=%r", err)
-            continue
-        metrics.JOBS.set(len(state.queue.known))
-        if not active:
-            continue
-        for key in list(state.queue.known):
-            state.queue.request(key)
+            active, changed = await asyncio.to_thread(state.guard.refresh)
+        except Exception as err:  # the guard answers False itself on API errors; this is anything else
+            log.warning("leadership check failed error=%r", err)
+        else:
+            if changed and active and state.ready:
+                state.request_all()
+        await asyncio.sleep(REFRESH_SECONDS)
+
+
+async def _start_caches(state: OperatorState) -> None:
+    """List and watch; reconciles start only once every cache holds the whole picture (a job whose pods
+    are not listed yet would look as if it had none)."""
+    state.informers.start()
+    synced = await asyncio.to_thread(state.informers.wait_synced, 300.0)
+    if not synced:
+        log.warning("watch caches not synced after 300 s; starting anyway (their retries continue)")
+    state.ready = True
+    metrics.JOBS.set(len(state.informers.jobs()))
+    log.info("watch caches synced jobs=%d", len(state.informers.jobs()), extra={"jobs": len(state.informers.jobs())})
+    if state.guard.is_active:
+        state.request_all()
 
 
 @kopf.on.startup()
@@ -98,13 +147,20 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     cfg = opts.config or OperatorConfig.from_env()
     tune(settings, opts)
     kube = await asyncio.to_thread(Kube.from_environment, float(settings.networking.request_timeout or 60))
-    reconciler = Reconciler(kube, cfg, EventRecorder(kube))
+    kinds = (*OWNED_KINDS, "ResourceClaimTemplate") if cfg.dra_device_class_name else OWNED_KINDS
     guard = PeeringGuard(kube, opts.identity, opts.standalone, opts.peering_name, opts.peering_namespace, opts.priority)
     await asyncio.to_thread(guard.ensure_object)
-    queue = WorkQueue(reconciler.reconcile)
-    STATE = OperatorState(cfg=cfg, kube=kube, reconciler=reconciler, queue=queue, guard=guard)
+    informers = Informers(kube, opts.namespaces, kinds=kinds)
+    reconciler = Reconciler(kube, cfg, EventRecorder(kube), reader=CachedReader(kube, informers))
+    queue = WorkQueue(reconciler.reconcile, batch_seconds=cfg.batch_seconds)
+    STATE = OperatorState(cfg=cfg, kube=kube, reconciler=reconciler, queue=queue, guard=guard, informers=informers,
+                          loop=asyncio.get_running_loop())
+    informers.on_change = STATE.on_change
     metrics.serve(cfg.metrics_port)
-    STATE.tasks.append(asyncio.get_running_loop().create_task(_resync_loop(STATE), name="resync"))
+    loop = asyncio.get_running_loop()
+    STATE.tasks.append(loop.create_task(_leadership_loop(STATE), name="leadership"))
+    STATE.tasks.append(loop.create_task(_start_caches(STATE), name="caches"))
+    STATE.tasks.append(loop.create_task(_resync_loop(STATE), name="resync"))
     log.info(
         "operator started agent_image=%s node_gpu_count=%d resync_seconds=%s standalone=%s",
         cfg.agent_image, cfg.node_gpu_count, cfg.resync_seconds, opts.standalone,
@@ -118,18 +174,9 @@ async def cleanup(**_: Any) -> None:
         return
     for t in STATE.tasks:
         t.cancel()
+    STATE.informers.stop()
     STATE.queue.cancel_all()
     STATE = None
-
-
-@kopf.on.event(contract.GROUP, contract.VERSION, contract.PLURAL)
-async def job_event(event: kopf.RawEvent, name: str, namespace: str | None, **_: Any) -> None:
-    key = (namespace or "", name)
-    if event.get("type") == "DELETED":
-        _state().queue.forget(key)
-        metrics.forget_job(*key)
-        return
-    _state().queue.request(key)
 
 
 def owner_job(body: dict[str, Any]) -> str | None:
@@ -140,13 +187,6 @@ def owner_job(body: dict[str, Any]) -> str | None:
     return None
 
 
-@kopf.on.event("v1", "pods", labels={contract.LABEL_MANAGED_BY: contract.MANAGED_BY, contract.LABEL_JOB: kopf.PRESENT})
-async def pod_event(body: kopf.Body, namespace: str | None, **_: Any) -> None:
-    job = owner_job(dict(body))
-    if job and namespace:
-        _state().queue.request((namespace, job))
-
-
 @kopf.on.probe(id="jobs")
 def probe_jobs(**_: Any) -> int:
-    return len(STATE.queue.known) if STATE is not None else 0
+    return len(STATE.informers.jobs()) if STATE is not None else 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from weightsync.crds import contract
+from weightsync.operator.metrics import API_REQUESTS
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +110,11 @@ class Kube:
         return cls(k8s_client.ApiClient(), request_timeout)
 
     # --- plumbing ---------------------------------------------------------------------------------------
-    def _path(self, kind: str, namespace: str | None, name: str | None = None, sub: str | None = None) -> str:
+    def _path(self, kind: str, namespace: str | None, name: str | None = None, sub: str | None = None,
+              all_namespaces: bool = False) -> str:
         info = RESOURCES[kind]
         path = info.base()
-        if info.namespaced:
+        if info.namespaced and not (all_namespaces and namespace is None and name is None):
             if not namespace:
                 raise ValueError(f"{kind} is namespaced: a namespace is required")
             path += f"/namespaces/{namespace}"
@@ -130,7 +132,10 @@ class Kube:
         body: Any = None,
         query: list[tuple[str, str]] | None = None,
         content_type: str = "application/json",
+        verb: str = "",
+        kind: str = "",
     ) -> Obj:
+        API_REQUESTS.labels(verb or method.lower(), kind).inc()
         headers = {"Accept": "application/json", "Content-Type": content_type}
         try:
             method_, url, hdrs, body_, post = self.api.param_serialize(
@@ -147,7 +152,7 @@ class Kube:
 
     # --- verbs ------------------------------------------------------------------------------------------
     def get(self, kind: str, namespace: str | None, name: str) -> Obj:
-        return self._call("GET", self._path(kind, namespace, name))
+        return self._call("GET", self._path(kind, namespace, name), verb="get", kind=kind)
 
     def get_or_none(self, kind: str, namespace: str | None, name: str) -> Obj | None:
         try:
@@ -161,14 +166,65 @@ class Kube:
         query = []
         if label_selector:
             query.append(("labelSelector", ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))))
-        out = self._call("GET", self._path(kind, namespace), query=query)
+        out = self._call("GET", self._path(kind, namespace), query=query, verb="list", kind=kind)
         return list(out.get("items") or [])
+
+    def list_page(self, kind: str, namespace: str | None, label_selector: str = "", limit: int = 500,
+                  cont: str = "") -> Obj:
+        """One page of a LIST (namespace None: every namespace) as the server sent it (items plus metadata.resourceVersion / continue): what
+        an informer needs to start a watch where the list ended."""
+        query = [("limit", str(limit))]
+        if label_selector:
+            query.append(("labelSelector", label_selector))
+        if cont:
+            query.append(("continue", cont))
+        return self._call("GET", self._path(kind, namespace, all_namespaces=True), query=query, verb="list", kind=kind)
+
+    def watch(self, kind: str, namespace: str | None, resource_version: str, label_selector: str = "",
+              timeout_seconds: int = 300, on_open: Any = None) -> Iterator[Obj]:
+        """Watch events ({type, object}) from RESOURCE_VERSION, with bookmarks, until the server closes the
+        stream (after about TIMEOUT_SECONDS). ON_OPEN gets the open response (so another thread can close
+        it to stop the watch). A 410 Gone arrives as an ERROR event, as the API server sends it."""
+        query = [("watch", "true"), ("allowWatchBookmarks", "true"), ("resourceVersion", resource_version),
+                 ("timeoutSeconds", str(timeout_seconds))]
+        if label_selector:
+            query.append(("labelSelector", label_selector))
+        API_REQUESTS.labels("watch", kind).inc()
+        headers = {"Accept": "application/json"}
+        try:
+            method_, url, hdrs, body_, post = self.api.param_serialize(
+                "GET", self._path(kind, namespace, all_namespaces=True), query_params=query, header_params=headers,
+                auth_settings=["BearerToken"],
+            )
+            resp = self.api.call_api(method_, url, hdrs, body_, post,
+                                     _request_timeout=(self.timeout, timeout_seconds + 30))
+        except ApiException as exc:
+            raise _error(exc) from None
+        raw = resp.response
+        try:
+            if not 200 <= int(resp.status) <= 299:
+                data = raw.read()
+                raise _error(ApiException(status=resp.status, reason=resp.reason,
+                                          body=data.decode(errors="replace") if data else None))
+            if on_open is not None:
+                on_open(raw)
+            buf = b""
+            for chunk in raw.stream(65536, decode_content=True):
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        yield json.loads(line)
+            if buf.strip():
+                yield json.loads(buf)
+        finally:
+            raw.release_conn()
 
     def create(self, obj: Obj, dry_run: bool = False) -> Obj:
         kind = obj["kind"]
         ns = obj.get("metadata", {}).get("namespace")
         query = [("dryRun", "All")] if dry_run else []
-        return self._call("POST", self._path(kind, ns), body=obj, query=query)
+        return self._call("POST", self._path(kind, ns), body=obj, query=query, verb="create", kind=kind)
 
     def patch(
         self,
@@ -184,7 +240,8 @@ class Kube:
             "strategic": "application/strategic-merge-patch+json",
             "json": "application/json-patch+json",
         }[patch_type]
-        return self._call("PATCH", self._path(kind, namespace, name, subresource), body=patch, content_type=ctype)
+        return self._call("PATCH", self._path(kind, namespace, name, subresource), body=patch, content_type=ctype,
+                          verb="patch", kind=kind)
 
     def delete(self, kind: str, namespace: str | None, name: str, uid: str | None = None) -> bool:
         """Delete; False when it was already gone. `uid` guards against deleting a newer namesake."""
@@ -192,7 +249,7 @@ class Kube:
         if uid:
             body["preconditions"] = {"uid": uid}
         try:
-            self._call("DELETE", self._path(kind, namespace, name), body=body)
+            self._call("DELETE", self._path(kind, namespace, name), body=body, verb="delete", kind=kind)
         except KubeError as err:
             if err.not_found or err.conflict:
                 return False

@@ -1,8 +1,13 @@
 """Which replica of the operator may act, under kopf peering.
 
-kopf pauses its watch streams on every replica but the highest-priority live peer. The periodic resync
-runs outside kopf's handlers, so it asks the same question of the peering object before acting. With
-`--standalone` (one replica) the answer is always yes.
+kopf keeps every replica's entry (priority, last seen, lifetime) in the peering object and pauses all but
+the highest-priority live peer. The operator's own watch caches run on every replica (a standby that
+takes over starts with warm caches), so the reconciles they trigger, and the periodic resync, are gated
+on the same rule read from the same object: `refresh()` reads it every few seconds, `is_active` is the
+answer in between. A leader that dies without removing its entry (SIGKILL, a lost node) is seen as dead
+once its entry is older than its lifetime (PEERING_LIFETIME_S, set in kopf's settings), so a standby
+takes over within about that lifetime plus one refresh period. With `--standalone` (one replica) the
+answer is always yes.
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from weightsync.operator.kube import Kube, KubeError
+from weightsync.operator.metrics import LEADER
 
 log = logging.getLogger(__name__)
+PEERING_LIFETIME_S = 20  # a replica's entry counts as live this long after its last keep-alive
+REFRESH_SECONDS = 2.0
 
 
 def _parse_time(raw: str) -> datetime | None:
@@ -50,6 +58,21 @@ class PeeringGuard:
         self.name = name
         self.namespace = namespace
         self.priority = priority
+        self.is_active = standalone or kube is None
+        self._decided = False
+
+    def refresh(self) -> tuple[bool, bool]:
+        """Read the peering object once; returns (active now, changed since the last refresh). Logs the
+        first answer and every change (`leadership active=...`)."""
+        now = self.active()
+        changed = now != self.is_active
+        if changed or not self._decided:
+            log.info("leadership active=%s identity=%s priority=%d", now, self.identity, self.priority,
+                     extra={"active": now, "identity": self.identity, "priority": self.priority})
+        self._decided = True
+        self.is_active = now
+        LEADER.set(1 if now else 0)
+        return now, changed
 
     @property
     def kind(self) -> str:

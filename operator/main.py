@@ -97,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         priority=priority,
         # Watching CRDs/namespaces needs cluster-scoped read access; a namespaced install has only a Role.
         scanning=bool(args.all_namespaces),
+        namespaces=None if args.all_namespaces else namespaces,
     )
     liveness = f"http://0.0.0.0:{cfg.health_port}/healthz" if cfg.health_port > 0 else None
     log.info("starting scope=%s standalone=%s identity=%s", "cluster" if args.all_namespaces else ",".join(namespaces),

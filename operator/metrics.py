@@ -26,6 +26,17 @@ RECONCILE_DURATION = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
 JOBS = Gauge("weightsync_operator_jobs", "WeightSyncJobs this operator instance currently tracks.")
+API_REQUESTS = Counter(
+    "weightsync_operator_api_requests_total",
+    "Requests this operator sent to the API server, by verb (get, list, watch, create, patch, delete) and kind.",
+    ["verb", "kind"],
+)
+CACHED_OBJECTS = Gauge("weightsync_operator_cached_objects", "Objects held in the operator's watch caches, by kind.",
+                       ["kind"])
+RELISTS = Counter("weightsync_operator_informer_relists_total",
+                  "Full LISTs by the watch caches, by kind (1 per kind and namespace at start; more after 410 Gone "
+                  "or a broken watch).", ["kind"])
+LEADER = Gauge("weightsync_operator_leader", "1 while this replica is the active one (always 1 without peering).")
 
 # --- per-job series, set from each aggregated status (what `kubectl get wsj` shows, as time series) ------
 # Not `namespace` / `job`: Prometheus sets those on every scraped series (the scrape target's), and would

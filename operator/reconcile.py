@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 from weightsync.crds import contract
@@ -25,6 +25,7 @@ from weightsync.operator import topology as topo
 from weightsync.operator.common import JobRef, job_selector, stable_hash
 from weightsync.operator.config import OperatorConfig
 from weightsync.operator.events import EventRecorder
+from weightsync.operator.informers import Informers
 from weightsync.operator.kube import Kube, KubeError
 from weightsync.operator.placement import plan as make_plan
 from weightsync.operator.pods import TemplateError, build_pods
@@ -100,10 +101,54 @@ def _desired_hash(desired: Mapping[str, Any]) -> str:
     return stable_hash(body)
 
 
+class Reader(Protocol):
+    """Where a pass reads the job and what it owns: the API (DirectReader) or the watch caches."""
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None: ...
+    def pods_of(self, job: JobRef) -> list[Obj]: ...
+    def assume(self, obj: Obj) -> None: ...
+
+
+class DirectReader:
+    """GET / LIST per pass (tests with a fake API, and tools without a watch)."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        return self.kube.get_or_none(kind, namespace, name)
+
+    def pods_of(self, job: JobRef) -> list[Obj]:
+        return self.kube.list("Pod", job.namespace, job_selector(job))
+
+    def assume(self, obj: Obj) -> None:
+        return None
+
+
+class CachedReader:
+    """Reads from the informers' caches; kinds they do not hold fall back to a GET."""
+
+    def __init__(self, kube: Kube, informers: Informers) -> None:
+        self.kube = kube
+        self.informers = informers
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        if self.informers.serves(kind):
+            return self.informers.get(kind, namespace, name)
+        return self.kube.get_or_none(kind, namespace, name)
+
+    def pods_of(self, job: JobRef) -> list[Obj]:
+        return self.informers.of_job("Pod", job.namespace, job.name)
+
+    def assume(self, obj: Obj) -> None:
+        self.informers.assume(obj)
+
+
 class Reconciler:
     def __init__(self, kube: Kube, cfg: OperatorConfig, events: EventRecorder | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, reader: Reader | None = None) -> None:
         self.kube = kube
+        self.reader: Reader = reader or DirectReader(kube)
         self.cfg = cfg
         self.events = events or EventRecorder(kube)
         self.clock = clock
@@ -116,7 +161,7 @@ class Reconciler:
     # --- entry points ----------------------------------------------------------------------------------
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
         """Reconcile by key; None when the job is gone or being deleted (garbage collection does the rest)."""
-        body = self.kube.get_or_none(contract.KIND, namespace, name)
+        body = self.reader.get(contract.KIND, namespace, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             m.forget_job(namespace, name)
             return None
@@ -171,7 +216,7 @@ class Reconciler:
             rct = dra.build_resource_claim_template(job, spec, self.cfg)
             if rct is not None:
                 self._ensure(job, rct, out)
-            prev_cm = self.kube.get_or_none("ConfigMap", job.namespace, contract.topology_configmap_name(job.name))
+            prev_cm = self.reader.get("ConfigMap", job.namespace, contract.topology_configmap_name(job.name))
             if prev_cm is not None and _controller_uid(prev_cm) not in (None, job.uid):
                 prev_cm = None  # a namesake job's leftover, about to be garbage-collected
             cm = topo.build_topology_configmap(job, spec, plan, pods, prev_cm)
@@ -216,7 +261,7 @@ class Reconciler:
 
     # --- owned objects -----------------------------------------------------------------------------------
     def _owned_pods(self, job: JobRef) -> dict[str, Obj]:
-        pods = self.kube.list("Pod", job.namespace, job_selector(job))
+        pods = self.reader.pods_of(job)
         return {p["metadata"]["name"]: p for p in pods if _controller_uid(p) == job.uid}
 
     def _ensure(self, job: JobRef, desired: Obj, out: Outcome, existing: Obj | None = None) -> Obj:
@@ -224,17 +269,23 @@ class Reconciler:
         name = desired["metadata"]["name"]
         h = _desired_hash(desired)
         desired["metadata"].setdefault("annotations", {})[contract.ANN_SPEC_HASH] = h
-        current = existing if existing is not None else self.kube.get_or_none(kind, job.namespace, name)
+        current = existing if existing is not None else self.reader.get(kind, job.namespace, name)
         if current is None:
             try:
                 created = self.kube.create(desired)
             except KubeError as err:
-                if err.conflict:
-                    return desired  # created concurrently (another pass or a namesake): look again next time
-                raise
-            out.created.append(f"{kind}/{name}")
-            _log_change("created", kind, job, name)
-            return created
+                if not err.conflict:
+                    raise
+                # Not in the cache, yet it exists: a namesake without our label, or a create the watch has
+                # not delivered yet. One GET tells which (the owner check below).
+                current = self.kube.get_or_none(kind, job.namespace, name)
+                if current is None:
+                    return desired  # deleted meanwhile: the next pass creates it
+            else:
+                self.reader.assume(created)
+                out.created.append(f"{kind}/{name}")
+                _log_change("created", kind, job, name)
+                return created
         owner = _controller_uid(current)
         if owner != job.uid:
             if owner is None:
@@ -252,6 +303,7 @@ class Reconciler:
             if f in desired:
                 patch[f] = desired[f]
         patched = self.kube.patch(kind, job.namespace, name, patch)
+        self.reader.assume(patched)
         out.patched.append(f"{kind}/{name}")
         _log_change("patched", kind, job, name)
         return patched
@@ -320,6 +372,7 @@ class Reconciler:
         problem = self._create_pods(job, missing, out, mode)
         if problem is not None:
             return problem
+        patches: list[tuple[str, Obj]] = []
         for name, pod in observed.items():
             if podstate.is_terminating(pod):
                 continue
@@ -335,16 +388,40 @@ class Reconciler:
             have = podstate.pod_annotations(pod)
             diff = {k: v for k, v in want.items() if have.get(k) != v}
             if diff:
-                self.kube.patch("Pod", job.namespace, name, {"metadata": {"annotations": diff}})
-                out.patched.append(f"Pod/{name}")
+                patches.append((name, diff))
+        self._patch_pods(job, patches, out)
         return None
+
+    def _patch_pods(self, job: JobRef, patches: list[tuple[str, Obj]], out: Outcome) -> None:
+        """Send the desired-annotation patches concurrently (a new version targets every inference pod at
+        once: 256 sequential round trips would be most of publish -> status); the first error is raised."""
+
+        def patch(item: tuple[str, Obj]) -> Obj | KubeError:
+            name, diff = item
+            try:
+                return self.kube.patch("Pod", job.namespace, name, {"metadata": {"annotations": diff}})
+            except KubeError as err:
+                return err
+
+        if len(patches) <= 1:
+            results = [patch(p) for p in patches]
+        else:
+            with ThreadPoolExecutor(max_workers=min(CREATE_CONCURRENCY, len(patches))) as pool:
+                results = list(pool.map(patch, patches))
+        for (name, _), res in zip(patches, results, strict=True):
+            if isinstance(res, KubeError):
+                if res.not_found:
+                    continue  # deleted meanwhile: its deletion event brings us back
+                raise res
+            self.reader.assume(res)
+            out.patched.append(f"Pod/{name}")
 
     def _create_pods(self, job: JobRef, missing: list[Obj], out: Outcome, mode: str) -> Problem | None:
         """Create pods concurrently (a 64-replica job is 65 POSTs); the first refusal is reported."""
 
         def create(pod: Obj) -> tuple[str, KubeError | None]:
             try:
-                self.kube.create(pod)
+                self.reader.assume(self.kube.create(pod))
             except KubeError as err:
                 return pod["metadata"]["name"], err
             return pod["metadata"]["name"], None
@@ -403,7 +480,8 @@ class Reconciler:
         for key in previous:
             if key not in patch:
                 patch[key] = None
-        self.kube.patch(contract.KIND, job.namespace, job.name, {"status": patch}, subresource="status")
+        written = self.kube.patch(contract.KIND, job.namespace, job.name, {"status": patch}, subresource="status")
+        self.reader.assume(written)  # the next pass compares with what is stored now, not a stale copy
         out.status_written = True
 
     def _report_forbidden(self, body: Obj, err: KubeError) -> None:

@@ -2,7 +2,9 @@
 
 Watch events arrive in bursts (creating ten pods yields dozens of pod events); each only says "look at
 job X again". A request while X is being reconciled sets a flag so X runs once more afterwards, never
-concurrently. Failures are retried with exponential backoff. The reconcile itself is synchronous (the
+concurrently. With a batch window, a reconcile starts that long after the first request, so the pod
+events of one version (every replica commits at about the same time) become one pass and one status
+write. Failures are retried with exponential backoff. The reconcile itself is synchronous (the
 kubernetes client) and runs in a worker thread.
 """
 
@@ -24,8 +26,10 @@ class WorkQueue:
         work: Callable[[str, str], Any],
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
+        batch_seconds: float = 0.0,
     ) -> None:
         self.work = work
+        self.batch_seconds = batch_seconds
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self._running: dict[Key, asyncio.Task[None]] = {}
@@ -54,6 +58,8 @@ class WorkQueue:
 
     async def _run(self, key: Key) -> None:
         try:
+            if self.batch_seconds > 0:
+                await asyncio.sleep(self.batch_seconds)  # requests meanwhile join this pass
             while True:
                 self._again.discard(key)
                 try:

@@ -67,11 +67,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/*
 The rules the operator needs, in one place for the Role and the ClusterRole. Every verb is used:
 - weightsyncjobs: watched (kopf), read by the reconciler; status written through the subresource.
-- pods: created, listed/watched (kopf), annotations patched, surplus deleted. pods/status and configmap
-  list/watch are not used by the operator itself but are granted to the per-job agent Role, and RBAC
+- pods: created, listed/watched (the operator's watch cache), annotations patched, surplus deleted.
+  pods/status is not used by the operator itself but is granted to the per-job agent Role, and RBAC
   only lets a subject grant what it holds (escalation check).
 - services, configmaps, serviceaccounts, roles, rolebindings, networkpolicies, resourceclaimtemplates:
-  read, created and patched when they drift.
+  listed and watched (label app.kubernetes.io/managed-by=weightsync-operator) into the operator's caches
+  instead of a GET per reconcile; read once by name when a create meets a namesake; created and patched
+  when they drift.
 - secrets: create only (the per-job token; never read back).
 - events: create (kopf and the reconciler post them on the job).
 */}}
@@ -93,7 +95,7 @@ The rules the operator needs, in one place for the Role and the ClusterRole. Eve
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]
@@ -105,11 +107,11 @@ The rules the operator needs, in one place for the Role and the ClusterRole. Eve
   verbs: ["create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["resource.k8s.io"]
   resources: ["resourceclaimtemplates"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 {{- end -}}
