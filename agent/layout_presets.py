@@ -1,0 +1,160 @@
+"""Layout presets: model shape rules and trainer namings of real model families, scaled by config.
+
+`MEGATRON_LLAMA` maps Megatron-core names (local layer numbers per pipeline stage, fused `linear_qkv`
+per KV group, fused `linear_fc1` = [gate, up] per TP shard, TE's fused layer norms) to Hugging Face
+Llama / Qwen2 names; `HF` (layout_spec) is the identity for trainers that already use HF names (FSDP2).
+The shape functions give both sides' tensor metadata for a `ModelShape` (the bench scales them down).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .layout import TensorMeta
+from .layout_spec import HF, Attention, Fuse, Naming, Rename
+
+_L = r"decoder\.layers\.(?P<layer>\d+)\."
+_H = "model.layers.{layer}."
+
+MEGATRON_LLAMA = Naming(
+    "megatron",
+    rules=(
+        Rename(r"embedding\.word_embeddings\.weight", "model.embed_tokens.weight"),
+        Fuse(_L + r"self_attention\.linear_qkv\.weight",
+             (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"), "qkv"),
+        Fuse(_L + r"self_attention\.linear_qkv\.bias",
+             (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"), "qkv"),
+        Rename(_L + r"self_attention\.linear_qkv\.layer_norm_weight", _H + "input_layernorm.weight"),
+        Rename(_L + r"self_attention\.linear_proj\.weight", _H + "self_attn.o_proj.weight"),
+        Fuse(_L + r"mlp\.linear_fc1\.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up"),
+        Rename(_L + r"mlp\.linear_fc1\.layer_norm_weight", _H + "post_attention_layernorm.weight"),
+        Rename(_L + r"mlp\.linear_fc2\.weight", _H + "mlp.down_proj.weight"),
+        Rename(r"decoder\.final_layernorm\.weight", "model.norm.weight"),
+        Rename(r"output_layer\.weight", "lm_head.weight"),
+    ),
+    tp_rules={
+        r"\.linear_qkv\.(weight|bias)$": "column",
+        r"\.linear_fc1\.weight$": "column",
+        r"\.linear_proj\.weight$": "row",
+        r"\.linear_fc2\.weight$": "row",
+        r"(^|\.)(word_embeddings|output_layer)\.weight$": "vocab",
+        r"layer_norm_weight$": "replicated",
+    },
+    local_layers=True,
+)
+
+NAMINGS: dict[str, Naming] = {"hf": HF, "megatron": MEGATRON_LLAMA}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape rules of a dense Llama / Qwen2-style decoder (GQA when kv_heads < heads)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    dtype: str = "bfloat16"
+
+    @property
+    def attention(self) -> Attention:
+        return Attention(self.heads, self.kv_heads, self.head_dim)
+
+
+def hf_metas(m: ModelShape) -> list[TensorMeta]:
+    """The engine's (HF) tensors of the model; lm_head is left out when tied."""
+    dt, h, q, kv = m.dtype, m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
+    out = [TensorMeta("model.embed_tokens.weight", dt, (m.vocab, h))]
+    for i in range(m.layers):
+        p = f"model.layers.{i}."
+        out += [TensorMeta(p + "input_layernorm.weight", dt, (h,)),
+                TensorMeta(p + "self_attn.q_proj.weight", dt, (q, h)),
+                TensorMeta(p + "self_attn.k_proj.weight", dt, (kv, h)),
+                TensorMeta(p + "self_attn.v_proj.weight", dt, (kv, h))]
+        if m.qkv_bias:
+            out += [TensorMeta(p + "self_attn.q_proj.bias", dt, (q,)), TensorMeta(p + "self_attn.k_proj.bias", dt, (kv,)),
+                    TensorMeta(p + "self_attn.v_proj.bias", dt, (kv,))]
+        out += [TensorMeta(p + "self_attn.o_proj.weight", dt, (h, q)),
+                TensorMeta(p + "post_attention_layernorm.weight", dt, (h,)),
+                TensorMeta(p + "mlp.gate_proj.weight", dt, (m.ffn, h)),
+                TensorMeta(p + "mlp.up_proj.weight", dt, (m.ffn, h)),
+                TensorMeta(p + "mlp.down_proj.weight", dt, (h, m.ffn))]
+    out.append(TensorMeta("model.norm.weight", dt, (h,)))
+    if not m.tie_word_embeddings:
+        out.append(TensorMeta("lm_head.weight", dt, (m.vocab, h)))
+    return out
+
+
+def megatron_metas(m: ModelShape, layers: Sequence[int], *, first: bool, last: bool) -> list[TensorMeta]:
+    """A Megatron pipeline stage's tensors (layers numbered from 0 on every stage)."""
+    dt, h = m.dtype, m.hidden
+    qkv = (m.heads + 2 * m.kv_heads) * m.head_dim
+    out = [TensorMeta("embedding.word_embeddings.weight", dt, (m.vocab, h))] if first else []
+    for i in range(len(layers)):
+        p = f"decoder.layers.{i}."
+        out += [TensorMeta(p + "self_attention.linear_qkv.layer_norm_weight", dt, (h,)),
+                TensorMeta(p + "self_attention.linear_qkv.weight", dt, (qkv, h))]
+        if m.qkv_bias:
+            out.append(TensorMeta(p + "self_attention.linear_qkv.bias", dt, (qkv,)))
+        out += [TensorMeta(p + "self_attention.linear_proj.weight", dt, (h, m.heads * m.head_dim)),
+                TensorMeta(p + "mlp.linear_fc1.layer_norm_weight", dt, (h,)),
+                TensorMeta(p + "mlp.linear_fc1.weight", dt, (2 * m.ffn, h)),
+                TensorMeta(p + "mlp.linear_fc2.weight", dt, (h, m.ffn))]
+    if last:
+        out.append(TensorMeta("decoder.final_layernorm.weight", dt, (h,)))
+        if not m.tie_word_embeddings:
+            out.append(TensorMeta("output_layer.weight", dt, (m.vocab, h)))
+    return out
+
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+def hf_stage_metas(metas: Sequence[TensorMeta], layers: Sequence[int], *, first: bool,
+                   last: bool) -> list[TensorMeta]:
+    """The HF tensors a pipeline stage holds: its layers, the embeddings on the first, the final norm and
+    head on the last."""
+    keep = set(layers)
+    out = []
+    for t in metas:
+        mm = _LAYER.search(t.name)
+        if mm:
+            if int(mm.group(2)) in keep:
+                out.append(t)
+        elif "embed_tokens" in t.name:
+            if first:
+                out.append(t)
+        elif last:
+            out.append(t)
+    return out
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model family's shape rules and a trainer's naming, as the bench and tests run them."""
+
+    name: str
+    model: ModelShape
+    naming: Naming
+    dtensor: bool = False  # the trainer publishes real FSDP2-over-TP DTensors
+    about: str = ""
+
+
+LLAMA_GQA = ModelShape(layers=4, hidden=128, heads=32, kv_heads=8, head_dim=4, ffn=384, vocab=512)
+
+PRESETS: dict[str, Preset] = {
+    "llama-gqa": Preset("llama-gqa", LLAMA_GQA, HF,
+                        about="Llama-3 shape rules (32 query heads, 8 KV heads), HF names on both sides"),
+    "megatron-fused": Preset("megatron-fused", LLAMA_GQA, MEGATRON_LLAMA,
+                             about="Megatron-core names, fused linear_qkv and linear_fc1 on the trainer, HF names "
+                                   "on the engine"),
+    "fsdp2-tp-strided": Preset("fsdp2-tp-strided", LLAMA_GQA, HF, dtensor=True,
+                               about="FSDP2 fully_shard over TP parallelize_module: _StridedShard DTensors"),
+}

@@ -1,0 +1,440 @@
+"""Benchmark: real model layouts resharded through the agent's plan and transports, checked bit for bit.
+
+    python bench/layouts.py --preset NAME [--trainer-tp A --trainer-fsdp B --trainer-pp C --trainer-ep D
+        --inference-tp E --inference-ep F] [--fp8] [--transport nccl|ipc] [--bucket-kb K] [--iters N] --json
+
+Presets (agent/layout_presets.py) are scaled-down fixtures with real models' shape rules: `llama-gqa`
+(32 query heads, 8 KV heads, HF names on both sides), `megatron-fused` (Megatron names, fused
+linear_qkv per KV group and linear_fc1 = [gate, up] per TP shard, local layer numbers per pipeline
+stage on the trainer; HF names on the engine), `fsdp2-tp-strided` (every trainer rank runs FSDP2
+`fully_shard` over `parallelize_module` TP in a real gloo group and publishes its DTensors, whose
+column-parallel weights are `_StridedShard`).
+
+Every trainer and inference rank is its own process (bench.transport_ratio.run_workers). A trainer rank
+maps its local trainer tensors to engine boxes (agent/layout_spec.py: renames, fused components as
+strided views) and copies them once into its plan arena; the agent's WeightSender / transport /
+WeightReceiver move them; each inference rank needs its head-wise boxes (agent/layout_heads.py: KV heads
+replicated when TP exceeds them). The check is independent of that code: the full HF tensors are random,
+the Megatron tensors are built from them by concatenation following Megatron's layout, and each
+inference rank's expected slices follow the engines' head rules written out again here.
+
+A combination the layouts cannot express is refused before any process starts: one JSON object with
+`refused` (the reason) and `bit_exact: null`, exit status 3. Timing fields are medians over --iters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from weightsync.agent.dtensor_layout import PlacementError
+from weightsync.agent.layout import LayoutError, TensorMeta, trainer_layout
+from weightsync.agent.layout_heads import head_layout
+from weightsync.agent.layout_presets import (
+    PRESETS,
+    ModelShape,
+    Preset,
+    hf_metas,
+    hf_stage_metas,
+    megatron_metas,
+)
+from weightsync.agent.layout_spec import SourcePart, map_shards, stage_layers
+from weightsync.agent.plan import Box, PlanError, TensorShard, TransferPlan, build_plan
+from weightsync.agent.sync import WeightReceiver, WeightSender
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+if BENCH_DIR not in sys.path:
+    sys.path.insert(0, BENCH_DIR)
+
+from transport_ratio import BenchConfig, _arena, _barrier, _links, _make_transport, run_workers  # noqa: E402
+
+HOST = "127.0.0.1"
+
+
+class Refused(Exception):
+    """The layouts cannot express this combination; the message says why."""
+
+
+@dataclass
+class LayoutsConfig(BenchConfig):
+    """Flags of one run (picklable for the worker processes)."""
+
+    preset: str = "llama-gqa"
+    trainer_fsdp: int = 1
+    trainer_pp: int = 1
+    trainer_ep: int = 1
+    inference_ep: int = 1
+    fp8: bool = False
+    bucket_kb: int = 256
+    dtensor_port: int = 0
+
+    @property
+    def num_src(self) -> int:
+        return self.trainer_tp * self.trainer_fsdp * self.trainer_pp
+
+    @property
+    def num_dst(self) -> int:
+        return self.inference_tp
+
+
+@dataclass(frozen=True)
+class Coord:
+    """A trainer rank's place: pipeline stage, TP rank, FSDP rank (rank = (stage * tp + tp_rank) * fsdp + fsdp_rank)."""
+
+    stage: int
+    tp: int
+    fsdp: int
+
+
+def coord(cfg: LayoutsConfig, rank: int) -> Coord:
+    f, t = cfg.trainer_fsdp, cfg.trainer_tp
+    return Coord(rank // (f * t), (rank // f) % t, rank % f)
+
+
+# -- the layouts, through the product code ------------------------------------------------------------
+@dataclass
+class Layouts:
+    preset: Preset
+    native: list[list[TensorShard]]  # per trainer rank, in the trainer's names
+    parts: list[list[SourcePart]]  # per trainer rank, engine boxes and where they sit in the native tensors
+    needs: list[list[TensorShard]]
+    plan: TransferPlan
+
+
+def stage_metas(cfg: LayoutsConfig, preset: Preset, stage: int) -> tuple[list[TensorMeta], range]:
+    m = preset.model
+    layers = stage_layers(m.layers, cfg.trainer_pp, stage)
+    first, last = stage == 0, stage == cfg.trainer_pp - 1
+    if preset.naming.local_layers:
+        return megatron_metas(m, layers, first=first, last=last), layers
+    return hf_stage_metas(hf_metas(m), layers, first=first, last=last), layers
+
+
+def build_layouts(cfg: LayoutsConfig) -> Layouts:
+    """Both sides' layouts and the plan, or Refused with the reason."""
+    preset = PRESETS.get(cfg.preset)
+    if preset is None:
+        raise Refused(f"unknown preset {cfg.preset!r} (known: {', '.join(sorted(PRESETS))})")
+    if cfg.fp8:
+        raise Refused(f"--fp8 (block-FP8 conversion) is not implemented yet; preset {cfg.preset} serves bf16")
+    if cfg.trainer_ep > 1 or cfg.inference_ep > 1:
+        raise Refused(f"preset {cfg.preset} is a dense model with no experts: --trainer-ep / --inference-ep need an "
+                      "MoE preset")
+    if min(cfg.trainer_tp, cfg.trainer_fsdp, cfg.trainer_pp, cfg.inference_tp) < 1:
+        raise Refused("parallel sizes must be >= 1")
+    m = preset.model
+    try:
+        native: list[list[TensorShard]] = []
+        parts: list[list[SourcePart]] = []
+        for r in range(cfg.num_src):
+            c = coord(cfg, r)
+            metas, layers = stage_metas(cfg, preset, c.stage)
+            shards = trainer_layout(metas, tp_size=cfg.trainer_tp, tp_rank=c.tp, fsdp_size=cfg.trainer_fsdp,
+                                    fsdp_rank=c.fsdp, overrides=preset.naming.tp_rules,
+                                    tie_word_embeddings=m.tie_word_embeddings)
+            native.append(shards)
+            parts.append(map_shards(preset.naming, shards, attention=m.attention, tp_size=cfg.trainer_tp,
+                                    layer_offset=layers.start))
+        needs = [head_layout(hf_metas(m), cfg.inference_tp, d, m.attention, tie_word_embeddings=m.tie_word_embeddings)
+                 for d in range(cfg.num_dst)]
+        plan = build_plan([[p.shard for p in ps] for ps in parts], needs, cfg.bucket_kb * 1024)
+    except (LayoutError, PlanError, PlacementError) as exc:
+        raise Refused(str(exc)) from None
+    return Layouts(preset, native, parts, needs, plan)
+
+
+# -- the independent reference --------------------------------------------------------------------------
+def hf_full(m: ModelShape) -> dict[str, torch.Tensor]:
+    """Random full HF tensors (bf16 from random bits: every bit pattern, NaNs included, must survive)."""
+    out = {}
+    for t in hf_metas(m):
+        g = torch.Generator().manual_seed(zlib.crc32(t.name.encode()))
+        n = 1
+        for d in t.shape:
+            n *= d
+        out[t.name] = torch.randint(-32768, 32768, (n,), dtype=torch.int16, generator=g).view(torch.bfloat16).reshape(t.shape)
+    return out
+
+
+def megatron_full(m: ModelShape, hf: dict[str, torch.Tensor], layers: range, tp: int, *, first: bool,
+                  last: bool) -> dict[str, torch.Tensor]:
+    """A Megatron stage's full tensors from the HF ones, following Megatron-core's layout: linear_qkv is,
+    per KV group, that group's query heads then its key head then its value head; linear_fc1 is, per TP
+    shard, that shard's gate rows then its up rows (the TP-local [gate; up] concatenated over TP ranks)."""
+    hd, qpg = m.head_dim, m.heads // m.kv_heads
+    out: dict[str, torch.Tensor] = {}
+    if first:
+        out["embedding.word_embeddings.weight"] = hf["model.embed_tokens.weight"]
+    for i, layer in enumerate(layers):
+        p, q = f"decoder.layers.{i}.", f"model.layers.{layer}."
+        wq, wk, wv = (hf[q + f"self_attn.{n}_proj.weight"] for n in "qkv")
+        rows = []
+        for g in range(m.kv_heads):
+            rows += [wq[g * qpg * hd:(g + 1) * qpg * hd], wk[g * hd:(g + 1) * hd], wv[g * hd:(g + 1) * hd]]
+        out[p + "self_attention.linear_qkv.weight"] = torch.cat(rows)
+        out[p + "self_attention.linear_qkv.layer_norm_weight"] = hf[q + "input_layernorm.weight"]
+        out[p + "self_attention.linear_proj.weight"] = hf[q + "self_attn.o_proj.weight"]
+        gate, up = hf[q + "mlp.gate_proj.weight"], hf[q + "mlp.up_proj.weight"]
+        out[p + "mlp.linear_fc1.weight"] = torch.cat([x for t in range(tp) for x in (gate.chunk(tp)[t], up.chunk(tp)[t])])
+        out[p + "mlp.linear_fc1.layer_norm_weight"] = hf[q + "post_attention_layernorm.weight"]
+        out[p + "mlp.linear_fc2.weight"] = hf[q + "mlp.down_proj.weight"]
+    if last:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        if not m.tie_word_embeddings:
+            out["output_layer.weight"] = hf["lm_head.weight"]
+    return out
+
+
+def expected_slice(m: ModelShape, name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """What an engine's TP rank holds of a tensor, by the engines' rules (vLLM / SGLang Llama): query heads
+    split over ranks, KV heads split or (TP > KV heads) replicated, o_proj / down_proj by input columns,
+    gate / up / embeddings / head by rows, the rest whole."""
+    hd = m.head_dim
+    if ".q_proj." in name:
+        per = m.heads // tp
+        return full[rank * per * hd:(rank + 1) * per * hd]
+    if ".k_proj." in name or ".v_proj." in name:
+        if tp <= m.kv_heads:
+            per = m.kv_heads // tp
+            return full[rank * per * hd:(rank + 1) * per * hd]
+        head = rank * m.kv_heads // tp
+        return full[head * hd:(head + 1) * hd]
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return full.chunk(tp, dim=1)[rank]
+    if name.endswith(("gate_proj.weight", "up_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+        return full.chunk(tp, dim=0)[rank]
+    return full
+
+
+# -- worker processes ------------------------------------------------------------------------------------
+def _native_locals(cfg: LayoutsConfig, lay: Layouts, rank: int) -> tuple[dict[str, torch.Tensor], int]:
+    """This trainer rank's local tensors in its own names: slices of the reference (Megatron, HF), or the
+    local tensors of real FSDP2-over-TP DTensors (fsdp2-tp-strided), checked against the planned boxes;
+    and how many of them are _StridedShard DTensors."""
+    m = lay.preset.model
+    c = coord(cfg, rank)
+    hf = hf_full(m)
+    if lay.preset.dtensor:
+        return _dtensor_locals(cfg, lay, rank, hf)
+    layers = stage_layers(m.layers, cfg.trainer_pp, c.stage)
+    first, last = c.stage == 0, c.stage == cfg.trainer_pp - 1
+    full = (megatron_full(m, hf, layers, cfg.trainer_tp, first=first, last=last) if lay.preset.naming.local_layers
+            else hf)
+    return {s.name: full[s.name][s.box.slices_within(Box.full(s.global_shape))] for s in lay.native[rank]}, 0
+
+
+def _dtensor_locals(cfg: LayoutsConfig, lay: Layouts, rank: int,
+                    hf: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from weightsync.agent.client import local_shards
+
+    dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{cfg.dtensor_port}", rank=rank,
+                            world_size=cfg.num_src)
+    # ranks laid out as coord() numbers them (FSDP fastest), viewed as a (pp, dp, tp) mesh
+    ranks = torch.arange(cfg.num_src).reshape(cfg.trainer_pp, cfg.trainer_tp, cfg.trainer_fsdp).transpose(1, 2)
+    mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("pp", "dp", "tp"))
+    model = torch.nn.Module()
+    plan: dict[str, Any] = {}
+    blocks: list[str] = []
+    col = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight", "lm_head.weight")
+    for s in lay.native[rank]:
+        *path, leaf = s.name.split(".")
+        parent = model
+        for part in path[:-1]:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        owner = ".".join(path)
+        w = hf[s.name].clone()
+        mod: torch.nn.Module
+        if s.name.endswith(col) or s.name.endswith(("o_proj.weight", "down_proj.weight")):
+            mod = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+            plan[owner] = ColwiseParallel() if s.name.endswith(col) else RowwiseParallel()
+        elif s.name.endswith("embed_tokens.weight"):
+            mod = torch.nn.Embedding(w.shape[0], w.shape[1], dtype=w.dtype)
+            plan[owner] = RowwiseParallel()  # Shard(0): vocab-parallel
+        else:
+            mod = torch.nn.Module()
+        with torch.no_grad():
+            mod.register_parameter(leaf, torch.nn.Parameter(w, requires_grad=False))
+        parent.add_module(path[-1], mod)
+        if len(path) >= 3 and path[1] == "layers" and ".".join(path[:3]) not in blocks:
+            blocks.append(".".join(path[:3]))
+    if cfg.trainer_tp > 1:
+        parallelize_module(model, mesh["tp"], plan)
+    if cfg.trainer_fsdp > 1:
+        for b in blocks:
+            fully_shard(model.get_submodule(b), mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    state = model.state_dict()
+    strided = sum(1 for t in state.values() if "_StridedShard" in str(getattr(t, "placements", "")))
+    shards, _ = local_shards(state)
+    got = {s.name: (s.global_offset, tuple(s.tensor.shape)) for s in shards}
+    want = {s.name: (s.box.offset, s.box.shape) for s in lay.native[rank]}
+    if got != want:
+        bad = sorted(n for n in want if got.get(n) != want[n])[:3]
+        raise AssertionError(f"FSDP2-over-TP boxes differ from the planned ones for {bad}: "
+                             f"{[(got.get(n), want[n]) for n in bad]}")
+    out = {s.name: s.tensor for s in shards}
+    dist.destroy_process_group()
+    return out, strided
+
+
+def _worker(cfg: LayoutsConfig, role: str, rank: int, port: int, out: Any) -> None:
+    res: dict[str, Any] = {"role": role, "rank": rank}
+    try:
+        res.update(_run(cfg, role, rank, port))
+    except BaseException as exc:  # reported to the parent, which fails the run with it
+        import traceback
+
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        res["trace"] = traceback.format_exc()
+    out.put(res)
+
+
+def _run(cfg: LayoutsConfig, role: str, rank: int, port: int) -> dict[str, Any]:
+    from weightsync.agent.transports.nccl import make_store
+
+    torch.set_num_threads(1)
+    store = make_store(HOST, port, is_master=False, timeout=cfg.timeout)
+    lay = build_layouts(cfg)
+    plan = lay.plan
+    world = cfg.num_src + cfg.num_dst
+    shm_path = None
+    if role == "src" and cfg.transport == "ipc":
+        shm_path = f"/dev/shm/weightsync-bench-{os.getpid()}-{os.urandom(4).hex()}-s9"
+    flat, owner, views = _arena(plan.arena(role, rank), "cpu", shm_path)
+    result: dict[str, Any] = {}
+    if role == "src":
+        locals_, result["strided_dtensors"] = _native_locals(cfg, lay, rank)
+        for p in lay.parts[rank]:
+            if p.shard.name in views:  # the copy into staging: strided reads of fused components, no other copy
+                p.view.copy_into(views[p.shard.name], locals_[p.trainer_name])
+        del locals_
+    peers = _links(cfg, plan, role, rank, store)
+    transport = _make_transport(cfg, store)
+    if owner is not None and hasattr(transport, "register_shared"):
+        transport.register_shared(owner.path, flat)
+    times: list[float] = []
+    if role == "src":
+        sender = WeightSender(plan, rank, transport, peers, device="cpu", timeout=cfg.timeout)
+    else:
+        receiver = WeightReceiver(plan, rank, transport, peers, device="cpu", timeout=cfg.timeout)
+    for v in range(cfg.warmup + cfg.iters):
+        if role == "dst":
+            flat.zero_()
+        _barrier(store, f"v{v}", world)
+        t0 = time.perf_counter()
+        if role == "src":
+            sender.send_version(v, views)
+        else:
+            receiver.receive_version(None, expected_version=v, into=views)
+        times.append(time.perf_counter() - t0)
+    if role == "dst":
+        result.update(_verify(cfg, lay, rank, views))
+    result["seconds"] = times[cfg.warmup:]
+    transport.close()
+    if owner is not None:
+        del views, flat
+        owner.close()
+        owner.unlink()
+    return result
+
+
+def _verify(cfg: LayoutsConfig, lay: Layouts, rank: int, views: dict[str, torch.Tensor]) -> dict[str, Any]:
+    m = lay.preset.model
+    hf = hf_full(m)
+    bad = []
+    for s in lay.needs[rank]:
+        want = expected_slice(m, s.name, hf[s.name], cfg.inference_tp, rank)
+        got = views[s.name]
+        if got.shape != want.shape or not torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)):
+            bad.append(s.name)
+    return {"bit_exact": not bad, "mismatched": bad[:5], "verified_tensors": len(lay.needs[rank])}
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+def run(cfg: LayoutsConfig) -> dict[str, Any]:
+    head = {"preset": cfg.preset, "trainer_tp": cfg.trainer_tp, "trainer_fsdp": cfg.trainer_fsdp,
+            "trainer_pp": cfg.trainer_pp, "trainer_ep": cfg.trainer_ep, "inference_tp": cfg.inference_tp,
+            "inference_ep": cfg.inference_ep, "fp8": cfg.fp8, "transport": cfg.transport}
+    try:
+        lay = build_layouts(cfg)
+    except Refused as exc:
+        return {**head, "refused": str(exc), "bit_exact": None}
+    if lay.preset.dtensor:
+        import socket
+
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            cfg.dtensor_port = s.getsockname()[1]
+    results = run_workers(cfg, _worker, ["weightsync.agent.layout_spec", "weightsync.agent.transports.nccl",
+                                         "weightsync.agent.transports.ipc"])
+    dst = [r for r in results if r["role"] == "dst"]
+    per_iter = [max(r["seconds"][i] for r in results) for i in range(cfg.iters)]
+    sec = statistics.median(per_iter)
+    plan = lay.plan
+    return {
+        **head,
+        "refused": None,
+        "bit_exact": all(r["bit_exact"] for r in dst),
+        "mismatched": [n for r in dst for n in r["mismatched"]][:5],
+        "verified_tensors": sum(r["verified_tensors"] for r in dst),
+        "trainer_tensors": len({s.name for rank in lay.native for s in rank}),
+        "engine_tensors": len({s.name for rank in lay.needs for s in rank}),
+        "strided_dtensors": sum(r.get("strided_dtensors", 0) for r in results),
+        "fused_parts": sum(1 for ps in lay.parts for p in ps if p.view.groups > 1 or p.view.rows != p.view.period),
+        "buckets": len(plan.buckets),
+        "broadcast_buckets": sum(1 for b in plan.buckets if b.broadcast),
+        "bytes_delivered": plan.delivered_bytes(),
+        "plan_hash": plan.hash,
+        "seconds": sec,
+        "gbps": plan.delivered_bytes() / sec / 1e9 if sec > 0 else None,
+        "iters": cfg.iters,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", required=True, help=f"one of {', '.join(sorted(PRESETS))}")
+    p.add_argument("--trainer-tp", type=int, default=1)
+    p.add_argument("--trainer-fsdp", type=int, default=1)
+    p.add_argument("--trainer-pp", type=int, default=1)
+    p.add_argument("--trainer-ep", type=int, default=1)
+    p.add_argument("--inference-tp", type=int, default=1)
+    p.add_argument("--inference-ep", type=int, default=1)
+    p.add_argument("--fp8", action="store_true", help="convert bf16 to FP8 e4m3 with 128x128 block scales")
+    p.add_argument("--transport", choices=("nccl", "ipc"), default="nccl", help="nccl: gloo on CPU")
+    p.add_argument("--bucket-kb", type=int, default=256)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--json", action="store_true", help="print one JSON object (the only output)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    cfg = LayoutsConfig(transport=a.transport, size_mb=0, trainer_tp=a.trainer_tp, inference_tp=a.inference_tp,
+                        warmup=1, iters=a.iters, timeout=a.timeout, preset=a.preset, trainer_fsdp=a.trainer_fsdp,
+                        trainer_pp=a.trainer_pp, trainer_ep=a.trainer_ep, inference_ep=a.inference_ep, fp8=a.fp8,
+                        bucket_kb=a.bucket_kb)
+    res = run(cfg)
+    print(json.dumps(res) if a.json else json.dumps(res, indent=2))
+    if res["refused"]:
+        return 3
+    return 0 if res["bit_exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
