@@ -45,12 +45,34 @@ MEGATRON_LLAMA = Naming(
     local_layers=True,
 )
 
-NAMINGS: dict[str, Naming] = {"hf": HF, "megatron": MEGATRON_LLAMA}
+_E = _L + r"mlp\.experts\.local_experts\.(?P<expert>\d+)\."
+
+MEGATRON_MOE = Naming(
+    "megatron-moe",
+    rules=(
+        *MEGATRON_LLAMA.rules,
+        Rename(_L + r"self_attention\.q_layernorm\.weight", _H + "self_attn.q_norm.weight"),
+        Rename(_L + r"self_attention\.k_layernorm\.weight", _H + "self_attn.k_norm.weight"),
+        Rename(_L + r"pre_mlp_layernorm\.weight", _H + "post_attention_layernorm.weight"),
+        Rename(_L + r"mlp\.router\.weight", _H + "mlp.gate.weight"),
+        Fuse(_E + r"linear_fc1\.weight",
+             (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight"), "gate_up",
+             per_tp=False),
+        Rename(_E + r"linear_fc2\.weight", _H + "mlp.experts.{expert}.down_proj.weight"),
+    ),
+    # expert TP 1: an expert is whole on its expert-parallel rank; checked before the dense rules
+    tp_rules={r"\.local_experts\.\d+\.linear_fc[12]\.weight$": "replicated", **MEGATRON_LLAMA.tp_rules},
+    local_layers=True,
+    local_experts=True,
+)
+
+NAMINGS: dict[str, Naming] = {"hf": HF, "megatron": MEGATRON_LLAMA, "megatron-moe": MEGATRON_MOE}
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The shape rules of a dense Llama / Qwen2-style decoder (GQA when kv_heads < heads)."""
+    """The shape rules of a Llama / Qwen2-style decoder (GQA when kv_heads < heads), or of a Qwen3-MoE-style
+    one when `experts` > 0 (a router and `experts` MLPs of `moe_ffn` per layer, q / k norms)."""
 
     layers: int
     hidden: int
@@ -62,6 +84,9 @@ class ModelShape:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     dtype: str = "bfloat16"
+    experts: int = 0
+    moe_ffn: int = 0
+    qk_norm: bool = False
 
     @property
     def attention(self) -> Attention:
@@ -81,9 +106,20 @@ def hf_metas(m: ModelShape) -> list[TensorMeta]:
         if m.qkv_bias:
             out += [TensorMeta(p + "self_attn.q_proj.bias", dt, (q,)), TensorMeta(p + "self_attn.k_proj.bias", dt, (kv,)),
                     TensorMeta(p + "self_attn.v_proj.bias", dt, (kv,))]
+        if m.qk_norm:
+            out += [TensorMeta(p + "self_attn.q_norm.weight", dt, (m.head_dim,)),
+                    TensorMeta(p + "self_attn.k_norm.weight", dt, (m.head_dim,))]
         out += [TensorMeta(p + "self_attn.o_proj.weight", dt, (h, q)),
-                TensorMeta(p + "post_attention_layernorm.weight", dt, (h,)),
-                TensorMeta(p + "mlp.gate_proj.weight", dt, (m.ffn, h)),
+                TensorMeta(p + "post_attention_layernorm.weight", dt, (h,))]
+        if m.experts:
+            out.append(TensorMeta(p + "mlp.gate.weight", dt, (m.experts, h)))
+            for e in range(m.experts):
+                x = f"{p}mlp.experts.{e}."
+                out += [TensorMeta(x + "gate_proj.weight", dt, (m.moe_ffn, h)),
+                        TensorMeta(x + "up_proj.weight", dt, (m.moe_ffn, h)),
+                        TensorMeta(x + "down_proj.weight", dt, (h, m.moe_ffn))]
+            continue
+        out += [TensorMeta(p + "mlp.gate_proj.weight", dt, (m.ffn, h)),
                 TensorMeta(p + "mlp.up_proj.weight", dt, (m.ffn, h)),
                 TensorMeta(p + "mlp.down_proj.weight", dt, (h, m.ffn))]
     out.append(TensorMeta("model.norm.weight", dt, (h,)))
@@ -92,8 +128,10 @@ def hf_metas(m: ModelShape) -> list[TensorMeta]:
     return out
 
 
-def megatron_metas(m: ModelShape, layers: Sequence[int], *, first: bool, last: bool) -> list[TensorMeta]:
-    """A Megatron pipeline stage's tensors (layers numbered from 0 on every stage)."""
+def megatron_metas(m: ModelShape, layers: Sequence[int], *, first: bool, last: bool,
+                   ep_size: int = 1) -> list[TensorMeta]:
+    """A Megatron pipeline stage's tensors (layers numbered from 0 on every stage); with experts, the
+    num_experts / ep_size experts of one expert-parallel rank (numbered from 0 on every EP rank)."""
     dt, h = m.dtype, m.hidden
     qkv = (m.heads + 2 * m.kv_heads) * m.head_dim
     out = [TensorMeta("embedding.word_embeddings.weight", dt, (m.vocab, h))] if first else []
@@ -103,8 +141,19 @@ def megatron_metas(m: ModelShape, layers: Sequence[int], *, first: bool, last: b
                 TensorMeta(p + "self_attention.linear_qkv.weight", dt, (qkv, h))]
         if m.qkv_bias:
             out.append(TensorMeta(p + "self_attention.linear_qkv.bias", dt, (qkv,)))
-        out += [TensorMeta(p + "self_attention.linear_proj.weight", dt, (h, m.heads * m.head_dim)),
-                TensorMeta(p + "mlp.linear_fc1.layer_norm_weight", dt, (h,)),
+        if m.qk_norm:
+            out += [TensorMeta(p + "self_attention.q_layernorm.weight", dt, (m.head_dim,)),
+                    TensorMeta(p + "self_attention.k_layernorm.weight", dt, (m.head_dim,))]
+        out.append(TensorMeta(p + "self_attention.linear_proj.weight", dt, (h, m.heads * m.head_dim)))
+        if m.experts:
+            out += [TensorMeta(p + "pre_mlp_layernorm.weight", dt, (h,)),
+                    TensorMeta(p + "mlp.router.weight", dt, (m.experts, h))]
+            for e in range(m.experts // ep_size):
+                x = f"{p}mlp.experts.local_experts.{e}."
+                out += [TensorMeta(x + "linear_fc1.weight", dt, (2 * m.moe_ffn, h)),
+                        TensorMeta(x + "linear_fc2.weight", dt, (h, m.moe_ffn))]
+            continue
+        out += [TensorMeta(p + "mlp.linear_fc1.layer_norm_weight", dt, (h,)),
                 TensorMeta(p + "mlp.linear_fc1.weight", dt, (2 * m.ffn, h)),
                 TensorMeta(p + "mlp.linear_fc2.weight", dt, (h, m.ffn))]
     if last:
@@ -148,6 +197,9 @@ class Preset:
 
 
 LLAMA_GQA = ModelShape(layers=4, hidden=128, heads=32, kv_heads=8, head_dim=4, ffn=384, vocab=512)
+# Qwen3-30B-A3B's rules (128 experts, 32 query / 4 KV heads, q / k norms), scaled down
+QWEN_MOE = ModelShape(layers=2, hidden=64, heads=16, kv_heads=4, head_dim=4, ffn=0, vocab=256, experts=128,
+                      moe_ffn=32, qk_norm=True)
 
 PRESETS: dict[str, Preset] = {
     "llama-gqa": Preset("llama-gqa", LLAMA_GQA, HF,
@@ -155,6 +207,9 @@ PRESETS: dict[str, Preset] = {
     "megatron-fused": Preset("megatron-fused", LLAMA_GQA, MEGATRON_LLAMA,
                              about="Megatron-core names, fused linear_qkv and linear_fc1 on the trainer, HF names "
                                    "on the engine"),
+    "qwen-moe": Preset("qwen-moe", QWEN_MOE, MEGATRON_MOE,
+                       about="Qwen3-MoE rules (128 experts), Megatron names with local expert numbers per trainer "
+                             "EP rank and fused expert linear_fc1, HF names and expert parallelism on the engine"),
     "fsdp2-tp-strided": Preset("fsdp2-tp-strided", LLAMA_GQA, HF, dtensor=True,
                                about="FSDP2 fully_shard over TP parallelize_module: _StridedShard DTensors"),
 }

@@ -42,7 +42,8 @@ class Attention:
 @dataclass(frozen=True)
 class Rename:
     """One trainer tensor is one engine tensor. `trainer` is a regex matched against the whole name; a
-    `(?P<layer>\\d+)` group is renumbered by the stage's layer offset when the naming's layers are local."""
+    `(?P<layer>\\d+)` group is renumbered by the stage's layer offset when the naming's layers are local,
+    an `(?P<expert>\\d+)` group by the expert-parallel rank's first expert when its experts are local."""
 
     trainer: str
     engine: str
@@ -52,11 +53,13 @@ class Rename:
 class Fuse:
     """One trainer tensor stacks several engine tensors along dim 0, interleaved in groups:
     kind "qkv": one group per KV head, rows [q heads of the group, k, v] x head_dim (Megatron linear_qkv);
-    kind "gate_up": one group per trainer TP shard, rows [gate, up] (Megatron linear_fc1)."""
+    kind "gate_up": one group per trainer TP shard, rows [gate, up] (Megatron linear_fc1); with
+    per_tp=False one group for the whole tensor (an expert's linear_fc1 with expert TP 1)."""
 
     trainer: str
     engines: tuple[str, ...]
     kind: Literal["qkv", "gate_up"]
+    per_tp: bool = True
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Naming:
     rules: tuple[Rename | Fuse, ...] = ()
     tp_rules: Mapping[str, Rule] = field(default_factory=dict)
     local_layers: bool = False  # layer numbers restart on each pipeline stage (Megatron)
+    local_experts: bool = False  # expert numbers restart on each expert-parallel rank (Megatron)
 
 
 HF = Naming("hf")
@@ -119,12 +123,13 @@ def _match(naming: Naming, name: str) -> tuple[Rename | Fuse | None, re.Match[st
     return None, None
 
 
-def _expand(template: str, m: re.Match[str], layer_offset: int, local_layers: bool) -> str:
+def _expand(template: str, m: re.Match[str], naming: Naming, layer_offset: int, expert_offset: int) -> str:
     groups = m.groupdict()
     out = m.expand(template)
-    if "layer" in groups and groups["layer"] is not None:
-        layer = int(groups["layer"]) + (layer_offset if local_layers else 0)
-        out = out.replace("{layer}", str(layer))
+    if groups.get("layer") is not None:
+        out = out.replace("{layer}", str(int(groups["layer"]) + (layer_offset if naming.local_layers else 0)))
+    if groups.get("expert") is not None:
+        out = out.replace("{expert}", str(int(groups["expert"]) + (expert_offset if naming.local_experts else 0)))
     return out
 
 
@@ -138,10 +143,10 @@ def fused_rows(rule: Fuse, global_rows: int, attention: Attention | None, tp_siz
         rows: tuple[int, ...] = ((a.num_heads // a.num_kv_heads) * a.head_dim, a.head_dim, a.head_dim)
         groups = a.num_kv_heads
     else:
-        groups = tp_size
-        if global_rows % (2 * tp_size):
-            raise LayoutError(f"{name}: {global_rows} rows do not hold [gate, up] for each of {tp_size} TP shards")
-        rows = (global_rows // (2 * tp_size),) * 2
+        groups = tp_size if rule.per_tp else 1
+        if global_rows % (2 * groups):
+            raise LayoutError(f"{name}: {global_rows} rows do not hold [gate, up] for each of {groups} TP shards")
+        rows = (global_rows // (2 * groups),) * 2
     if len(rows) != len(rule.engines):
         raise LayoutError(f"{name}: {rule.kind} fuses {len(rows)} tensors, the rule names {len(rule.engines)}")
     if groups * sum(rows) != global_rows:
@@ -152,7 +157,7 @@ def fused_rows(rule: Fuse, global_rows: int, attention: Attention | None, tp_siz
 
 def map_shard(naming: Naming, name: str, dtype: str, global_shape: Sequence[int], offset: Sequence[int],
               shape: Sequence[int], *, attention: Attention | None = None, tp_size: int = 1,
-              layer_offset: int = 0) -> list[SourcePart]:
+              layer_offset: int = 0, expert_offset: int = 0) -> list[SourcePart]:
     """The engine boxes a trainer rank's local shard of `name` holds (several for a fused tensor)."""
     gshape, off, shp = tuple(map(int, global_shape)), tuple(map(int, offset)), tuple(map(int, shape))
     rule, m = _match(naming, name)
@@ -160,7 +165,7 @@ def map_shard(naming: Naming, name: str, dtype: str, global_shape: Sequence[int]
     if rule is None or m is None:
         return [SourcePart(name, TensorShard.of(name, dtype, gshape, off, shp), whole)]
     if isinstance(rule, Rename):
-        target = _expand(rule.engine, m, layer_offset, naming.local_layers)
+        target = _expand(rule.engine, m, naming, layer_offset, expert_offset)
         return [SourcePart(name, TensorShard.of(target, dtype, gshape, off, shp), whole)]
     if not gshape:
         raise LayoutError(f"{name}: a 0-dim tensor cannot be fused")
@@ -180,7 +185,7 @@ def map_shard(naming: Naming, name: str, dtype: str, global_shape: Sequence[int]
     parts = []
     start = 0
     for template, r in zip(rule.engines, rows, strict=True):
-        target = _expand(template, m, layer_offset, naming.local_layers)
+        target = _expand(template, m, naming, layer_offset, expert_offset)
         parts.append(SourcePart(name, TensorShard.of(target, dtype, (groups * r, *gshape[1:]),
                                                      (g0 * r, *off[1:]), (g * r, *shp[1:])),
                                 View(g, period, start, r)))
@@ -189,13 +194,14 @@ def map_shard(naming: Naming, name: str, dtype: str, global_shape: Sequence[int]
 
 
 def map_shards(naming: Naming, shards: Sequence[TensorShard], *, attention: Attention | None = None,
-               tp_size: int = 1, layer_offset: int = 0) -> list[SourcePart]:
+               tp_size: int = 1, layer_offset: int = 0, expert_offset: int = 0) -> list[SourcePart]:
     """map_shard over a rank's trainer shards; an engine tensor mapped twice is an error."""
     out: list[SourcePart] = []
     seen: dict[str, str] = {}
     for s in shards:
         for p in map_shard(naming, s.name, s.dtype, s.global_shape, s.box.offset, s.box.shape,
-                           attention=attention, tp_size=tp_size, layer_offset=layer_offset):
+                           attention=attention, tp_size=tp_size, layer_offset=layer_offset,
+                           expert_offset=expert_offset):
             if p.shard.name in seen:
                 raise LayoutError(f"engine tensor {p.shard.name!r} comes from both {seen[p.shard.name]!r} and {s.name!r}")
             seen[p.shard.name] = s.name
@@ -204,7 +210,7 @@ def map_shards(naming: Naming, shards: Sequence[TensorShard], *, attention: Atte
 
 
 def engine_weights(weights: Mapping[str, Any], naming: Naming, *, attention: Attention | None = None,
-                   tp_size: int = 1, layer_offset: int = 0) -> dict[str, Any]:
+                   tp_size: int = 1, layer_offset: int = 0, expert_offset: int = 0) -> dict[str, Any]:
     """What a trainer passes to `TrainerSession.publish` to publish in engine names: its local tensors
     (plain, DTensor, client.TensorShard) mapped to `client.TensorShard`s of engine tensors whose
     tensors are views of the local ones (publish copies each once into staging)."""
@@ -215,7 +221,8 @@ def engine_weights(weights: Mapping[str, Any], naming: Naming, *, attention: Att
     out: dict[str, Any] = {}
     for s in shards:
         for p in map_shard(naming, s.name, _dtype(s.tensor), s.global_shape, s.global_offset,
-                           tuple(s.tensor.shape), attention=attention, tp_size=tp_size, layer_offset=layer_offset):
+                           tuple(s.tensor.shape), attention=attention, tp_size=tp_size, layer_offset=layer_offset,
+                           expert_offset=expert_offset):
             if p.shard.name in out:
                 raise LayoutError(f"engine tensor {p.shard.name!r} is published twice (last from {s.name!r})")
             out[p.shard.name] = ClientShard(p.view.of(s.tensor), p.shard.global_shape, p.shard.box.offset)

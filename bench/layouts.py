@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from weightsync.agent.dtensor_layout import PlacementError
 from weightsync.agent.layout import LayoutError, TensorMeta, trainer_layout
-from weightsync.agent.layout_heads import head_layout
+from weightsync.agent.layout_experts import moe_layout
 from weightsync.agent.layout_presets import (
     PRESETS,
     ModelShape,
@@ -78,7 +78,7 @@ class LayoutsConfig(BenchConfig):
 
     @property
     def num_src(self) -> int:
-        return self.trainer_tp * self.trainer_fsdp * self.trainer_pp
+        return self.trainer_tp * self.trainer_fsdp * self.trainer_pp * self.trainer_ep
 
     @property
     def num_dst(self) -> int:
@@ -87,16 +87,18 @@ class LayoutsConfig(BenchConfig):
 
 @dataclass(frozen=True)
 class Coord:
-    """A trainer rank's place: pipeline stage, TP rank, FSDP rank (rank = (stage * tp + tp_rank) * fsdp + fsdp_rank)."""
+    """A trainer rank's place: pipeline stage, TP rank, expert-parallel rank, FSDP rank
+    (rank = ((stage * tp + tp_rank) * ep + ep_rank) * fsdp + fsdp_rank; dense tensors are replicated over EP)."""
 
     stage: int
     tp: int
     fsdp: int
+    ep: int = 0
 
 
 def coord(cfg: LayoutsConfig, rank: int) -> Coord:
-    f, t = cfg.trainer_fsdp, cfg.trainer_tp
-    return Coord(rank // (f * t), (rank // f) % t, rank % f)
+    f, e, t = cfg.trainer_fsdp, cfg.trainer_ep, cfg.trainer_tp
+    return Coord(rank // (f * e * t), (rank // (f * e)) % t, rank % f, (rank // f) % e)
 
 
 # -- the layouts, through the product code ------------------------------------------------------------
@@ -114,7 +116,7 @@ def stage_metas(cfg: LayoutsConfig, preset: Preset, stage: int) -> tuple[list[Te
     layers = stage_layers(m.layers, cfg.trainer_pp, stage)
     first, last = stage == 0, stage == cfg.trainer_pp - 1
     if preset.naming.local_layers:
-        return megatron_metas(m, layers, first=first, last=last), layers
+        return megatron_metas(m, layers, first=first, last=last, ep_size=cfg.trainer_ep), layers
     return hf_stage_metas(hf_metas(m), layers, first=first, last=last), layers
 
 
@@ -125,12 +127,14 @@ def build_layouts(cfg: LayoutsConfig) -> Layouts:
         raise Refused(f"unknown preset {cfg.preset!r} (known: {', '.join(sorted(PRESETS))})")
     if cfg.fp8:
         raise Refused(f"--fp8 (block-FP8 conversion) is not implemented yet; preset {cfg.preset} serves bf16")
-    if cfg.trainer_ep > 1 or cfg.inference_ep > 1:
-        raise Refused(f"preset {cfg.preset} is a dense model with no experts: --trainer-ep / --inference-ep need an "
-                      "MoE preset")
-    if min(cfg.trainer_tp, cfg.trainer_fsdp, cfg.trainer_pp, cfg.inference_tp) < 1:
+    if min(cfg.trainer_tp, cfg.trainer_fsdp, cfg.trainer_pp, cfg.trainer_ep, cfg.inference_tp, cfg.inference_ep) < 1:
         raise Refused("parallel sizes must be >= 1")
     m = preset.model
+    if not m.experts and (cfg.trainer_ep > 1 or cfg.inference_ep > 1):
+        raise Refused(f"preset {cfg.preset} is a dense model with no experts: --trainer-ep / --inference-ep need an "
+                      "MoE preset (qwen-moe)")
+    if m.experts and m.experts % cfg.trainer_ep:
+        raise Refused(f"{m.experts} experts do not divide over trainer EP {cfg.trainer_ep}")
     try:
         native: list[list[TensorShard]] = []
         parts: list[list[SourcePart]] = []
@@ -142,8 +146,9 @@ def build_layouts(cfg: LayoutsConfig) -> Layouts:
                                     tie_word_embeddings=m.tie_word_embeddings)
             native.append(shards)
             parts.append(map_shards(preset.naming, shards, attention=m.attention, tp_size=cfg.trainer_tp,
-                                    layer_offset=layers.start))
-        needs = [head_layout(hf_metas(m), cfg.inference_tp, d, m.attention, tie_word_embeddings=m.tie_word_embeddings)
+                                    layer_offset=layers.start, expert_offset=c.ep * (m.experts // cfg.trainer_ep)))
+        needs = [moe_layout(hf_metas(m), cfg.inference_tp, d, m.attention, ep_size=cfg.inference_ep,
+                            num_experts=m.experts, tie_word_embeddings=m.tie_word_embeddings)
                  for d in range(cfg.num_dst)]
         plan = build_plan([[p.shard for p in ps] for ps in parts], needs, cfg.bucket_kb * 1024)
     except (LayoutError, PlanError, PlacementError) as exc:
@@ -165,10 +170,12 @@ def hf_full(m: ModelShape) -> dict[str, torch.Tensor]:
 
 
 def megatron_full(m: ModelShape, hf: dict[str, torch.Tensor], layers: range, tp: int, *, first: bool,
-                  last: bool) -> dict[str, torch.Tensor]:
+                  last: bool, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
     """A Megatron stage's full tensors from the HF ones, following Megatron-core's layout: linear_qkv is,
     per KV group, that group's query heads then its key head then its value head; linear_fc1 is, per TP
-    shard, that shard's gate rows then its up rows (the TP-local [gate; up] concatenated over TP ranks)."""
+    shard, that shard's gate rows then its up rows (the TP-local [gate; up] concatenated over TP ranks).
+    MoE: expert-parallel rank `ep_rank` holds experts ep_rank * E / ep ... as local_experts 0, 1, ...,
+    each linear_fc1 = [gate; up] whole (expert TP 1)."""
     hd, qpg = m.head_dim, m.heads // m.kv_heads
     out: dict[str, torch.Tensor] = {}
     if first:
@@ -182,6 +189,18 @@ def megatron_full(m: ModelShape, hf: dict[str, torch.Tensor], layers: range, tp:
         out[p + "self_attention.linear_qkv.weight"] = torch.cat(rows)
         out[p + "self_attention.linear_qkv.layer_norm_weight"] = hf[q + "input_layernorm.weight"]
         out[p + "self_attention.linear_proj.weight"] = hf[q + "self_attn.o_proj.weight"]
+        if m.qk_norm:
+            out[p + "self_attention.q_layernorm.weight"] = hf[q + "self_attn.q_norm.weight"]
+            out[p + "self_attention.k_layernorm.weight"] = hf[q + "self_attn.k_norm.weight"]
+        if m.experts:
+            out[p + "pre_mlp_layernorm.weight"] = hf[q + "post_attention_layernorm.weight"]
+            out[p + "mlp.router.weight"] = hf[q + "mlp.gate.weight"]
+            per = m.experts // ep
+            for i_local in range(per):
+                x, e = f"{p}mlp.experts.local_experts.{i_local}.", f"{q}mlp.experts.{ep_rank * per + i_local}."
+                out[x + "linear_fc1.weight"] = torch.cat([hf[e + "gate_proj.weight"], hf[e + "up_proj.weight"]])
+                out[x + "linear_fc2.weight"] = hf[e + "down_proj.weight"]
+            continue
         gate, up = hf[q + "mlp.gate_proj.weight"], hf[q + "mlp.up_proj.weight"]
         out[p + "mlp.linear_fc1.weight"] = torch.cat([x for t in range(tp) for x in (gate.chunk(tp)[t], up.chunk(tp)[t])])
         out[p + "mlp.linear_fc1.layer_norm_weight"] = hf[q + "post_attention_layernorm.weight"]
@@ -193,11 +212,14 @@ def megatron_full(m: ModelShape, hf: dict[str, torch.Tensor], layers: range, tp:
     return out
 
 
-def expected_slice(m: ModelShape, name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+def expected_slice(m: ModelShape, name: str, full: torch.Tensor, tp: int, rank: int, ep: int = 1) -> torch.Tensor:
     """What an engine's TP rank holds of a tensor, by the engines' rules (vLLM / SGLang Llama): query heads
     split over ranks, KV heads split or (TP > KV heads) replicated, o_proj / down_proj by input columns,
     gate / up / embeddings / head by rows, the rest whole."""
     hd = m.head_dim
+    if ".experts." in name:  # the rank's EP group holds the expert; its tp / ep ranks split it like a dense MLP
+        group = tp // ep
+        return full.chunk(group, dim=1 if name.endswith("down_proj.weight") else 0)[rank % group]
     if ".q_proj." in name:
         per = m.heads // tp
         return full[rank * per * hd:(rank + 1) * per * hd]
@@ -226,8 +248,8 @@ def _native_locals(cfg: LayoutsConfig, lay: Layouts, rank: int) -> tuple[dict[st
         return _dtensor_locals(cfg, lay, rank, hf)
     layers = stage_layers(m.layers, cfg.trainer_pp, c.stage)
     first, last = c.stage == 0, c.stage == cfg.trainer_pp - 1
-    full = (megatron_full(m, hf, layers, cfg.trainer_tp, first=first, last=last) if lay.preset.naming.local_layers
-            else hf)
+    full = (megatron_full(m, hf, layers, cfg.trainer_tp, first=first, last=last, ep=cfg.trainer_ep, ep_rank=c.ep)
+            if lay.preset.naming.local_layers else hf)
     return {s.name: full[s.name][s.box.slices_within(Box.full(s.global_shape))] for s in lay.native[rank]}, 0
 
 
@@ -357,7 +379,7 @@ def _verify(cfg: LayoutsConfig, lay: Layouts, rank: int, views: dict[str, torch.
     hf = hf_full(m)
     bad = []
     for s in lay.needs[rank]:
-        want = expected_slice(m, s.name, hf[s.name], cfg.inference_tp, rank)
+        want = expected_slice(m, s.name, hf[s.name], cfg.inference_tp, rank, cfg.inference_ep)
         got = views[s.name]
         if got.shape != want.shape or not torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)):
             bad.append(s.name)

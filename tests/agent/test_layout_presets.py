@@ -53,7 +53,8 @@ def _execute(cfg: Any) -> dict[str, Any]:
     for r in range(cfg.num_src):
         c = B.coord(cfg, r)
         layers = B.stage_layers(m.layers, cfg.trainer_pp, c.stage)
-        full = (B.megatron_full(m, hf, layers, cfg.trainer_tp, first=c.stage == 0, last=c.stage == cfg.trainer_pp - 1)
+        full = (B.megatron_full(m, hf, layers, cfg.trainer_tp, first=c.stage == 0, last=c.stage == cfg.trainer_pp - 1,
+                                ep=cfg.trainer_ep, ep_rank=c.ep)
                 if lay.preset.naming.local_layers else hf)
         local = {s.name: full[s.name][s.box.slices_within(Box.full(s.global_shape))] for s in lay.native[r]}
         mine = {}
@@ -74,11 +75,12 @@ def _execute(cfg: Any) -> dict[str, Any]:
                 got[d][pc.name][pc.box.slices_within(need_box[d][pc.name])] = piece
     bad = [(d, s.name) for d, need in enumerate(lay.needs) for s in need
            if not torch.equal(got[d][s.name].view(torch.int16),
-                              B.expected_slice(m, s.name, hf[s.name], cfg.inference_tp, d).contiguous().view(torch.int16))]
+                              B.expected_slice(m, s.name, hf[s.name], cfg.inference_tp, d, cfg.inference_ep)
+                              .contiguous().view(torch.int16))]
     return {"bit_exact": not bad, "bad": bad[:3]}
 
 
-REASONS = ("do not divide", "does not divide", "cut a", "not a multiple", "not implemented", "no experts", "exceeds")
+REASONS = ("do not divide", "does not divide", "not divide", "cut a", "not a multiple", "not implemented", "no experts", "exceeds")
 
 
 @pytest.mark.parametrize("preset", ["llama-gqa", "megatron-fused", "fsdp2-tp-strided"])
@@ -95,6 +97,22 @@ def test_every_combination_is_bit_exact_or_refused_by_reason(preset: str) -> Non
             assert res["bit_exact"], (tp, fsdp, pp, itp, res)
             seen["ok"] += 1
     assert seen["ok"] >= 20 and seen["refused"] >= 20, seen
+
+
+def test_qwen_moe_every_expert_parallel_combination_is_bit_exact_or_refused() -> None:
+    """Trainer EP != engine EP / TP: 128 experts, local expert numbers per trainer EP rank, fused expert fc1."""
+    seen = {"ok": 0, "refused": 0}
+    for tp, ep, pp, itp, iep in itertools.product((1, 2), (1, 3, 4), (1, 2), (2, 8), (1, 2, 3, 8)):
+        cfg = B.LayoutsConfig(transport="nccl", size_mb=0, trainer_tp=tp, inference_tp=itp, preset="qwen-moe",
+                              trainer_ep=ep, trainer_pp=pp, inference_ep=iep, bucket_kb=256)
+        res = _execute(cfg)
+        if "refused" in res:
+            assert any(r in res["refused"] for r in REASONS), (tp, ep, pp, itp, iep, res)
+            seen["refused"] += 1
+        else:
+            assert res["bit_exact"], (tp, ep, pp, itp, iep, res)
+            seen["ok"] += 1
+    assert seen["ok"] >= 20 and seen["refused"] >= 10, seen
 
 
 def test_kv_heads_are_replicated_when_tp_exceeds_them() -> None:
@@ -144,6 +162,7 @@ def _cli(*args: str) -> tuple[int, dict[str, Any]]:
     ("--preset", "megatron-fused", "--trainer-tp", "2", "--trainer-pp", "2", "--inference-tp", "16",
      "--transport", "ipc"),
     ("--preset", "fsdp2-tp-strided", "--trainer-tp", "2", "--trainer-fsdp", "2", "--inference-tp", "4"),
+    ("--preset", "qwen-moe", "--trainer-tp", "2", "--trainer-ep", "2", "--inference-tp", "4", "--inference-ep", "2"),
 ])
 def test_real_processes_and_transports_are_bit_exact(args: tuple[str, ...]) -> None:
     rc, res = _cli(*args)
@@ -191,3 +210,15 @@ def test_engine_weights_publishes_megatron_tensors_in_hf_names() -> None:
         box = Box(s.global_offset, tuple(s.tensor.shape))
         assert torch.equal(s.tensor.view(torch.int16), hf[s.name][box.slices_within(Box.full(s.global_shape))]
                            .view(torch.int16)), s.name
+
+
+def test_expert_ranges_follow_engine_ep_groups() -> None:
+    from weightsync.agent.layout_experts import expert_range, expert_shard
+
+    assert [expert_range(128, 4, 2, r) for r in range(4)] == [range(0, 64)] * 2 + [range(64, 128)] * 2
+    meta = TensorMeta("model.layers.0.mlp.experts.70.down_proj.weight", "bfloat16", (64, 32))
+    assert expert_shard(meta, 4, 0, 2, 128) is None  # served by the other EP group
+    s = expert_shard(meta, 4, 3, 2, 128)
+    assert s is not None and s.box == Box((0, 16), (64, 16))  # down_proj split by columns over expert TP 2
+    with pytest.raises(LayoutError, match="does not divide TP"):
+        expert_range(128, 4, 3, 0)
