@@ -17,6 +17,27 @@ log = logging.getLogger(__name__)
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
+#: Tensors a trainer publishes under this prefix are the engine's draft (speculative / MTP) model's weights,
+#: named as the draft model names them after the prefix (vLLM's own `weight_info` lists its draft model's
+#: parameters as `draft.<name>`). Each adapter loads them into the draft model: SGLang with `selector:
+#: draft`, vLLM in a `/start_draft_weight_update` session.
+DRAFT_PREFIX = "draft."
+
+
+def split_draft(tensors: NamedTensors) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """(target tensors, draft tensors with DRAFT_PREFIX removed), each in the bucket's order."""
+    target: list[tuple[str, torch.Tensor]] = []
+    draft: list[tuple[str, torch.Tensor]] = []
+    for name, t in tensors:
+        if name.startswith(DRAFT_PREFIX):
+            short = name[len(DRAFT_PREFIX):]
+            if not short:
+                raise EngineError(f"tensor {name!r}: a draft tensor needs a name after {DRAFT_PREFIX!r}")
+            draft.append((short, t))
+        else:
+            target.append((name, t))
+    return target, draft
+
 
 class EngineError(RuntimeError):
     """The engine refused or failed an operation; the message says which and why."""

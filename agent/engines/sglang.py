@@ -12,6 +12,10 @@ weight_updater.py`): every load runs inside a session. Per version:
     POST /flush_cache                                    (once per version, not once per bucket)
     POST /continue_generation                            (always, also after a failure)
 
+Draft weights (`draft.` tensors, base.DRAFT_PREFIX) load in the same session with `selector: draft`; the
+target's with `target` when the server runs a draft model of its own, else SGLang's default `all`
+(`draft_model`, docs/placement-and-transfer.md#draft-speculative--mtp-weights).
+
 An agent that restarts into a session a dead agent left open gets 400 "already open" from begin: it
 closes that session (end) and begins again. Loads outside a session are refused by SGLang (400).
 
@@ -57,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing import reductions
 
-from .base import EngineError, EngineUnsupported, NamedTensors
+from .base import DRAFT_PREFIX, EngineError, EngineUnsupported, NamedTensors, split_draft
 from .http import EngineHTTPError, HttpClient
 from .overlap import post_during
 
@@ -70,7 +74,12 @@ GROUP_NAME = "weightsync"
 _GROUP_SEQ = itertools.count()
 SessionPath = Literal["tensor", "distributed"]
 PauseMode = Literal["abort", "retract", "in_place"]
+#: Which of SGLang's runners a load goes to. "all" (SGLang's default) hands the tensors to the target and,
+#: if the server runs one, the draft runner, each picking the names it knows (how MTP layers and shared
+#: embeddings reach a draft); "draft" reaches only the draft model (the job's `draft.` tensors).
+Selector = Literal["target", "draft", "all"]
 LOAD_FORMAT = "flattened_bucket"
+_UNKNOWN = object()
 _DEVICE_ARG = 6  # index of the device in torch's rebuild_cuda_tensor args (SGLang patches the same slot)
 
 
@@ -131,6 +140,7 @@ def update_weights_from_tensor_body(
     abort_all_requests: bool = False,
     weight_version: str | None = None,
     load_format: str | None = LOAD_FORMAT,
+    selector: Selector = "all",
 ) -> dict[str, Any]:
     """The JSON body of POST /update_weights_from_tensor (UpdateWeightsFromTensorReqInput)."""
     return {
@@ -139,6 +149,7 @@ def update_weights_from_tensor_body(
         "flush_cache": flush_cache,
         "abort_all_requests": abort_all_requests,
         "weight_version": weight_version,
+        "selector": selector,
     }
 
 
@@ -148,6 +159,7 @@ def update_weights_from_distributed_body(
     group_name: str = GROUP_NAME,
     flush_cache: bool = False,
     weight_version: str | None = None,
+    selector: Selector = "all",
 ) -> dict[str, Any]:
     """UpdateWeightsFromDistributedReqInput for one flattened bucket (load_format flattened_bucket)."""
     return {
@@ -159,6 +171,7 @@ def update_weights_from_distributed_body(
         "abort_all_requests": False,
         "weight_version": weight_version,
         "load_format": LOAD_FORMAT,
+        "selector": selector,
     }
 
 
@@ -302,6 +315,7 @@ class SGLangAdapter:
         self._group: _SenderGroup | None = None
         self._flat: torch.Tensor | None = None
         self._bufs: dict[int, torch.Tensor] = {}
+        self._speculative: str | object | None = _UNKNOWN
 
     # -- engine facts --
 
@@ -313,6 +327,18 @@ class SGLangAdapter:
     def check_engine_version(self) -> str:
         return check_version(self.engine_version())
 
+    def draft_model(self) -> bool:
+        """Whether the server runs a draft model with weights of its own (EAGLE, EAGLE3, STANDALONE): then the
+        target's tensors go with selector "target" (SGLang's draft loaders map a target name they also have,
+        such as layer 0, onto the draft) and `draft.` tensors with "draft". Without one, or with NEXTN (MTP
+        layers named as in the target's checkpoint, picked up by the draft runner from "all"), every tensor
+        goes with "all", SGLang's default. Read once from GET /server_info."""
+        if self._speculative is _UNKNOWN:
+            info = self.client.get("/server_info")
+            algo = info.get("speculative_algorithm") if isinstance(info, dict) else None
+            self._speculative = str(algo).upper() if algo else None
+        return self._speculative not in (None, "NEXTN")
+
     # -- EngineAdapter --
 
     def pause(self) -> None:
@@ -322,6 +348,7 @@ class SGLangAdapter:
         self.client.post("/continue_generation", continue_body())
 
     def begin_update(self, version: int) -> None:
+        self.draft_model()  # learnt once, before the first session (which selector the target's tensors take)
         if self.path == "distributed":
             self._ensure_group()
         try:
@@ -341,16 +368,27 @@ class SGLangAdapter:
     def load_bucket(self, tensors: NamedTensors) -> None:
         if not self.session_open:
             raise EngineError("SGLang: load_bucket outside a weight-update session (begin_update first)")
-        flat, meta = flatten(tensors, self._flat)
-        if self._flat is None or flat.numel() > self._flat.numel():
-            self._flat = flat  # reused for the next bucket: the request returns only after the load
+        target, draft = split_draft(tensors)
+        if draft and not self.draft_model():
+            raise EngineError(f"SGLang: {len(draft)} draft tensors ({DRAFT_PREFIX}{draft[0][0]}, ...) but the server runs "
+                              "no separate draft model (server_info speculative_algorithm is "
+                              f"{self._speculative!r}); they would be dropped: start SGLang with a draft model "
+                              "or publish no draft.* tensors")
         self.loaded_buckets += 1  # from here on the engine's weights may be touched
-        if self.path == "distributed":
-            self._broadcast_bucket(flat, meta)
-        else:
-            self._ipc_bucket(flat, meta)
+        parts: tuple[tuple[list[tuple[str, torch.Tensor]], Selector], ...] = (
+            (target, "target" if self.draft_model() else "all"), (draft, "draft"))
+        for part, selector in parts:
+            if not part:
+                continue
+            flat, meta = flatten(part, self._flat)
+            if self._flat is None or flat.numel() > self._flat.numel():
+                self._flat = flat  # reused for the next part: the request returns only after the load
+            if self.path == "distributed":
+                self._broadcast_bucket(flat, meta, selector)
+            else:
+                self._ipc_bucket(flat, meta, selector)
 
-    def _ipc_bucket(self, flat: torch.Tensor, meta: list[SimpleNamespace]) -> None:
+    def _ipc_bucket(self, flat: torch.Tensor, meta: list[SimpleNamespace], selector: Selector) -> None:
         per_rank = []
         for r in range(self.tp_size):
             t = flat
@@ -364,7 +402,8 @@ class SGLangAdapter:
             per_rank.append(serialize({"flattened_tensor": t, "metadata": meta}))
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)
-        self.client.post("/update_weights_from_tensor", update_weights_from_tensor_body(per_rank), retry=False)
+        self.client.post("/update_weights_from_tensor", update_weights_from_tensor_body(per_rank, selector=selector),
+                         retry=False)
 
     def _ensure_group(self) -> None:
         if self._group is not None:
@@ -378,12 +417,12 @@ class SGLangAdapter:
         log.info("sglang.group_ready host=%s port=%s world_size=%s backend=gloo", group.host, group.port,
                  group.world_size)
 
-    def _broadcast_bucket(self, flat: torch.Tensor, meta: list[SimpleNamespace]) -> None:
+    def _broadcast_bucket(self, flat: torch.Tensor, meta: list[SimpleNamespace], selector: Selector) -> None:
         assert self._group is not None
         group = self._group
         cpu = flat if flat.device.type == "cpu" else flat.cpu()
         self._call_while(lambda: group.broadcast(cpu), "/update_weights_from_distributed",
-                         update_weights_from_distributed_body(meta, group_name=group.group_name))
+                         update_weights_from_distributed_body(meta, group_name=group.group_name, selector=selector))
 
     def _call_while(self, collective: Any, route: str, body: dict[str, Any]) -> None:
         """POST `route` (the engine then blocks in the collective) while this side runs `collective`."""

@@ -13,6 +13,10 @@ are dev-gated, and `--weight-transfer-config '{"backend": "nccl"|"ipc"}'`):
     POST /finish_weight_update {"weight_version": "<N>"}   vLLM publishes N only when finish succeeds
     POST /resume                                    always, also after a failure
 
+A version with draft weights (`draft.` tensors, base.DRAFT_PREFIX) finishes the target's update without a
+version, then loads the held draft tensors between POST /start_draft_weight_update and the finish that
+publishes N (a session loads into one model, chosen at its start).
+
 The bodies are FastAPI `Body(embed=True)` parameters, hence the one-key wrappers. Non-idempotent POSTs
 (init, start, update, finish) are never retried: vLLM answers 500 for a worker-side RuntimeError, and a
 second /start_weight_update or /update_weights is not the same request as the first. Pause, resume and
@@ -71,7 +75,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from .base import EngineError, EngineUnsupported, NamedTensors
+from .base import EngineError, EngineUnsupported, NamedTensors, split_draft
 from .http import EngineHTTPError, HttpClient
 from .overlap import post_during
 
@@ -451,6 +455,8 @@ class VLLMAdapter:
         self._ipc_bufs: dict[str, _Exported] = {}
         self._keep: list[torch.Tensor] = []
         self._uuids: dict[torch.device, str] = {}
+        self._draft: list[tuple[str, torch.Tensor]] = []  # draft tensors held for the draft session at commit
+        self.draft_bytes_held = 0
 
     # -- engine facts --
 
@@ -544,6 +550,7 @@ class VLLMAdapter:
             self.client.post("/start_weight_update", None, retry=False)
         self.update_open = True
         self.buckets_sent = 0
+        self._draft, self.draft_bytes_held = [], 0
         self._release_ipc()
         log.info("vllm.begin_update version=%s backend=%s url=%s", version, self.backend, self.client.base_url)
 
@@ -552,6 +559,16 @@ class VLLMAdapter:
             raise EngineError("vLLM: load_bucket outside a weight update (begin_update first)")
         if not tensors:
             raise EngineError("vLLM: cannot load an empty bucket")
+        tensors, draft = split_draft(tensors)
+        for name, t in draft:
+            # A session loads into one model, chosen at its start: the draft's tensors wait for the draft
+            # session that commit opens after the target's. They are copied (the bucket's memory is reused).
+            self._draft.append((name, t.detach().clone()))
+            self.draft_bytes_held += nbytes(t)
+        if tensors:
+            self._send(tensors)
+
+    def _send(self, tensors: NamedTensors) -> None:
         names = [n for n, _ in tensors]
         shapes = [list(t.shape) for _, t in tensors]
         dtypes = [dtype_name(t.dtype) for _, t in tensors]
@@ -636,8 +653,35 @@ class VLLMAdapter:
         if collect and self.backend == "ipc":
             self.ipc.collect()
 
+    def _draft_session(self, version: int) -> None:
+        """Close the target's update without a version, then load the held draft tensors in a
+        /start_draft_weight_update session (the one commit finishes with the version)."""
+        self.client.post("/finish_weight_update", finish_body(None), retry=False)
+        self.update_open = False
+        self._release_ipc()
+        log.info("vllm.draft_update version=%s tensors=%s bytes=%s", version, len(self._draft), self.draft_bytes_held)
+        self.client.post("/start_draft_weight_update", None, retry=False)
+        self.update_open = True
+        draft, self._draft, self.draft_bytes_held = self._draft, [], 0
+        try:
+            self._send(draft)
+        except EngineError:
+            self._close_quietly(version)  # never left inside the draft session
+            raise
+
+    def _close_quietly(self, version: int) -> None:
+        """Finish whatever update may still be open on the engine (best effort: vLLM closes an update
+        itself when a load raised, and then refuses a finish without a start)."""
+        try:
+            self.client.post("/finish_weight_update", finish_body(None), retry=False)
+        except EngineError as exc:
+            log.info("vllm.close_after_failure version=%s: %s", version, exc)
+
     def commit(self, version: int) -> None:
         try:
+            if self._draft:
+                self.buckets_sent += 1  # the target's finish below makes the weights a new target + old draft
+                self._draft_session(version)
             self.client.post("/finish_weight_update", finish_body(str(version)), retry=False)
         except EngineError:
             # Unknown whether vLLM finalized: its weights are not version N for sure, maybe mixed.
@@ -655,6 +699,7 @@ class VLLMAdapter:
         """Close the open update (finish without a version: vLLM keeps its served version string but puts
         back only the layers that got nothing) and, when a bucket reached the engine, mark the weights
         partial: the engine's version becomes `partial-<N>` and `needs_restore` is set."""
+        self._draft, self.draft_bytes_held = [], 0
         touched = self.buckets_sent > 0
         log.warning("vllm.abort version=%s buckets_sent=%s reason=%s", version, self.buckets_sent, reason)
         errors: list[BaseException] = []

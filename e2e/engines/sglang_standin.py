@@ -45,9 +45,10 @@ class StandinModel:
     """The model behind the loader: name -> tensor. load_weights copies like SGLang's default loader
     (`param.data.copy_(loaded)`), refusing what a real model would refuse."""
 
-    def __init__(self, params: dict[str, torch.Tensor], faults: Faults) -> None:
+    def __init__(self, params: dict[str, torch.Tensor], faults: Faults, *, skip_unknown: bool = False) -> None:
         self.params = params
         self.faults = faults
+        self.skip_unknown = skip_unknown  # a draft model's loader skips names it has not (llama_eagle3.py)
         self.lock = threading.Lock()
 
     def modules(self) -> list[Any]:
@@ -60,6 +61,8 @@ class StandinModel:
             if fail and i >= max(1, len(named) // 2):
                 raise RuntimeError(f"injected load failure in bucket after {i} of {len(named)} tensors")
             p = self.params.get(name)
+            if p is None and self.skip_unknown:
+                continue
             if p is None:
                 raise KeyError(f"{name} is not a parameter of this model")
             if tuple(p.shape) != tuple(t.shape) or p.dtype != t.dtype:
@@ -98,7 +101,8 @@ def demo_params(hidden: int) -> dict[str, torch.Tensor]:
 class Engine:
     """SGLang's weight-update managers wired to the stand-in model (one TP rank: tp_size 1)."""
 
-    def __init__(self, params: dict[str, torch.Tensor], faults: Faults, device: str = "cpu") -> None:
+    def __init__(self, params: dict[str, torch.Tensor], faults: Faults, device: str = "cpu",
+                 draft_params: dict[str, torch.Tensor] | None = None) -> None:
         if not dist.is_initialized():  # SGLang's scheduler barriers on its TP CPU group
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self.model = StandinModel(params, faults)
@@ -113,11 +117,24 @@ class Engine:
             model_runner=runner, weight_update_runners=lambda: [("target", runner)],
             deserialize_own_rank=lambda s: sglang_code.deserialize_own_rank(s, 0),
             init_weights_update_group=self._init_group, destroy_weights_update_group=self._destroy_group)
+        # An EAGLE3-style draft runner (its own weights) when draft_params are given: SGLang's manager then
+        # fans "all" out to both runners and "draft" to this one only.
+        self.draft: StandinModel | None = None
+        draft_worker = None
+        if draft_params is not None:
+            self.draft = StandinModel(draft_params, Faults(None, None), skip_unknown=True)
+            draft_model = self.draft
+            draft_updater = ru.WeightUpdater(
+                tp_rank=0, device=device, gpu_id=0, model_config=None, custom_weight_loaders={},
+                get_model=lambda: draft_model, update_model_fields=lambda **_: None,
+                recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+            draft_runner = types.SimpleNamespace(weight_updater=draft_updater)
+            draft_worker = types.SimpleNamespace(weight_update_runners=lambda: [("draft", draft_runner)])
         self.version: str | None = None
         self.paused = False
         self.events: list[dict[str, Any]] = []
         self.manager = sglang_code.scheduler_updater().SchedulerWeightUpdaterManager(
-            tp_worker=self.worker, draft_worker=None, memory_saver_adapter=None, flush_cache=self._flush,
+            tp_worker=self.worker, draft_worker=draft_worker, memory_saver_adapter=None, flush_cache=self._flush,
             is_fully_idle=lambda **_: True, scheduler=types.SimpleNamespace(record_weight_version_change=self._record))
         self.lock = threading.Lock()  # the scheduler handles one control request at a time
 
@@ -180,6 +197,9 @@ class Engine:
 def checksums_of(engine: Engine) -> dict[str, Any]:
     with engine.model.lock:
         sums = checksums(sorted(engine.model.params.items()))
+    if engine.draft is not None:
+        with engine.draft.lock:
+            sums.update(checksums((f"draft.{n}", t) for n, t in sorted(engine.draft.params.items())))
     v = engine.version
     return {"version": int(v) if v is not None and v.isdigit() else v, "checksums": sums}
 
@@ -210,7 +230,8 @@ def make_handler(engine: Engine, max_body: int) -> type[BaseHTTPRequestHandler]:
             elif path == "/model_info":
                 self._json(200, {"weight_version": engine.version, "model_path": "standin", "is_generation": True})
             elif path == "/server_info":
-                self._json(200, {"version": sglang_code.version(), "tp_size": 1})
+                self._json(200, {"version": sglang_code.version(), "tp_size": 1,
+                                 "speculative_algorithm": "EAGLE3" if engine.draft is not None else None})
             else:
                 self._json(501, {"detail": f"the stand-in does not implement GET {path}"})
 
@@ -256,12 +277,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=int(os.environ.get("WEIGHTSYNC_DEMO_HIDDEN", "64")),
                    help="the demo model's hidden size (WEIGHTSYNC_DEMO_HIDDEN, as the demo trainer)")
     p.add_argument("--device", default="cpu", help="where the weights live and buckets are received (cuda on GPUs)")
+    p.add_argument("--draft-hidden", type=int, default=0,
+                   help="also run a draft model (EAGLE3-style, weights of its own) with this hidden size")
     p.add_argument("--fail-load", default="", help="SESSION:BUCKET (1-based): that bucket load fails half-way, once")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     session, bucket = (int(x) for x in args.fail_load.split(":")) if args.fail_load else (None, None)
     params = {n: t.to(args.device) for n, t in demo_params(args.hidden).items()}
-    engine = Engine(params, Faults(session, bucket), device=args.device)
+    draft = ({n: t.to(args.device) for n, t in demo_params(args.draft_hidden).items()}
+             if args.draft_hidden else None)
+    engine = Engine(params, Faults(session, bucket), device=args.device, draft_params=draft)
     srv = serve(engine, args.host, args.port)
     log.info("SGLang %s stand-in on http://%s:%s (pid %s)", sglang_code.version(), args.host, args.port, os.getpid())
     try:

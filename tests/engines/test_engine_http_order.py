@@ -32,7 +32,8 @@ def _sglang(server: RecordingServer, sleeps: list[float] | None = None) -> sglan
 def test_sglang_pause_session_load_commit_resume(server: RecordingServer) -> None:
     a = _sglang(server)
     assert load_version(a, 4, _buckets(3), pause_generation=True) == 3
-    assert server.paths() == ["/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
+    # /server_info once, before the first session: does the server run a draft model of its own?
+    assert server.paths() == ["/pause_generation", "/server_info", "/begin_weight_update", "/update_weights_from_tensor",
                               "/update_weights_from_tensor", "/update_weights_from_tensor", "/end_weight_update",
                               "/update_weight_version", "/flush_cache", "/continue_generation"]
     assert server.calls[-3].body == {"new_version": "4", "abort_all_requests": False}
@@ -49,7 +50,7 @@ def test_sglang_failed_load_closes_the_session_is_never_retried_and_resumes(serv
     assert err.status == 500 and err.engine == "SGLang" and "/update_weights_from_tensor" in err.url
     assert "CUDA OOM" in str(err) and err.attempts == 1  # a load is not idempotent: never retried blindly
     paths = server.paths()
-    assert paths[:2] == ["/pause_generation", "/begin_weight_update"]
+    assert paths[:3] == ["/pause_generation", "/server_info", "/begin_weight_update"]
     assert paths[-1] == "/continue_generation", "resume must come last, also after a failed load"
     assert paths.count("/update_weights_from_tensor") == 2 and paths.count("/end_weight_update") == 1
     assert paths.index("/end_weight_update") < paths.index("/update_weight_version")

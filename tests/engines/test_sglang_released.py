@@ -265,3 +265,50 @@ def test_the_rendezvous_store_listens_only_on_the_engine_host() -> None:
         assert g._sock.getsockname()[0] == "127.0.0.1" and g.port > 0
     finally:
         g.close()
+
+
+def test_draft_tensors_reach_only_the_draft_model_through_sglangs_selectors(standin: Any) -> None:
+    """A server with a draft model of its own (EAGLE3-style; the stand-in runs SGLang's own manager with a
+    draft runner): `draft.` tensors load into the draft model only (selector "draft", prefix removed) and the
+    target's into the target only (selector "target": a draft loader takes any name it also has, here every
+    one, with another shape), bit for bit, in one session per version."""
+    eng = standin("--draft-hidden", "32")
+    a = sglang.SGLangAdapter(eng.url, timeout=60)
+    assert a.draft_model()
+    for v in (1, 2):
+        items = _weights(v)
+        torch.manual_seed(100 + v)
+        draft = [(f"draft.{n}", t) for n, t in sorted(DemoModel(32).state_dict().items())]
+        buckets = _buckets(items)
+        buckets[0] = [draft[0], *buckets[0]]
+        buckets[-1] = [*buckets[-1], *draft[1:]]
+        load_version(a, v, buckets, pause_generation=True)
+        got = eng.get("/standin/checksums")
+        assert got["version"] == v and got["checksums"] == checksums(items + draft)
+    ops = eng.ops()
+    assert "refused" not in ops and ops.count("begin_weight_update") == ops.count("end_weight_update") == 2
+
+
+def test_draft_tensors_without_a_draft_model_are_refused_before_they_are_dropped(standin: Any) -> None:
+    """SGLang answers success for selector "draft" on a server without a draft runner (nothing loads): the
+    adapter refuses instead, naming the tensor and what to do, and the engine is resumed and left whole."""
+    eng = standin()
+    a = sglang.SGLangAdapter(eng.url, timeout=60)
+    assert not a.draft_model()
+    load_version(a, 1, _buckets(_weights(1)), pause_generation=True)
+    with pytest.raises(EngineError, match=r"draft tensors \(draft\.mtp\.w, \.\.\.\) but the server runs no separate"):
+        load_version(a, 2, [[("draft.mtp.w", torch.ones(3))]], pause_generation=True)
+    assert eng.get("/standin/checksums")["version"] == 1 and a.served_version() == 1
+    assert eng.get("/standin/state")["paused"] is False and not eng.get("/standin/state")["session_open"]
+
+
+def test_update_bodies_with_selectors_validate_with_sglangs_request_types() -> None:
+    _flat, meta = sglang.flatten([("w", torch.ones(2))])
+    for selector in ("target", "draft", "all"):
+        body = sglang.update_weights_from_distributed_body(meta, selector=selector)
+        assert sglang_code.validate("/update_weights_from_distributed", body).selector == selector
+        body = sglang.update_weights_from_tensor_body(["AA=="], selector=selector)
+        assert sglang_code.validate("/update_weights_from_tensor", body).selector == selector
+    with pytest.raises(Exception, match="selector"):
+        sglang_code.validate("/update_weights_from_distributed",
+                             sglang.update_weights_from_distributed_body(meta, selector="drafts"))  # type: ignore[arg-type]

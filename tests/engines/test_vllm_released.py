@@ -678,3 +678,48 @@ def test_unsupported_release_is_refused_with_the_versions_that_work(server: Reco
     server.replies["/version"] = [(200, {"version": "0.33.2+cu129"})]
     assert a.check_engine_version() == "0.33.2+cu129"
     assert not [c for c in server.calls if c.path != "/version"], "a version check sends nothing else"
+
+
+def test_draft_tensors_load_in_a_draft_session_after_the_targets(server: RecordingServer, tmp_path: Path) -> None:
+    """`draft.`-prefixed tensors (mixed into the buckets in any order) are loaded into the draft model in a
+    /start_draft_weight_update session opened after the target's update finished without a version; the
+    version is published by the draft session's finish. vLLM's receive code gets every byte."""
+    _engine(server, workers=1)
+    a, nccl = _nccl_adapter(server)
+    items = _weights(5)
+    g = torch.Generator().manual_seed(11)
+    draft = [("draft.model.layers.0.eh_proj.weight", torch.randn(4, 8, generator=g).to(torch.bfloat16)),
+             ("draft.model.layers.0.enorm.weight", torch.randn(8, generator=g))]
+    buckets = [[draft[0], *items[:2]], items[2:4], [*items[4:], draft[1]]]
+    load_version(a, 5, buckets, pause_generation=False)
+    assert server.paths() == ["/get_world_size", "/init_weight_transfer_engine", "/start_weight_update",
+                              "/update_weights", "/update_weights", "/update_weights", "/finish_weight_update",
+                              "/start_draft_weight_update", "/update_weights", "/finish_weight_update"]
+    assert ("POST", "/start_draft_weight_update") in route_table()
+    assert _body_of(server, "/finish_weight_update") == [None, {"weight_version": "5"}]  # no version, then 5
+    code = vllm_code()
+    updates = _body_of(server, "/update_weights")
+    last = code.nccl.NCCLWeightTransferUpdateInfo(**code.base.WeightTransferUpdateRequest(**updates[-1]).update_info)
+    assert last.names == ["model.layers.0.eh_proj.weight", "model.layers.0.enorm.weight"]  # the draft's own names
+    got = run_engine_side(tmp_path, {"backend": "nccl", "workers": 1,
+                                     "init": _body_of(server, "/init_weight_transfer_engine")[0],
+                                     "updates": updates, "broadcasts": nccl.sent()})
+    (rank,) = got["ranks"]
+    want = [*items, *((n.removeprefix("draft."), t) for n, t in draft)]
+    assert [n for n, _ in rank["loaded"]] == [n for n, _ in want]
+    assert all(_same(x, y) for (_, x), (_, y) in zip(rank["loaded"], want, strict=True))
+    assert a.partial is None and not a.needs_restore and a.draft_bytes_held == 0
+
+
+def test_a_failed_draft_session_is_closed_and_marks_the_weights_partial(server: RecordingServer) -> None:
+    """A draft load vLLM refuses (e.g. the server runs no draft model) leaves no update open and the weights
+    marked partial (the target is new, the draft is not): the agent restores the last good version."""
+    _engine(server, workers=1)
+    a, _ = _nccl_adapter(server)
+    server.replies["/start_draft_weight_update"] = [vllm_error("no draft model is configured")]
+    items = _weights(6)
+    with pytest.raises(EngineError, match="no draft model"):
+        load_version(a, 6, [[*items[:2], ("draft.w", torch.ones(2))]], pause_generation=False)
+    paths = server.paths()
+    assert paths[-2:] == ["/finish_weight_update", "/start_draft_weight_update"]
+    assert a.partial == 6 and a.needs_restore and not a.update_open and a.served_version() is None
