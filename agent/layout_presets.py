@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .layout import TensorMeta
+from .layout import Rule, TensorMeta
 from .layout_spec import HF, Attention, Fuse, Naming, Rename
 
 _L = r"decoder\.layers\.(?P<layer>\d+)\."
@@ -93,8 +93,78 @@ class ModelShape:
         return Attention(self.heads, self.kv_heads, self.head_dim)
 
 
-def hf_metas(m: ModelShape) -> list[TensorMeta]:
+@dataclass(frozen=True)
+class DeepSeekShape:
+    """DeepSeek-V3's shape rules: MLA attention (q / kv low-rank projections, per-head q_b / kv_b), the first
+    `dense_layers` layers with a dense MLP, the rest MoE (router with score-correction bias, `experts`
+    routed experts of `moe_ffn`, shared experts of `shared_ffn`)."""
+
+    layers: int
+    dense_layers: int
+    hidden: int
+    heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope: int
+    qk_rope: int
+    v_head: int
+    ffn: int
+    moe_ffn: int
+    experts: int
+    shared_ffn: int
+    vocab: int
+    tie_word_embeddings: bool = False
+    dtype: str = "bfloat16"
+
+    @property
+    def attention(self) -> Attention:
+        """o_proj's input is heads x v_head (MLA has no k / v projections per KV head to replicate)."""
+        return Attention(self.heads, self.heads, self.v_head)
+
+    @property
+    def tp_overrides(self) -> dict[str, Rule]:
+        return {r"\.(q_b_proj|kv_b_proj)\.weight$": "column"}
+
+
+def deepseek_metas(m: DeepSeekShape) -> list[TensorMeta]:
+    dt, h = m.dtype, m.hidden
+    out = [TensorMeta("model.embed_tokens.weight", dt, (m.vocab, h))]
+    for i in range(m.layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out += [TensorMeta(p + "input_layernorm.weight", dt, (h,)),
+                TensorMeta(a + "q_a_proj.weight", dt, (m.q_lora_rank, h)),
+                TensorMeta(a + "q_a_layernorm.weight", dt, (m.q_lora_rank,)),
+                TensorMeta(a + "q_b_proj.weight", dt, (m.heads * (m.qk_nope + m.qk_rope), m.q_lora_rank)),
+                TensorMeta(a + "kv_a_proj_with_mqa.weight", dt, (m.kv_lora_rank + m.qk_rope, h)),
+                TensorMeta(a + "kv_a_layernorm.weight", dt, (m.kv_lora_rank,)),
+                TensorMeta(a + "kv_b_proj.weight", dt, (m.heads * (m.qk_nope + m.v_head), m.kv_lora_rank)),
+                TensorMeta(a + "o_proj.weight", dt, (h, m.heads * m.v_head)),
+                TensorMeta(p + "post_attention_layernorm.weight", dt, (h,))]
+        mlp = p + "mlp."
+        if i < m.dense_layers:
+            out += [TensorMeta(mlp + "gate_proj.weight", dt, (m.ffn, h)), TensorMeta(mlp + "up_proj.weight", dt, (m.ffn, h)),
+                    TensorMeta(mlp + "down_proj.weight", dt, (h, m.ffn))]
+            continue
+        out += [TensorMeta(mlp + "gate.weight", dt, (m.experts, h)),
+                TensorMeta(mlp + "gate.e_score_correction_bias", dt, (m.experts,))]
+        for e in range(m.experts):
+            x = f"{mlp}experts.{e}."
+            out += [TensorMeta(x + "gate_proj.weight", dt, (m.moe_ffn, h)), TensorMeta(x + "up_proj.weight", dt, (m.moe_ffn, h)),
+                    TensorMeta(x + "down_proj.weight", dt, (h, m.moe_ffn))]
+        x = mlp + "shared_experts."
+        out += [TensorMeta(x + "gate_proj.weight", dt, (m.shared_ffn, h)), TensorMeta(x + "up_proj.weight", dt, (m.shared_ffn, h)),
+                TensorMeta(x + "down_proj.weight", dt, (h, m.shared_ffn))]
+    out.append(TensorMeta("model.norm.weight", dt, (h,)))
+    if not m.tie_word_embeddings:
+        out.append(TensorMeta("lm_head.weight", dt, (m.vocab, h)))
+    return out
+
+
+def hf_metas(m: ModelShape | DeepSeekShape) -> list[TensorMeta]:
     """The engine's (HF) tensors of the model; lm_head is left out when tied."""
+    if isinstance(m, DeepSeekShape):
+        return deepseek_metas(m)
     dt, h, q, kv = m.dtype, m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
     out = [TensorMeta("model.embed_tokens.weight", dt, (m.vocab, h))]
     for i in range(m.layers):
@@ -166,16 +236,20 @@ def megatron_metas(m: ModelShape, layers: Sequence[int], *, first: bool, last: b
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 
-def hf_stage_metas(metas: Sequence[TensorMeta], layers: Sequence[int], *, first: bool,
-                   last: bool) -> list[TensorMeta]:
+_EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
+
+
+def hf_stage_metas(metas: Sequence[TensorMeta], layers: Sequence[int], *, first: bool, last: bool,
+                   experts: range | None = None) -> list[TensorMeta]:
     """The HF tensors a pipeline stage holds: its layers, the embeddings on the first, the final norm and
-    head on the last."""
+    head on the last; of the routed experts only those in `experts` (the trainer's EP rank; None: all)."""
     keep = set(layers)
     out = []
     for t in metas:
         mm = _LAYER.search(t.name)
         if mm:
-            if int(mm.group(2)) in keep:
+            ex = _EXPERT.search(t.name)
+            if int(mm.group(2)) in keep and (experts is None or ex is None or int(ex.group(2)) in experts):
                 out.append(t)
         elif "embed_tokens" in t.name:
             if first:
@@ -190,7 +264,7 @@ class Preset:
     """A model family's shape rules and a trainer's naming, as the bench and tests run them."""
 
     name: str
-    model: ModelShape
+    model: ModelShape | DeepSeekShape
     naming: Naming
     dtensor: bool = False  # the trainer publishes real FSDP2-over-TP DTensors
     about: str = ""
@@ -201,6 +275,11 @@ LLAMA_GQA = ModelShape(layers=4, hidden=128, heads=32, kv_heads=8, head_dim=4, f
 QWEN_MOE = ModelShape(layers=2, hidden=64, heads=16, kv_heads=4, head_dim=4, ffn=0, vocab=256, experts=128,
                       moe_ffn=32, qk_norm=True)
 
+# DeepSeek-V3's rules scaled down, every TP-split dim a multiple of the 128 FP8 block up to TP 4
+DEEPSEEK_V3 = DeepSeekShape(layers=2, dense_layers=1, hidden=256, heads=8, q_lora_rank=128, kv_lora_rank=128,
+                            qk_nope=64, qk_rope=64, v_head=64, ffn=512, moe_ffn=256, experts=16, shared_ffn=512,
+                            vocab=512)
+
 PRESETS: dict[str, Preset] = {
     "llama-gqa": Preset("llama-gqa", LLAMA_GQA, HF,
                         about="Llama-3 shape rules (32 query heads, 8 KV heads), HF names on both sides"),
@@ -210,6 +289,9 @@ PRESETS: dict[str, Preset] = {
     "qwen-moe": Preset("qwen-moe", QWEN_MOE, MEGATRON_MOE,
                        about="Qwen3-MoE rules (128 experts), Megatron names with local expert numbers per trainer "
                              "EP rank and fused expert linear_fc1, HF names and expert parallelism on the engine"),
+    "deepseek-fp8": Preset("deepseek-fp8", DEEPSEEK_V3, HF,
+                           about="DeepSeek-V3 rules (MLA, first layer dense, routed + shared experts), HF names on "
+                                 "both sides, served as block-FP8 (--fp8: e4m3 + 128x128 weight_scale_inv)"),
     "fsdp2-tp-strided": Preset("fsdp2-tp-strided", LLAMA_GQA, HF, dtensor=True,
                                about="FSDP2 fully_shard over TP parallelize_module: _StridedShard DTensors"),
 }

@@ -36,10 +36,12 @@ from typing import Any
 
 import torch
 from weightsync.agent.dtensor_layout import PlacementError
+from weightsync.agent.fp8 import block_rel_err, fp8_shards, quantize_blocks, scale_name
 from weightsync.agent.layout import LayoutError, TensorMeta, trainer_layout
 from weightsync.agent.layout_experts import moe_layout
 from weightsync.agent.layout_presets import (
     PRESETS,
+    DeepSeekShape,
     ModelShape,
     Preset,
     hf_metas,
@@ -107,17 +109,21 @@ class Layouts:
     preset: Preset
     native: list[list[TensorShard]]  # per trainer rank, in the trainer's names
     parts: list[list[SourcePart]]  # per trainer rank, engine boxes and where they sit in the native tensors
+    sources: list[list[TensorShard]]  # per trainer rank, as they travel (fp8 weights + scales with --fp8)
     needs: list[list[TensorShard]]
     plan: TransferPlan
 
 
-def stage_metas(cfg: LayoutsConfig, preset: Preset, stage: int) -> tuple[list[TensorMeta], range]:
+def stage_metas(cfg: LayoutsConfig, preset: Preset, c: Coord) -> tuple[list[TensorMeta], range]:
     m = preset.model
-    layers = stage_layers(m.layers, cfg.trainer_pp, stage)
-    first, last = stage == 0, stage == cfg.trainer_pp - 1
+    layers = stage_layers(m.layers, cfg.trainer_pp, c.stage)
+    first, last = c.stage == 0, c.stage == cfg.trainer_pp - 1
     if preset.naming.local_layers:
+        assert isinstance(m, ModelShape)
         return megatron_metas(m, layers, first=first, last=last, ep_size=cfg.trainer_ep), layers
-    return hf_stage_metas(hf_metas(m), layers, first=first, last=last), layers
+    per = m.experts // cfg.trainer_ep
+    experts = range(c.ep * per, (c.ep + 1) * per) if m.experts else None
+    return hf_stage_metas(hf_metas(m), layers, first=first, last=last, experts=experts), layers
 
 
 def build_layouts(cfg: LayoutsConfig) -> Layouts:
@@ -125,8 +131,6 @@ def build_layouts(cfg: LayoutsConfig) -> Layouts:
     preset = PRESETS.get(cfg.preset)
     if preset is None:
         raise Refused(f"unknown preset {cfg.preset!r} (known: {', '.join(sorted(PRESETS))})")
-    if cfg.fp8:
-        raise Refused(f"--fp8 (block-FP8 conversion) is not implemented yet; preset {cfg.preset} serves bf16")
     if min(cfg.trainer_tp, cfg.trainer_fsdp, cfg.trainer_pp, cfg.trainer_ep, cfg.inference_tp, cfg.inference_ep) < 1:
         raise Refused("parallel sizes must be >= 1")
     m = preset.model
@@ -135,38 +139,68 @@ def build_layouts(cfg: LayoutsConfig) -> Layouts:
                       "MoE preset (qwen-moe)")
     if m.experts and m.experts % cfg.trainer_ep:
         raise Refused(f"{m.experts} experts do not divide over trainer EP {cfg.trainer_ep}")
+    model_rules: dict[str, Any] = dict(getattr(m, "tp_overrides", {}))
+    overrides = {**preset.naming.tp_rules, **model_rules}
     try:
         native: list[list[TensorShard]] = []
         parts: list[list[SourcePart]] = []
         for r in range(cfg.num_src):
             c = coord(cfg, r)
-            metas, layers = stage_metas(cfg, preset, c.stage)
+            metas, layers = stage_metas(cfg, preset, c)
             shards = trainer_layout(metas, tp_size=cfg.trainer_tp, tp_rank=c.tp, fsdp_size=cfg.trainer_fsdp,
-                                    fsdp_rank=c.fsdp, overrides=preset.naming.tp_rules,
+                                    fsdp_rank=c.fsdp, overrides=overrides,
                                     tie_word_embeddings=m.tie_word_embeddings)
             native.append(shards)
             parts.append(map_shards(preset.naming, shards, attention=m.attention, tp_size=cfg.trainer_tp,
                                     layer_offset=layers.start, expert_offset=c.ep * (m.experts // cfg.trainer_ep)))
         needs = [moe_layout(hf_metas(m), cfg.inference_tp, d, m.attention, ep_size=cfg.inference_ep,
-                            num_experts=m.experts, tie_word_embeddings=m.tie_word_embeddings)
+                            num_experts=m.experts, overrides=model_rules,
+                            tie_word_embeddings=m.tie_word_embeddings)
                  for d in range(cfg.num_dst)]
-        plan = build_plan([[p.shard for p in ps] for ps in parts], needs, cfg.bucket_kb * 1024)
+        sources = [[p.shard for p in ps] for ps in parts]
+        if cfg.fp8:  # the trainer quantizes its own boxes; the engines need fp8 boxes plus their block scales
+            sources = [fp8_shards(s, who="trainer ") for s in sources]
+            needs = [fp8_shards(n, who="engine ") for n in needs]
+        plan = build_plan(sources, needs, cfg.bucket_kb * 1024)
     except (LayoutError, PlanError, PlacementError) as exc:
         raise Refused(str(exc)) from None
-    return Layouts(preset, native, parts, needs, plan)
+    return Layouts(preset, native, parts, sources, needs, plan)
 
 
 # -- the independent reference --------------------------------------------------------------------------
-def hf_full(m: ModelShape) -> dict[str, torch.Tensor]:
-    """Random full HF tensors (bf16 from random bits: every bit pattern, NaNs included, must survive)."""
+def hf_full(m: ModelShape | DeepSeekShape, finite: bool = False) -> dict[str, torch.Tensor]:
+    """Random full HF tensors: bf16 from random bits (every bit pattern, NaNs included, must survive), or
+    with `finite` (FP8) normal values whose magnitude varies by row over five decades, so blocks get
+    different scales."""
     out = {}
     for t in hf_metas(m):
         g = torch.Generator().manual_seed(zlib.crc32(t.name.encode()))
         n = 1
         for d in t.shape:
             n *= d
-        out[t.name] = torch.randint(-32768, 32768, (n,), dtype=torch.int16, generator=g).view(torch.bfloat16).reshape(t.shape)
+        if finite:
+            rows = t.shape[0] if t.shape else 1
+            mag = torch.logspace(-4, 1, rows)[torch.randperm(rows, generator=g)]
+            x = torch.randn(n, generator=g).view(rows, -1) * mag[:, None]
+            out[t.name] = x.to(torch.bfloat16).reshape(t.shape)
+        else:
+            out[t.name] = torch.randint(-32768, 32768, (n,), dtype=torch.int16, generator=g).view(torch.bfloat16).reshape(t.shape)
     return out
+
+
+def ref_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's block quantization, block by block: scale_inv = max|block| / 448, fp8 = block / scale_inv."""
+    r, c = w.shape
+    q = torch.empty(r, c, dtype=torch.float8_e4m3fn)
+    s = torch.empty(-(-r // 128), -(-c // 128), dtype=torch.float32)
+    for i in range(0, r, 128):
+        for j in range(0, c, 128):
+            blk = w[i:i + 128, j:j + 128].float()
+            amax = blk.abs().max()
+            sc = amax / 448.0 if amax > 0 else torch.tensor(1.0)
+            q[i:i + 128, j:j + 128] = (blk / sc).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            s[i // 128, j // 128] = sc
+    return q, s
 
 
 def megatron_full(m: ModelShape, hf: dict[str, torch.Tensor], layers: range, tp: int, *, first: bool,
@@ -212,14 +246,16 @@ def megatron_full(m: ModelShape, hf: dict[str, torch.Tensor], layers: range, tp:
     return out
 
 
-def expected_slice(m: ModelShape, name: str, full: torch.Tensor, tp: int, rank: int, ep: int = 1) -> torch.Tensor:
+def expected_slice(m: Any, name: str, full: torch.Tensor, tp: int, rank: int, ep: int = 1) -> torch.Tensor:
     """What an engine's TP rank holds of a tensor, by the engines' rules (vLLM / SGLang Llama): query heads
     split over ranks, KV heads split or (TP > KV heads) replicated, o_proj / down_proj by input columns,
     gate / up / embeddings / head by rows, the rest whole."""
-    hd = m.head_dim
+    hd = getattr(m, "head_dim", 0)  # dense GQA models; MLA has no q / k / v projections
     if ".experts." in name:  # the rank's EP group holds the expert; its tp / ep ranks split it like a dense MLP
         group = tp // ep
         return full.chunk(group, dim=1 if name.endswith("down_proj.weight") else 0)[rank % group]
+    if name.endswith(("q_b_proj.weight", "kv_b_proj.weight")):  # MLA: per-head up projections, by rows
+        return full.chunk(tp, dim=0)[rank]
     if ".q_proj." in name:
         per = m.heads // tp
         return full[rank * per * hd:(rank + 1) * per * hd]
@@ -237,19 +273,20 @@ def expected_slice(m: ModelShape, name: str, full: torch.Tensor, tp: int, rank: 
 
 
 # -- worker processes ------------------------------------------------------------------------------------
-def _native_locals(cfg: LayoutsConfig, lay: Layouts, rank: int) -> tuple[dict[str, torch.Tensor], int]:
+def native_locals(cfg: LayoutsConfig, lay: Layouts, rank: int,
+                  real_dtensors: bool = True) -> tuple[dict[str, torch.Tensor], int]:
     """This trainer rank's local tensors in its own names: slices of the reference (Megatron, HF), or the
     local tensors of real FSDP2-over-TP DTensors (fsdp2-tp-strided), checked against the planned boxes;
     and how many of them are _StridedShard DTensors."""
     m = lay.preset.model
     c = coord(cfg, rank)
-    hf = hf_full(m)
-    if lay.preset.dtensor:
+    hf = hf_full(m, cfg.fp8)
+    if lay.preset.dtensor and real_dtensors:
         return _dtensor_locals(cfg, lay, rank, hf)
     layers = stage_layers(m.layers, cfg.trainer_pp, c.stage)
     first, last = c.stage == 0, c.stage == cfg.trainer_pp - 1
     full = (megatron_full(m, hf, layers, cfg.trainer_tp, first=first, last=last, ep=cfg.trainer_ep, ep_rank=c.ep)
-            if lay.preset.naming.local_layers else hf)
+            if isinstance(m, ModelShape) and lay.preset.naming.local_layers else hf)
     return {s.name: full[s.name][s.box.slices_within(Box.full(s.global_shape))] for s in lay.native[rank]}, 0
 
 
@@ -313,6 +350,22 @@ def _dtensor_locals(cfg: LayoutsConfig, lay: Layouts, rank: int,
     return out, strided
 
 
+def stage(lay: Layouts, rank: int, locals_: dict[str, torch.Tensor], views: dict[str, torch.Tensor]) -> None:
+    """What a trainer's publish does with a layout: each engine box copied once out of the local trainer
+    tensor into the rank's staging views (fused components read strided), or, for block-FP8 weights,
+    quantized where the bytes are and the fp8 weight and its scales written there."""
+    quantized = {s.name for s in lay.sources[rank] if s.dtype == "float8_e4m3fn"}
+    for p in lay.parts[rank]:
+        if p.shard.name in quantized:
+            q, sc = quantize_blocks(p.view.of(locals_[p.trainer_name]))
+            if p.shard.name in views:
+                views[p.shard.name].copy_(q)
+            if scale_name(p.shard.name) in views:
+                views[scale_name(p.shard.name)].copy_(sc)
+        elif p.shard.name in views:
+            p.view.copy_into(views[p.shard.name], locals_[p.trainer_name])
+
+
 def _worker(cfg: LayoutsConfig, role: str, rank: int, port: int, out: Any) -> None:
     res: dict[str, Any] = {"role": role, "rank": rank}
     try:
@@ -339,10 +392,8 @@ def _run(cfg: LayoutsConfig, role: str, rank: int, port: int) -> dict[str, Any]:
     flat, owner, views = _arena(plan.arena(role, rank), "cpu", shm_path)
     result: dict[str, Any] = {}
     if role == "src":
-        locals_, result["strided_dtensors"] = _native_locals(cfg, lay, rank)
-        for p in lay.parts[rank]:
-            if p.shard.name in views:  # the copy into staging: strided reads of fused components, no other copy
-                p.view.copy_into(views[p.shard.name], locals_[p.trainer_name])
+        locals_, result["strided_dtensors"] = native_locals(cfg, lay, rank)
+        stage(lay, rank, locals_, views)
         del locals_
     peers = _links(cfg, plan, role, rank, store)
     transport = _make_transport(cfg, store)
@@ -364,7 +415,7 @@ def _run(cfg: LayoutsConfig, role: str, rank: int, port: int) -> dict[str, Any]:
             receiver.receive_version(None, expected_version=v, into=views)
         times.append(time.perf_counter() - t0)
     if role == "dst":
-        result.update(_verify(cfg, lay, rank, views))
+        result.update(verify(cfg, lay, rank, views))
     result["seconds"] = times[cfg.warmup:]
     transport.close()
     if owner is not None:
@@ -374,16 +425,31 @@ def _run(cfg: LayoutsConfig, role: str, rank: int, port: int) -> dict[str, Any]:
     return result
 
 
-def _verify(cfg: LayoutsConfig, lay: Layouts, rank: int, views: dict[str, torch.Tensor]) -> dict[str, Any]:
+def verify(cfg: LayoutsConfig, lay: Layouts, rank: int, views: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Every needed tensor against the reference, bit for bit; with --fp8 the fp8 weights and scales
+    against the reference quantization of the full tensor, and each block's dequantization error."""
     m = lay.preset.model
-    hf = hf_full(m)
+    hf = hf_full(m, cfg.fp8)
+    quant: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     bad = []
+    max_rel = 0.0
     for s in lay.needs[rank]:
-        want = expected_slice(m, s.name, hf[s.name], cfg.inference_tp, rank, cfg.inference_ep)
+        base = s.name.removesuffix("_scale_inv")
+        if s.dtype == "float8_e4m3fn" or s.name.endswith(".weight_scale_inv"):
+            if base not in quant:
+                quant[base] = ref_quantize(hf[base])
+            full = quant[base][1 if s.name.endswith("_scale_inv") else 0]
+        else:
+            full = hf[s.name]
+        want = expected_slice(m, base, full, cfg.inference_tp, rank, cfg.inference_ep)
         got = views[s.name]
         if got.shape != want.shape or not torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)):
             bad.append(s.name)
-    return {"bit_exact": not bad, "mismatched": bad[:5], "verified_tensors": len(lay.needs[rank])}
+        if s.dtype == "float8_e4m3fn":
+            ref = expected_slice(m, s.name, hf[s.name], cfg.inference_tp, rank, cfg.inference_ep).float()
+            max_rel = max(max_rel, block_rel_err(ref, got, views[scale_name(s.name)]))
+    return {"bit_exact": not bad, "mismatched": bad[:5], "verified_tensors": len(lay.needs[rank]),
+            "max_rel_err": max_rel, "fp8_tensors": sum(1 for s in lay.needs[rank] if s.dtype == "float8_e4m3fn")}
 
 
 # -- the run ---------------------------------------------------------------------------------------------
@@ -413,6 +479,8 @@ def run(cfg: LayoutsConfig) -> dict[str, Any]:
         "bit_exact": all(r["bit_exact"] for r in dst),
         "mismatched": [n for r in dst for n in r["mismatched"]][:5],
         "verified_tensors": sum(r["verified_tensors"] for r in dst),
+        **({"max_rel_err": max(r["max_rel_err"] for r in dst), "fp8_tensors": sum(r["fp8_tensors"] for r in dst)}
+           if cfg.fp8 else {}),
         "trainer_tensors": len({s.name for rank in lay.native for s in rank}),
         "engine_tensors": len({s.name for rank in lay.needs for s in rank}),
         "strided_dtensors": sum(r.get("strided_dtensors", 0) for r in results),

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from weightsync.agent.buckets import to_dtype
 from weightsync.agent.layout import LayoutError, TensorMeta
 from weightsync.agent.layout_heads import head_layout, kv_head_of
 from weightsync.agent.layout_presets import LLAMA_GQA, MEGATRON_LLAMA
@@ -41,31 +42,22 @@ B = _bench()
 
 
 def _execute(cfg: Any) -> dict[str, Any]:
-    """Build the layouts and plan; refused -> {"refused": msg}; else move every planned piece from the
-    sources' staged boxes to the destinations' and compare with the reference."""
+    """Build the layouts and plan; refused -> {"refused": msg}; else stage every trainer rank as the bench
+    does, move every planned piece from the sources' staged boxes to the destinations', and check each
+    destination against the reference (bench.verify)."""
     try:
         lay = B.build_layouts(cfg)
     except B.Refused as exc:
         return {"refused": str(exc)}
-    m = lay.preset.model
-    hf = B.hf_full(m)
     staged: list[dict[str, torch.Tensor]] = []
     for r in range(cfg.num_src):
-        c = B.coord(cfg, r)
-        layers = B.stage_layers(m.layers, cfg.trainer_pp, c.stage)
-        full = (B.megatron_full(m, hf, layers, cfg.trainer_tp, first=c.stage == 0, last=c.stage == cfg.trainer_pp - 1,
-                                ep=cfg.trainer_ep, ep_rank=c.ep)
-                if lay.preset.naming.local_layers else hf)
-        local = {s.name: full[s.name][s.box.slices_within(Box.full(s.global_shape))] for s in lay.native[r]}
-        mine = {}
-        for p in lay.parts[r]:
-            dst = torch.empty(p.shard.box.shape, dtype=torch.bfloat16)
-            p.view.copy_into(dst, local[p.trainer_name])
-            mine[p.shard.name] = dst
-        staged.append(mine)
-    got = [{s.name: torch.zeros(s.box.shape, dtype=torch.bfloat16) for s in need} for need in lay.needs]
+        local, _ = B.native_locals(cfg, lay, r, real_dtensors=False)
+        views = {s.name: torch.empty(s.box.shape, dtype=to_dtype(s.dtype)) for s in lay.sources[r]}
+        B.stage(lay, r, local, views)
+        staged.append(views)
+    got = [{s.name: torch.zeros(s.box.shape, dtype=to_dtype(s.dtype)) for s in need} for need in lay.needs]
     need_box = [{s.name: s.box for s in need} for need in lay.needs]
-    src_box = [{p.shard.name: p.shard.box for p in ps} for ps in lay.parts]
+    src_box = [{s.name: s.box for s in src} for src in lay.sources]
     for b in lay.plan.buckets:
         for e in b.entries:
             pc = e.piece
@@ -73,11 +65,9 @@ def _execute(cfg: Any) -> dict[str, Any]:
             piece = staged[pc.src][pc.name][pc.box.slices_within(pc.src_box)]
             for d in pc.dsts:
                 got[d][pc.name][pc.box.slices_within(need_box[d][pc.name])] = piece
-    bad = [(d, s.name) for d, need in enumerate(lay.needs) for s in need
-           if not torch.equal(got[d][s.name].view(torch.int16),
-                              B.expected_slice(m, s.name, hf[s.name], cfg.inference_tp, d, cfg.inference_ep)
-                              .contiguous().view(torch.int16))]
-    return {"bit_exact": not bad, "bad": bad[:3]}
+    res = [B.verify(cfg, lay, d, got[d]) for d in range(cfg.num_dst)]
+    return {"bit_exact": all(r["bit_exact"] for r in res), "bad": [n for r in res for n in r["mismatched"]][:3],
+            "max_rel_err": max(r["max_rel_err"] for r in res)}
 
 
 REASONS = ("do not divide", "does not divide", "not divide", "cut a", "not a multiple", "not implemented", "no experts", "exceeds")
@@ -163,6 +153,8 @@ def _cli(*args: str) -> tuple[int, dict[str, Any]]:
      "--transport", "ipc"),
     ("--preset", "fsdp2-tp-strided", "--trainer-tp", "2", "--trainer-fsdp", "2", "--inference-tp", "4"),
     ("--preset", "qwen-moe", "--trainer-tp", "2", "--trainer-ep", "2", "--inference-tp", "4", "--inference-ep", "2"),
+    ("--preset", "deepseek-fp8", "--fp8", "--trainer-tp", "2", "--trainer-ep", "2", "--inference-tp", "4",
+     "--inference-ep", "4"),
 ])
 def test_real_processes_and_transports_are_bit_exact(args: tuple[str, ...]) -> None:
     rc, res = _cli(*args)
@@ -173,6 +165,8 @@ def test_real_processes_and_transports_are_bit_exact(args: tuple[str, ...]) -> N
         assert res["fused_parts"] > 0 and res["trainer_tensors"] < res["engine_tensors"]
     if "fsdp2-tp-strided" in args:
         assert res["strided_dtensors"] > 0
+    if "--fp8" in args:
+        assert 0 < res["max_rel_err"] <= 0.07 and res["fp8_tensors"] > 0
     if "16" in args:
         assert res["broadcast_buckets"] > 0  # KV heads replicated on TP 16 > 8 KV heads: one send, two ranks
 
@@ -210,6 +204,43 @@ def test_engine_weights_publishes_megatron_tensors_in_hf_names() -> None:
         box = Box(s.global_offset, tuple(s.tensor.shape))
         assert torch.equal(s.tensor.view(torch.int16), hf[s.name][box.slices_within(Box.full(s.global_shape))]
                            .view(torch.int16)), s.name
+
+
+def test_deepseek_fp8_every_combination_is_bit_exact_within_the_block_bound_or_refused() -> None:
+    """bf16 -> e4m3 with 128x128 weight_scale_inv, quantized on each trainer rank's own boxes: the fp8 bytes
+    and scales equal the block-by-block reference quantization of the full tensor, and each block's
+    dequantization error is at most 0.07 of its largest element."""
+    seen = {"ok": 0, "refused": 0}
+    for tp, fsdp, ep, itp, iep in itertools.product((1, 2, 4), (1, 2), (1, 4), (1, 2, 4, 8), (1, 4)):
+        cfg = B.LayoutsConfig(transport="nccl", size_mb=0, trainer_tp=tp, inference_tp=itp, preset="deepseek-fp8",
+                              trainer_fsdp=fsdp, trainer_ep=ep, inference_ep=iep, fp8=True, bucket_kb=1024)
+        res = _execute(cfg)
+        if "refused" in res:
+            assert any(r in res["refused"] for r in (*REASONS, "block boundaries")), (tp, fsdp, ep, itp, iep, res)
+            seen["refused"] += 1
+        else:
+            assert res["bit_exact"], (tp, fsdp, ep, itp, iep, res)
+            assert 0 < res["max_rel_err"] <= 0.07, res
+            seen["ok"] += 1
+    assert seen["ok"] >= 5 and seen["refused"] >= 5, seen
+
+
+def test_block_fp8_roundtrip_and_scale_boxes() -> None:
+    from weightsync.agent.fp8 import block_rel_err, dequantize_blocks, quantize_blocks, scale_shard
+    from weightsync.agent.plan import TensorShard
+
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(300, 260, generator=g) * torch.logspace(-4, 1, 300)[:, None]).to(torch.bfloat16).float()
+    q, s = quantize_blocks(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 3)
+    assert block_rel_err(w, q, s) <= 0.0625
+    assert (dequantize_blocks(q, s) - w).abs().max() > 0  # lossy, so the check above can fail
+    box = TensorShard.of("m.layers.0.mlp.down_proj.weight", "bfloat16", (300, 260), (128, 0), (172, 260))
+    sc = scale_shard(box)
+    assert (sc.name, sc.global_shape, sc.box) == ("m.layers.0.mlp.down_proj.weight_scale_inv", (3, 3),
+                                                  Box((1, 0), (2, 3)))
+    with pytest.raises(LayoutError, match="block boundaries"):
+        scale_shard(TensorShard.of("x.weight", "bfloat16", (256, 256), (64, 0), (64, 256)))
 
 
 def test_expert_ranges_follow_engine_ep_groups() -> None:
