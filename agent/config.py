@@ -7,11 +7,13 @@ point an agent at a temporary directory and a loopback IP. The topology file is 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from weightsync.crds import contract
 from weightsync.crds.topology import PodMember, Topology
@@ -76,6 +78,24 @@ def _device(raw: str) -> str:
 
 
 @dataclass(frozen=True)
+class LoraSpec:
+    """spec.inference.engine.lora as the agent reads it (WEIGHTSYNC_LORA, JSON)."""
+
+    adapter_name: str
+    config: Mapping[str, Any]
+    pinned: bool = False
+
+    @classmethod
+    def from_json(cls, raw: str) -> LoraSpec:
+        try:
+            doc = json.loads(raw)
+            return cls(adapter_name=str(doc["adapterName"]), config=dict(doc["config"]),
+                       pinned=bool(doc.get("pinned", False)))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"not a LoRA spec ({{adapterName, config, pinned}}): {exc}") from None
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     """Identity and settings of one agent, read once at start."""
 
@@ -105,6 +125,7 @@ class AgentConfig:
     timeout_seconds: float = 600.0
     delta_sync: bool = False  # spec.transfer.deltaSync.enabled: send changed words only (GDR transport)
     delta_max_changed_fraction: float = DEFAULT_DELTA_MAX_CHANGED_FRACTION
+    lora: LoraSpec | None = None  # spec.inference.engine.lora: sync an adapter, not base weights
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -146,6 +167,12 @@ class AgentConfig:
         verify = env.get(contract.ENV_VERIFY) or "None"
         if verify not in ("None", "Checksum"):
             raise ConfigError(f"{contract.ENV_VERIFY}={verify!r}: expected None or Checksum")
+        lora = None
+        if env.get(contract.ENV_LORA):
+            try:
+                lora = LoraSpec.from_json(env[contract.ENV_LORA])
+            except ValueError as exc:
+                raise ConfigError(f"{contract.ENV_LORA}: {exc}") from None
         world = _int(env, contract.ENV_WORLD_SIZE, 1)
         rank = _int(env, contract.ENV_RANK, 0)
         if world < 1 or not 0 <= rank < world:
@@ -180,6 +207,7 @@ class AgentConfig:
             delta_sync=_bool(env, contract.ENV_DELTA_SYNC, False),
             delta_max_changed_fraction=_fraction(env, contract.ENV_DELTA_MAX_CHANGED_FRACTION,
                                                  DEFAULT_DELTA_MAX_CHANGED_FRACTION),
+            lora=lora,
         )
 
 

@@ -39,7 +39,7 @@ from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.plan import TensorShard, TransferPlan
 from weightsync.agent.podstatus import Desired, PodLink, synced_state
 from weightsync.agent.server import StagedVersion, StagingError, StagingStore, WeightServer
-from weightsync.agent.staging import cleanup_stale
+from weightsync.agent.staging import cleanup_stale, shm_dir
 from weightsync.crds import contract
 from weightsync.crds.topology import InferenceReplicaTopology, PodMember, Topology
 
@@ -84,7 +84,35 @@ def make_adapter(cfg: AgentConfig, registry: AppRegistry, ranks: list[int], tp_s
             options.update(backend="ipc", devices=engine_devices(cfg.device, tp_size))
         else:
             options.update(backend="nccl", device=cfg.device)
+    if cfg.lora is not None:
+        return lora_adapter(cfg, tp_size)
     return factory.make_adapter(cfg.engine_type, url=cfg.engine_url, **options)
+
+
+def lora_adapter(cfg: AgentConfig, tp_size: int) -> EngineAdapter:
+    """A LoRA job: the engine's adapter-loading endpoint, not its weight-update session (which the agent
+    then never opens: no update group, no GPU of the agent's own for vLLM)."""
+    from .engines import lora
+    from .engines.http import HttpClient
+
+    assert cfg.lora is not None
+    if not cfg.engine_url:
+        raise ConfigError(f"{cfg.engine_type} engine needs its URL ({contract.ENV_ENGINE_URL})")
+    client = HttpClient(cfg.engine_url, cfg.engine_type, timeout=float(cfg.timeout_seconds))
+    loader: lora.LoraLoader
+    if cfg.engine_type == "SGLang":
+        from .engines.sglang import SGLangAdapter
+
+        inner: EngineAdapter = SGLangAdapter(cfg.engine_url, tp_size=tp_size, client=client)
+        loader = lora.SGLangLoraLoader(client, tp_size)
+    elif cfg.engine_type == "VLLM":
+        from .engines.vllm import VLLMAdapter
+
+        inner = VLLMAdapter(cfg.engine_url, backend="nccl", client=client)
+        loader = lora.VLLMLoraLoader(client, shm_dir() / "lora")
+    else:
+        raise ConfigError(f"{contract.ENV_LORA}: LoRA needs an SGLang or VLLM engine, not {cfg.engine_type}")
+    return lora.LoraAdapter(inner=inner, loader=loader, spec=cfg.lora)
 
 
 def engine_devices(device: str, tp_size: int) -> list[str]:
@@ -95,8 +123,8 @@ def engine_devices(device: str, tp_size: int) -> list[str]:
 def vllm_unusable(cfg: AgentConfig) -> str | None:
     """Why a vLLM engine cannot take weights from this agent, or None. vLLM's backends need CUDA: a CPU
     agent would fail every load, so it is refused at start with the fix instead."""
-    if cfg.engine_type != "VLLM" or cfg.device.startswith("cuda"):
-        return None
+    if cfg.engine_type != "VLLM" or cfg.device.startswith("cuda") or cfg.lora is not None:
+        return None  # a LoRA adapter goes by file through /v1/load_lora_adapter: no CUDA on the agent's side
     if cfg.role == contract.ROLE_COLOCATED:
         return ("vLLM takes colocated weights only as CUDA IPC handles, and this agent has no GPU "
                 f"({contract.ENV_AGENT_DEVICE}={cfg.device}); give the inference replicas GPUs")

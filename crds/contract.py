@@ -93,6 +93,7 @@ ENV_BUCKET_SIZE_MB: Final = "WEIGHTSYNC_BUCKET_SIZE_MB"
 ENV_VERIFY: Final = "WEIGHTSYNC_VERIFY"
 ENV_ENGINE_TYPE: Final = "WEIGHTSYNC_ENGINE_TYPE"
 ENV_ENGINE_URL: Final = "WEIGHTSYNC_ENGINE_URL"
+ENV_LORA: Final = "WEIGHTSYNC_LORA"  # JSON of spec.inference.engine.lora (adapterName, config, pinned), if set
 
 # --- Mounted paths inside owned pods -------------------------------------------------------------------
 SOCKET_DIR: Final = "/var/run/weightsync"                 # emptyDir shared by the agent and the app

@@ -366,10 +366,60 @@ class InferenceParallelism(_Model):
     tensor: int = Field(default=1, ge=1, le=64, description="Tensor parallel size of one engine replica. Immutable.")
 
 
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+LORA_CONFIG_REQUIRED = ("r", "lora_alpha", "target_modules")
+
+LoraConfig = Annotated[
+    dict[str, Any],
+    WithJsonSchema({
+        "type": "object", "x-kubernetes-preserve-unknown-fields": True,
+        "description": "The adapter's PEFT adapter_config.json (r, lora_alpha, target_modules, ...), handed to "
+                       "the engine with every version.",
+        "required": list(LORA_CONFIG_REQUIRED),
+        "properties": {
+            "r": {"type": "integer", "minimum": 1, "description": "LoRA rank."},
+            "lora_alpha": {"type": "number", "description": "LoRA scaling numerator."},
+            "target_modules": {"x-kubernetes-preserve-unknown-fields": True,
+                               "description": "Module names (a list) or a PEFT shorthand such as all-linear."},
+        },
+    }),
+]
+
+
+class LoraSpec(_Model):
+    """Sync a LoRA adapter instead of the base weights: the trainer publishes only the adapter's tensors
+    (PEFT names, e.g. `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) and each version
+    replaces the engine's adapter of this name through its adapter-loading endpoint."""
+
+    adapter_name: str = Field(
+        alias="adapterName", pattern=LORA_NAME_PATTERN, max_length=64,
+        description="The adapter's name in the engine: what requests ask for (SGLang `lora_path`, vLLM `model`).",
+    )
+    config: LoraConfig
+    pinned: bool = Field(default=False, description="SGLang: keep the adapter in GPU memory (never evicted).")
+
+    @field_validator("config")
+    @classmethod
+    def _peft_config(cls, v: dict[str, Any]) -> dict[str, Any]:
+        missing = [k for k in LORA_CONFIG_REQUIRED if k not in v]
+        if missing:
+            raise ValueError(f"spec.inference.engine.lora.config must be a PEFT adapter_config: missing {missing}")
+        if not isinstance(v["r"], int) or isinstance(v["r"], bool) or v["r"] < 1:
+            raise ValueError("spec.inference.engine.lora.config.r must be an integer >= 1")
+        return v
+
+
 class EngineSpec(_Model):
     """The inference engine the agent drives."""
 
     __rules__ = (
+        Rule(
+            cel="!has(self.lora) || self.type != 'Custom'",
+            message="spec.inference.engine.lora needs an SGLang or VLLM engine (their adapter-loading endpoints); "
+            "a Custom engine receives every published tensor as it is",
+            check=lambda e: e.lora is None or e.type != "Custom",
+            field_path=".lora",
+        ),
         Rule(
             cel="!has(self.url) || self.url.startsWith('http://') || self.url.startsWith('https://')",
             message="spec.inference.engine.url must start with http:// or https://",
@@ -387,6 +437,10 @@ class EngineSpec(_Model):
         default=None,
         max_length=512,
         description="Engine base URL as seen from the agent; default http://127.0.0.1:<port>.",
+    )
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="Sync a LoRA adapter (MBs) into the engine's adapter-loading endpoint instead of base weights.",
     )
 
 

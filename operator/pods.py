@@ -10,6 +10,7 @@ ServiceAccount and a controller owner reference. Pure: same inputs, same manifes
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -83,6 +84,9 @@ def contract_env(
             {"name": contract.ENV_PAUSE_GENERATION, "value": "true" if spec.update_policy.pause_generation else "false"},
             {"name": contract.ENV_MAX_STALENESS, "value": str(spec.update_policy.max_staleness)},
         ]
+        if engine.lora is not None:  # only when set: other jobs keep their env (and spec hash)
+            env.append({"name": contract.ENV_LORA,
+                        "value": json.dumps(engine.lora.model_dump(by_alias=True), sort_keys=True)})
     delta = spec.transfer.delta_sync
     if delta is not None and delta.enabled:
         # Only when enabled: a job without deltaSync keeps the env (and the spec hash) it always had, so an

@@ -58,6 +58,8 @@ REQUEST_TYPES = {
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
     "/weights_checker": "CheckWeightsReqInput",
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
 }
 _OUTPUT_TYPES = [
     "BeginWeightUpdateReqOutput", "EndWeightUpdateReqOutput", "InitWeightsUpdateGroupReqOutput",
@@ -108,14 +110,16 @@ def validate(route: str, body: Any) -> Any:
 
 @lru_cache(maxsize=1)
 def common() -> types.ModuleType:
-    """MultiprocessingSerializer, SafeUnpickler, init_custom_process_group from srt/utils/common.py."""
+    """MultiprocessingSerializer, SafeUnpickler (with the safe torch.load it gives by-value storages),
+    init_custom_process_group from srt/utils/common.py."""
     from packaging import version as pkg_version
 
     ns = _typing_namespace()
     ns.update(io=io, pickle=pickle, pybase64=pybase64, logging=logging, logger=logging.getLogger("sglang.common"),
               torch_release=pkg_version.parse(torch.__version__).release)
     mod = released.extract(PKG, "srt/utils/common.py",
-                           ["MultiprocessingSerializer", "SafeUnpickler", "init_custom_process_group"], ns)
+                           ["MultiprocessingSerializer", "_safe_load_torch_storage", "SafeUnpickler",
+                            "init_custom_process_group"], ns)
     return mod
 
 

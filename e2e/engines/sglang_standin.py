@@ -131,12 +131,37 @@ class Engine:
             draft_runner = types.SimpleNamespace(weight_updater=draft_updater)
             draft_worker = types.SimpleNamespace(weight_update_runners=lambda: [("draft", draft_runner)])
         self.version: str | None = None
+        self.loras: dict[str, dict[str, torch.Tensor]] = {}
         self.paused = False
         self.events: list[dict[str, Any]] = []
         self.manager = sglang_code.scheduler_updater().SchedulerWeightUpdaterManager(
             tp_worker=self.worker, draft_worker=draft_worker, memory_saver_adapter=None, flush_cache=self._flush,
             is_fully_idle=lambda **_: True, scheduler=types.SimpleNamespace(record_weight_version_change=self._record))
         self.lock = threading.Lock()  # the scheduler handles one control request at a time
+
+    def _lora(self, route: str, req: Any) -> tuple[int, dict[str, Any]]:
+        """SGLang's adapter registry rules (tokenizer_control_mixin / lora_manager): a name loads once until
+        unloaded; the payload is rebuilt by SGLang's own deserializer and, with expected_checksums, each
+        tensor's sha256 is checked before anything loads (tp_worker.load_lora_adapter_from_tensors)."""
+        name = req.lora_name
+        if route == "/unload_lora_adapter":
+            if self.loras.pop(name, None) is None:
+                return 400, {"success": False, "error_message": f"LoRA adapter {name} is not loaded"}
+            return 200, {"success": True}
+        if name in self.loras:
+            return 400, {"success": False, "error_message":
+                         f"Failed to load LoRA adapter {name} because it is already loaded"}
+        data = sglang_code.deserialize_own_rank(req.serialized_named_tensors, 0)
+        tensors = dict(data)
+        if req.expected_checksums is not None:
+            got = checksums(tensors.items())
+            bad = sorted(n for n, want in req.expected_checksums.items() if got.get(n) != want)
+            extra = sorted(set(tensors) - set(req.expected_checksums))
+            if bad or extra:
+                return 400, {"success": False, "error_message": f"[LORA-CHECK] adapter sync MISMATCH: {bad[:5]} "
+                                                                  f"differ or are missing, {extra[:5]} extra"}
+        self.loras[name] = {n: t.clone() for n, t in tensors.items()}
+        return 200, {"success": True, "loaded_adapters": {n: "__tensor__" for n in self.loras}}
 
     def _init_group(self, req: Any) -> tuple[bool, str]:
         return self.runner.init_weights_update_group(req.master_address, req.master_port, req.rank_offset,
@@ -185,6 +210,8 @@ class Engine:
             out = m.update_weights_from_distributed(req)
         elif route == "/update_weights_from_tensor":
             out = m.update_weights_from_tensor(req)
+        elif route in ("/load_lora_adapter_from_tensors", "/unload_lora_adapter"):
+            return self._lora(route, req)
         elif route == "/update_weight_version":
             self.version = req.new_version
             return 200, {"success": True, "message": f"Weight version updated to {req.new_version}",
@@ -192,6 +219,12 @@ class Engine:
         else:
             return 404, {"detail": "Not Found"}
         return (200 if out.success else 400), {"success": out.success, "message": out.message}
+
+
+def lora_checksums(engine: Engine) -> dict[str, Any]:
+    with engine.model.lock:
+        return {"version": engine.version,
+                "adapters": {name: checksums(sorted(t.items())) for name, t in engine.loras.items()}}
 
 
 def checksums_of(engine: Engine) -> dict[str, Any]:
@@ -223,6 +256,8 @@ def make_handler(engine: Engine, max_body: int) -> type[BaseHTTPRequestHandler]:
                 self._json(200, {"events": engine.events})
             elif path in ("/standin/checksums", "/checksums"):  # /checksums: as the demo engine's
                 self._json(200, checksums_of(engine))
+            elif path == "/standin/lora":
+                self._json(200, lora_checksums(engine))
             elif ("GET", path) not in sg_routes:
                 self._json(404, {"detail": "Not Found"})
             elif path == "/health":

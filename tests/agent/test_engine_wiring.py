@@ -8,15 +8,29 @@ from typing import Any
 
 import pytest
 from weightsync.agent import main
+from weightsync.agent.config import LoraSpec
+from weightsync.agent.engines import lora
 from weightsync.agent.engines.custom import AppRegistry
 from weightsync.agent.engines.sglang import SGLangAdapter
 from weightsync.agent.engines.vllm import VLLMAdapter
 from weightsync.crds import contract
 
 
-def _cfg(engine: str, device: str, role: str = contract.ROLE_INFERENCE) -> Any:
+def _cfg(engine: str, device: str, role: str = contract.ROLE_INFERENCE, lora: LoraSpec | None = None) -> Any:
     return SimpleNamespace(engine_type=engine, device=device, role=role, timeout_seconds=30,
-                           engine_url="http://127.0.0.1:30000")
+                           engine_url="http://127.0.0.1:30000", lora=lora)
+
+
+LORA = LoraSpec(adapter_name="policy", config={"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
+
+
+@pytest.mark.parametrize("engine, loader", [("SGLang", lora.SGLangLoraLoader), ("VLLM", lora.VLLMLoraLoader)])
+def test_a_lora_job_loads_through_the_adapter_endpoint_even_from_a_cpu_agent(engine: str, loader: type) -> None:
+    a = main.make_adapter(_cfg(engine, "cpu", lora=LORA), AppRegistry(), [0], 2)
+    assert isinstance(a, lora.LoraAdapter) and isinstance(a.loader, loader) and a.spec == LORA
+    assert main.vllm_unusable(_cfg(engine, "cpu", lora=LORA)) is None  # no NCCL group, no GPU needed
+    if isinstance(a.loader, lora.SGLangLoraLoader):
+        assert a.loader.tp_size == 2  # one serialized copy per TP rank
 
 
 def test_sglang_cpu_agent_uses_the_weight_update_group_and_cuda_agents_ipc() -> None:

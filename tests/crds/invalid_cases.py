@@ -185,6 +185,16 @@ CASES: list[Case] = [
          "spec.transfer.deltaSync", "CEL", base=colocated, also="transfer.mode GDR"),
     Case("engine-url-scheme", _set("spec.inference.engine.url", "ftp://engine:30000"),
          "spec.inference.engine.url", "CEL"),
+    Case("lora-needs-an-http-engine",
+         _all(_set("spec.inference.engine", {"type": "Custom", "lora": {
+             "adapterName": "policy", "config": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}}})),
+         "spec.inference.engine.lora", "CEL", also="SGLang or VLLM"),
+    Case("lora-config-needs-rank", _set("spec.inference.engine.lora", {
+        "adapterName": "policy", "config": {"lora_alpha": 16, "target_modules": ["q_proj"]}}),
+         "spec.inference.engine.lora.config.r", "required"),
+    Case("lora-name-pattern", _set("spec.inference.engine.lora", {
+        "adapterName": "../etc", "config": {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}}),
+         "spec.inference.engine.lora.adapterName", "pattern"),
     Case("name-too-long", _set("metadata.name", "a" * 41), "metadata.name", "CEL"),
     # F1 (hostile-input issue): the API server takes any DNS-1123 subdomain for a custom resource, but the
     # job's Service name must be a DNS-1035 label; the operator's Service create got 422 forever

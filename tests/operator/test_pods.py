@@ -94,6 +94,25 @@ def test_delta_sync_env_only_when_enabled(job, separated, cfg):
         plain["demo-trainer-0"]["metadata"]["annotations"][contract.ANN_SPEC_HASH]
 
 
+def test_lora_env_only_on_engine_pods_and_only_when_set(job, separated, cfg):
+    """spec.inference.engine.lora reaches the inference pods as WEIGHTSYNC_LORA (JSON the agent parses);
+    trainer pods never get it (so setting it does not mark them outdated), nor does a job without it."""
+    import json
+
+    lora = {"adapterName": "policy", "config": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}}
+    pods = _pods(job, separated(inference={"engine": {"type": "SGLang", "lora": lora}}), cfg)
+    plain = _pods(job, separated(), cfg)
+    for name, pod in pods.items():
+        env = _env(_agent(pod))
+        if "trainer" in name:
+            assert contract.ENV_LORA not in env
+            assert pod["metadata"]["annotations"][contract.ANN_SPEC_HASH] == \
+                plain[name]["metadata"]["annotations"][contract.ANN_SPEC_HASH]
+        else:
+            assert json.loads(env[contract.ENV_LORA]) == {**lora, "pinned": False}
+    assert all(contract.ENV_LORA not in _env(_agent(p)) for p in plain.values())
+
+
 def test_contract_env_overrides_a_spoofed_user_value(job, separated, cfg):
     tmpl = {"spec": {"containers": [{"name": "t", "image": "x", "env": [{"name": contract.ENV_RANK, "value": "99"}]}]}}
     pods = _pods(job, separated(trainer={"template": tmpl}), cfg)
