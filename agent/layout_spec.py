@@ -210,22 +210,37 @@ def map_shards(naming: Naming, shards: Sequence[TensorShard], *, attention: Atte
 
 
 def engine_weights(weights: Mapping[str, Any], naming: Naming, *, attention: Attention | None = None,
-                   tp_size: int = 1, layer_offset: int = 0, expert_offset: int = 0) -> dict[str, Any]:
+                   tp_size: int = 1, layer_offset: int = 0, expert_offset: int = 0,
+                   fp8: str | None = None) -> dict[str, Any]:
     """What a trainer passes to `TrainerSession.publish` to publish in engine names: its local tensors
     (plain, DTensor, client.TensorShard) mapped to `client.TensorShard`s of engine tensors whose
-    tensors are views of the local ones (publish copies each once into staging)."""
+    tensors are views of the local ones (publish copies each once into staging). With `fp8` (a regex of
+    engine names, e.g. fp8.DEEPSEEK_QUANTIZED) the matching weights are block-quantized here, on the
+    tensor's device, and published as float8_e4m3fn plus their `weight_scale_inv` boxes."""
     from .client import TensorShard as ClientShard
     from .client import local_shards
+    from .fp8 import quantize_blocks, scale_shard
 
+    quantized = re.compile(fp8) if fp8 else None
     shards, _aliases = local_shards(weights)
     out: dict[str, Any] = {}
+
+    def put(name: str, value: Any, source: str) -> None:
+        if name in out:
+            raise LayoutError(f"engine tensor {name!r} is published twice (last from {source!r})")
+        out[name] = value
+
     for s in shards:
         for p in map_shard(naming, s.name, _dtype(s.tensor), s.global_shape, s.global_offset,
                            tuple(s.tensor.shape), attention=attention, tp_size=tp_size, layer_offset=layer_offset,
                            expert_offset=expert_offset):
-            if p.shard.name in out:
-                raise LayoutError(f"engine tensor {p.shard.name!r} is published twice (last from {s.name!r})")
-            out[p.shard.name] = ClientShard(p.view.of(s.tensor), p.shard.global_shape, p.shard.box.offset)
+            if quantized is not None and quantized.search(p.shard.name) and p.shard.box.numel:
+                sc = scale_shard(p.shard, who="trainer ")
+                q, scale = quantize_blocks(p.view.of(s.tensor))
+                put(p.shard.name, ClientShard(q, p.shard.global_shape, p.shard.box.offset), s.name)
+                put(sc.name, ClientShard(scale, sc.global_shape, sc.box.offset), s.name)
+            else:
+                put(p.shard.name, ClientShard(p.view.of(s.tensor), p.shard.global_shape, p.shard.box.offset), s.name)
     return out
 
 

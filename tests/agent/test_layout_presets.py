@@ -253,3 +253,35 @@ def test_expert_ranges_follow_engine_ep_groups() -> None:
     assert s is not None and s.box == Box((0, 16), (64, 16))  # down_proj split by columns over expert TP 2
     with pytest.raises(LayoutError, match="does not divide TP"):
         expert_range(128, 4, 3, 0)
+
+
+def test_engine_weights_quantizes_where_the_bytes_are() -> None:
+    """A DeepSeek trainer rank (TP rank 1 of 2) publishing block-FP8: fp8 weights and weight_scale_inv boxes
+    equal to the reference quantization of the full tensors; unquantized tensors stay bf16 views."""
+    from weightsync.agent.client import TensorShard as ClientShard
+    from weightsync.agent.client import local_shards
+    from weightsync.agent.fp8 import DEEPSEEK_QUANTIZED
+    from weightsync.agent.layout_presets import DEEPSEEK_V3, HF
+    from weightsync.agent.layout_spec import engine_weights
+
+    hf = B.hf_full(DEEPSEEK_V3, finite=True)
+    names = ["model.layers.0.self_attn.q_b_proj.weight", "model.layers.0.mlp.down_proj.weight",
+             "model.layers.0.input_layernorm.weight"]
+    weights = {names[0]: ClientShard(hf[names[0]].chunk(2)[1], tuple(hf[names[0]].shape), (512, 0)),
+               names[1]: ClientShard(hf[names[1]].chunk(2, dim=1)[1], tuple(hf[names[1]].shape), (0, 256)),
+               names[2]: hf[names[2]]}
+    out = engine_weights(weights, HF, fp8=DEEPSEEK_QUANTIZED)
+    assert sorted(out) == sorted([*names, names[0] + "_scale_inv", names[1] + "_scale_inv"])
+    got = {s.name: s for s in local_shards(out)[0]}
+    q0, s0 = B.ref_quantize(hf[names[0]])
+    assert got[names[0]].tensor.dtype == torch.float8_e4m3fn
+    assert torch.equal(got[names[0]].tensor.view(torch.uint8), q0[512:].view(torch.uint8))
+    assert got[names[0] + "_scale_inv"].global_offset == (4, 0) and torch.equal(got[names[0] + "_scale_inv"].tensor,
+                                                                                s0[4:])
+    q1, s1 = B.ref_quantize(hf[names[1]])
+    assert torch.equal(got[names[1]].tensor.view(torch.uint8), q1[:, 256:].view(torch.uint8))
+    assert torch.equal(got[names[1] + "_scale_inv"].tensor, s1[:, 2:])
+    assert got[names[2]].tensor.dtype == torch.bfloat16
+    with pytest.raises(LayoutError, match="block boundaries"):
+        engine_weights({names[1]: ClientShard(hf[names[1]][:, :64], tuple(hf[names[1]].shape), (0, 0))}, HF,
+                       fp8=DEEPSEEK_QUANTIZED)
