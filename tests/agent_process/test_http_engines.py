@@ -78,3 +78,40 @@ def test_agent_refuses_an_unsupported_sglang_release(tmp_path: Path, clusters: l
         assert [p for p in server.paths() if p not in ("/server_info",)] == []
     finally:
         server.close()
+
+
+def test_agent_loads_each_version_as_a_lora_adapter(tmp_path: Path, clusters: list[Cluster]) -> None:
+    """spec.inference.engine.lora (WEIGHTSYNC_LORA): the agent receives every bucket as for base weights and
+    hands the version to SGLang whole, as the adapter `policy` (unload, load from tensors by value with
+    SGLang's own checksum check), never inside a weight-update session; bit-exact with the trainer."""
+    import json
+
+    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
+    clusters.append(c)
+    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
+    c.write_topology()
+    port = free_port(i.ip)
+    url = f"http://{i.ip}:{port}"
+    engine = f"mount -t tmpfs tmpfs /dev/shm && exec {PY} -m weightsync.e2e.engines.sglang_standin --host {i.ip} --port {port}"
+    c.spawn(i, "engine", [*NAMESPACES, engine])
+    c.start_agent(t)
+    spec = {"adapterName": "policy", "config": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]},
+            "pinned": False}
+    c.start_agent(i, **{contract.ENV_ENGINE_TYPE: "SGLang", contract.ENV_ENGINE_URL: url,
+                        contract.ENV_LORA: json.dumps(spec)})
+    c.start_trainer(t, "--versions", "2", "--interval", "1.0")
+
+    def lora() -> dict[str, object]:
+        try:
+            return dict(requests.get(f"{url}/standin/lora", timeout=2).json())
+        except requests.RequestException:
+            return {}
+
+    wait_for(lambda: lora().get("version") == "2", 120, "SGLang serves adapter version 2", c)
+    published = json.loads((c.root / t.name / "sock" / "demo-trainer-checksums.json").read_text())
+    assert lora()["adapters"] == {"policy": published["2"]}
+    ops = [e["op"] for e in requests.get(f"{url}/standin/events", timeout=5).json()["events"]]
+    assert "refused" not in ops and "begin_weight_update" not in ops, ops
+    assert ops.count("load_lora_adapter_from_tensors") == 2 and ops.count("unload_lora_adapter") == 2, ops
+    assert ops.count("pause_generation") == ops.count("continue_generation") >= 2
