@@ -228,7 +228,9 @@ def megatron_metas(m: ModelShape, layers: Sequence[int], *, first: bool, last: b
                 TensorMeta(p + "mlp.linear_fc2.weight", dt, (h, m.ffn))]
     if last:
         out.append(TensorMeta("decoder.final_layernorm.weight", dt, (h,)))
-        if not m.tie_word_embeddings:
+        # tied: one stage holds the embedding for both; with several stages the last keeps its own copy
+        # as output_layer.weight (the engine, tied too, needs no lm_head, so the plan leaves it unsent)
+        if not m.tie_word_embeddings or not first:
             out.append(TensorMeta("output_layer.weight", dt, (m.vocab, h)))
     return out
 

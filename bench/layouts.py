@@ -243,6 +243,8 @@ def megatron_full(m: ModelShape, hf: dict[str, torch.Tensor], layers: range, tp:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
         if not m.tie_word_embeddings:
             out["output_layer.weight"] = hf["lm_head.weight"]
+        elif not first:  # tied over several stages: the last stage's copy of the embedding
+            out["output_layer.weight"] = hf["model.embed_tokens.weight"]
     return out
 
 

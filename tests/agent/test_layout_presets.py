@@ -89,6 +89,27 @@ def test_every_combination_is_bit_exact_or_refused_by_reason(preset: str) -> Non
     assert seen["ok"] >= 20 and seen["refused"] >= 20, seen
 
 
+@pytest.mark.parametrize("naming", ["hf", "megatron"])
+def test_tied_embeddings_are_sent_once_and_never_needed_as_lm_head(naming: str, monkeypatch: Any) -> None:
+    """Llama-3.2-style tied embeddings: the engine needs no lm_head; a Megatron last stage's copy of the
+    embedding (output_layer.weight) is left unsent."""
+    import dataclasses
+
+    from weightsync.agent.layout_presets import NAMINGS, PRESETS, Preset
+
+    tied = dataclasses.replace(LLAMA_GQA, tie_word_embeddings=True)
+    monkeypatch.setitem(PRESETS, "tied", Preset("tied", tied, NAMINGS[naming]))
+    for tp, pp, itp in itertools.product((1, 2), (1, 2), (1, 4, 16)):
+        cfg = B.LayoutsConfig(transport="nccl", size_mb=0, trainer_tp=tp, inference_tp=itp, preset="tied",
+                              trainer_pp=pp, bucket_kb=64)
+        res = _execute(cfg)
+        assert res.get("bit_exact"), (tp, pp, itp, res)
+        lay = B.build_layouts(cfg)
+        assert not any(s.name == "lm_head.weight" for need in lay.needs for s in need)
+        sent = {e.piece.name for b in lay.plan.buckets for e in b.entries}
+        assert "lm_head.weight" not in sent and "model.embed_tokens.weight" in sent
+
+
 def test_qwen_moe_every_expert_parallel_combination_is_bit_exact_or_refused() -> None:
     """Trainer EP != engine EP / TP: 128 experts, local expert numbers per trainer EP rank, fused expert fc1."""
     seen = {"ok": 0, "refused": 0}
