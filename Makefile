@@ -70,6 +70,11 @@ bench: setup
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --fsdp 2 --inference-tp 2 --json | tee bench/results/agent-pipeline-nccl-fsdp2-tp2.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --json | tee bench/results/agent-pipeline-nccl-256.json
 	$(VPY) bench/plan_scale.py --tensors 70000 --ranks 256 --json | tee bench/results/plan-scale.json
+	$(VPY) bench/layouts.py --preset llama-gqa --trainer-tp 2 --trainer-fsdp 2 --inference-tp 16 --json | tee bench/results/layouts-llama-gqa.json
+	$(VPY) bench/layouts.py --preset megatron-fused --trainer-tp 2 --trainer-pp 2 --inference-tp 16 --json | tee bench/results/layouts-megatron-fused.json
+	$(VPY) bench/layouts.py --preset fsdp2-tp-strided --trainer-tp 2 --trainer-fsdp 2 --inference-tp 4 --json | tee bench/results/layouts-fsdp2-tp-strided.json
+	$(VPY) bench/layouts.py --preset qwen-moe --trainer-tp 2 --trainer-ep 4 --inference-tp 4 --inference-ep 2 --json | tee bench/results/layouts-qwen-moe.json
+	$(VPY) bench/layouts.py --preset deepseek-fp8 --fp8 --trainer-tp 2 --trainer-ep 2 --inference-tp 4 --inference-ep 4 --json | tee bench/results/layouts-deepseek-fp8.json
 	$(VPY) bench/operator_scale.py --replicas 8 32 64 | tee bench/results/operator-scale.json
 	$(VPY) -m weightsync.e2e.runtime.bench --pods 8 | tee bench/results/process-runtime.json
 
