@@ -66,7 +66,37 @@ MEGATRON_MOE = Naming(
     local_experts=True,
 )
 
-NAMINGS: dict[str, Naming] = {"hf": HF, "megatron": MEGATRON_LLAMA, "megatron-moe": MEGATRON_MOE}
+_A = _L + r"self_attention\."
+
+MEGATRON_DEEPSEEK = Naming(
+    "megatron-deepseek",
+    rules=(
+        Rename(_A + r"linear_q_down_proj\.weight", _H + "self_attn.q_a_proj.weight"),
+        Rename(_A + r"linear_q_up_proj\.layer_norm_weight", _H + "self_attn.q_a_layernorm.weight"),
+        Rename(_A + r"linear_q_up_proj\.weight", _H + "self_attn.q_b_proj.weight"),
+        Rename(_A + r"linear_kv_down_proj\.weight", _H + "self_attn.kv_a_proj_with_mqa.weight"),
+        Rename(_A + r"linear_kv_up_proj\.layer_norm_weight", _H + "self_attn.kv_a_layernorm.weight"),
+        Rename(_A + r"linear_kv_up_proj\.weight", _H + "self_attn.kv_b_proj.weight"),
+        Rename(_L + r"input_layernorm\.weight", _H + "input_layernorm.weight"),
+        Rename(_L + r"mlp\.router\.expert_bias", _H + "mlp.gate.e_score_correction_bias"),
+        Fuse(_L + r"mlp\.shared_experts\.linear_fc1\.weight",
+             (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"), "gate_up"),
+        Rename(_L + r"mlp\.shared_experts\.linear_fc2\.weight", _H + "mlp.shared_experts.down_proj.weight"),
+        *MEGATRON_MOE.rules,
+    ),
+    tp_rules={
+        r"\.(linear_q_down_proj|linear_kv_down_proj)\.weight$": "replicated",  # MLA's down projections: duplicated
+        r"\.(linear_q_up_proj|linear_kv_up_proj)\.weight$": "column",
+        r"\.shared_experts\.linear_fc1\.weight$": "column",
+        r"\.shared_experts\.linear_fc2\.weight$": "row",
+        **MEGATRON_MOE.tp_rules,
+    },
+    local_layers=True,
+    local_experts=True,
+)
+
+NAMINGS: dict[str, Naming] = {"hf": HF, "megatron": MEGATRON_LLAMA, "megatron-moe": MEGATRON_MOE,
+                              "megatron-deepseek": MEGATRON_DEEPSEEK}
 
 
 @dataclass(frozen=True)
@@ -235,6 +265,44 @@ def megatron_metas(m: ModelShape, layers: Sequence[int], *, first: bool, last: b
     return out
 
 
+def deepseek_megatron_metas(m: DeepSeekShape, layers: Sequence[int], *, first: bool, last: bool,
+                            ep_size: int = 1) -> list[TensorMeta]:
+    """A Megatron-core DeepSeek-V3 pipeline stage (MLA with TE-fused q / kv norms, dense first layers, MoE with
+    router expert bias, shared experts with fused [gate; up]); local layer and expert numbers."""
+    dt, h = m.dtype, m.hidden
+    out = [TensorMeta("embedding.word_embeddings.weight", dt, (m.vocab, h))] if first else []
+    for i, layer in enumerate(layers):
+        p = f"decoder.layers.{i}."
+        a = p + "self_attention."
+        out += [TensorMeta(p + "input_layernorm.weight", dt, (h,)),
+                TensorMeta(a + "linear_q_down_proj.weight", dt, (m.q_lora_rank, h)),
+                TensorMeta(a + "linear_q_up_proj.layer_norm_weight", dt, (m.q_lora_rank,)),
+                TensorMeta(a + "linear_q_up_proj.weight", dt, (m.heads * (m.qk_nope + m.qk_rope), m.q_lora_rank)),
+                TensorMeta(a + "linear_kv_down_proj.weight", dt, (m.kv_lora_rank + m.qk_rope, h)),
+                TensorMeta(a + "linear_kv_up_proj.layer_norm_weight", dt, (m.kv_lora_rank,)),
+                TensorMeta(a + "linear_kv_up_proj.weight", dt, (m.heads * (m.qk_nope + m.v_head), m.kv_lora_rank)),
+                TensorMeta(a + "linear_proj.weight", dt, (h, m.heads * m.v_head))]
+        if layer < m.dense_layers:
+            out += [TensorMeta(p + "mlp.linear_fc1.layer_norm_weight", dt, (h,)),
+                    TensorMeta(p + "mlp.linear_fc1.weight", dt, (2 * m.ffn, h)),
+                    TensorMeta(p + "mlp.linear_fc2.weight", dt, (h, m.ffn))]
+            continue
+        out += [TensorMeta(p + "pre_mlp_layernorm.weight", dt, (h,)),
+                TensorMeta(p + "mlp.router.weight", dt, (m.experts, h)),
+                TensorMeta(p + "mlp.router.expert_bias", dt, (m.experts,))]
+        for e in range(m.experts // ep_size):
+            x = f"{p}mlp.experts.local_experts.{e}."
+            out += [TensorMeta(x + "linear_fc1.weight", dt, (2 * m.moe_ffn, h)),
+                    TensorMeta(x + "linear_fc2.weight", dt, (h, m.moe_ffn))]
+        out += [TensorMeta(p + "mlp.shared_experts.linear_fc1.weight", dt, (2 * m.shared_ffn, h)),
+                TensorMeta(p + "mlp.shared_experts.linear_fc2.weight", dt, (h, m.shared_ffn))]
+    if last:
+        out.append(TensorMeta("decoder.final_layernorm.weight", dt, (h,)))
+        if not m.tie_word_embeddings or not first:
+            out.append(TensorMeta("output_layer.weight", dt, (m.vocab, h)))
+    return out
+
+
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 
@@ -291,9 +359,10 @@ PRESETS: dict[str, Preset] = {
     "qwen-moe": Preset("qwen-moe", QWEN_MOE, MEGATRON_MOE,
                        about="Qwen3-MoE rules (128 experts), Megatron names with local expert numbers per trainer "
                              "EP rank and fused expert linear_fc1, HF names and expert parallelism on the engine"),
-    "deepseek-fp8": Preset("deepseek-fp8", DEEPSEEK_V3, HF,
-                           about="DeepSeek-V3 rules (MLA, first layer dense, routed + shared experts), HF names on "
-                                 "both sides, served as block-FP8 (--fp8: e4m3 + 128x128 weight_scale_inv)"),
+    "deepseek-fp8": Preset("deepseek-fp8", DEEPSEEK_V3, MEGATRON_DEEPSEEK,
+                           about="DeepSeek-V3 rules (MLA, first layer dense, routed + shared experts), Megatron names "
+                                 "on the trainer, HF names on the engine, served as block-FP8 (--fp8: e4m3 + "
+                                 "128x128 weight_scale_inv)"),
     "fsdp2-tp-strided": Preset("fsdp2-tp-strided", LLAMA_GQA, HF, dtensor=True,
                                about="FSDP2 fully_shard over TP parallelize_module: _StridedShard DTensors"),
 }

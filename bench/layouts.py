@@ -44,6 +44,7 @@ from weightsync.agent.layout_presets import (
     DeepSeekShape,
     ModelShape,
     Preset,
+    deepseek_megatron_metas,
     hf_metas,
     hf_stage_metas,
     megatron_metas,
@@ -119,7 +120,8 @@ def stage_metas(cfg: LayoutsConfig, preset: Preset, c: Coord) -> tuple[list[Tens
     layers = stage_layers(m.layers, cfg.trainer_pp, c.stage)
     first, last = c.stage == 0, c.stage == cfg.trainer_pp - 1
     if preset.naming.local_layers:
-        assert isinstance(m, ModelShape)
+        if isinstance(m, DeepSeekShape):
+            return deepseek_megatron_metas(m, layers, first=first, last=last, ep_size=cfg.trainer_ep), layers
         return megatron_metas(m, layers, first=first, last=last, ep_size=cfg.trainer_ep), layers
     per = m.experts // cfg.trainer_ep
     experts = range(c.ep * per, (c.ep + 1) * per) if m.experts else None
@@ -248,6 +250,53 @@ def megatron_full(m: ModelShape, hf: dict[str, torch.Tensor], layers: range, tp:
     return out
 
 
+def megatron_deepseek_full(m: DeepSeekShape, hf: dict[str, torch.Tensor], layers: range, tp: int, *, first: bool,
+                           last: bool, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """A Megatron-core DeepSeek-V3 stage from the HF tensors: MLA projections renamed (the q / kv norms fused
+    into linear_q_up_proj / linear_kv_up_proj as layer_norm_weight), dense and shared-expert linear_fc1 =
+    [gate; up] per TP shard, routed experts whole and numbered locally per EP rank."""
+    def fc1(gate: torch.Tensor, up: torch.Tensor, parts: int) -> torch.Tensor:
+        return torch.cat([x for t in range(parts) for x in (gate.chunk(parts)[t], up.chunk(parts)[t])])
+
+    out: dict[str, torch.Tensor] = {}
+    if first:
+        out["embedding.word_embeddings.weight"] = hf["model.embed_tokens.weight"]
+    for i, layer in enumerate(layers):
+        p, q = f"decoder.layers.{i}.", f"model.layers.{layer}."
+        a, b = p + "self_attention.", q + "self_attn."
+        out[p + "input_layernorm.weight"] = hf[q + "input_layernorm.weight"]
+        out[a + "linear_q_down_proj.weight"] = hf[b + "q_a_proj.weight"]
+        out[a + "linear_q_up_proj.layer_norm_weight"] = hf[b + "q_a_layernorm.weight"]
+        out[a + "linear_q_up_proj.weight"] = hf[b + "q_b_proj.weight"]
+        out[a + "linear_kv_down_proj.weight"] = hf[b + "kv_a_proj_with_mqa.weight"]
+        out[a + "linear_kv_up_proj.layer_norm_weight"] = hf[b + "kv_a_layernorm.weight"]
+        out[a + "linear_kv_up_proj.weight"] = hf[b + "kv_b_proj.weight"]
+        out[a + "linear_proj.weight"] = hf[b + "o_proj.weight"]
+        if layer < m.dense_layers:
+            out[p + "mlp.linear_fc1.layer_norm_weight"] = hf[q + "post_attention_layernorm.weight"]
+            out[p + "mlp.linear_fc1.weight"] = fc1(hf[q + "mlp.gate_proj.weight"], hf[q + "mlp.up_proj.weight"], tp)
+            out[p + "mlp.linear_fc2.weight"] = hf[q + "mlp.down_proj.weight"]
+            continue
+        out[p + "pre_mlp_layernorm.weight"] = hf[q + "post_attention_layernorm.weight"]
+        out[p + "mlp.router.weight"] = hf[q + "mlp.gate.weight"]
+        out[p + "mlp.router.expert_bias"] = hf[q + "mlp.gate.e_score_correction_bias"]
+        per = m.experts // ep
+        for j in range(per):
+            x, e = f"{p}mlp.experts.local_experts.{j}.", f"{q}mlp.experts.{ep_rank * per + j}."
+            out[x + "linear_fc1.weight"] = torch.cat([hf[e + "gate_proj.weight"], hf[e + "up_proj.weight"]])
+            out[x + "linear_fc2.weight"] = hf[e + "down_proj.weight"]
+        sx = q + "mlp.shared_experts."
+        out[p + "mlp.shared_experts.linear_fc1.weight"] = fc1(hf[sx + "gate_proj.weight"], hf[sx + "up_proj.weight"], tp)
+        out[p + "mlp.shared_experts.linear_fc2.weight"] = hf[sx + "down_proj.weight"]
+    if last:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        if not m.tie_word_embeddings:
+            out["output_layer.weight"] = hf["lm_head.weight"]
+        elif not first:
+            out["output_layer.weight"] = hf["model.embed_tokens.weight"]
+    return out
+
+
 def expected_slice(m: Any, name: str, full: torch.Tensor, tp: int, rank: int, ep: int = 1) -> torch.Tensor:
     """What an engine's TP rank holds of a tensor, by the engines' rules (vLLM / SGLang Llama): query heads
     split over ranks, KV heads split or (TP > KV heads) replicated, o_proj / down_proj by input columns,
@@ -287,8 +336,13 @@ def native_locals(cfg: LayoutsConfig, lay: Layouts, rank: int,
         return _dtensor_locals(cfg, lay, rank, hf)
     layers = stage_layers(m.layers, cfg.trainer_pp, c.stage)
     first, last = c.stage == 0, c.stage == cfg.trainer_pp - 1
-    full = (megatron_full(m, hf, layers, cfg.trainer_tp, first=first, last=last, ep=cfg.trainer_ep, ep_rank=c.ep)
-            if isinstance(m, ModelShape) and lay.preset.naming.local_layers else hf)
+    if not lay.preset.naming.local_layers:
+        full = hf
+    elif isinstance(m, DeepSeekShape):
+        full = megatron_deepseek_full(m, hf, layers, cfg.trainer_tp, first=first, last=last, ep=cfg.trainer_ep,
+                                      ep_rank=c.ep)
+    else:
+        full = megatron_full(m, hf, layers, cfg.trainer_tp, first=first, last=last, ep=cfg.trainer_ep, ep_rank=c.ep)
     return {s.name: full[s.name][s.box.slices_within(Box.full(s.global_shape))] for s in lay.native[rank]}, 0
 
 

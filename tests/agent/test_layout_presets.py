@@ -227,13 +227,19 @@ def test_engine_weights_publishes_megatron_tensors_in_hf_names() -> None:
                            .view(torch.int16)), s.name
 
 
-def test_deepseek_fp8_every_combination_is_bit_exact_within_the_block_bound_or_refused() -> None:
+@pytest.mark.parametrize("naming", ["megatron-deepseek", "hf"])
+def test_deepseek_fp8_every_combination_is_bit_exact_within_the_block_bound_or_refused(naming: str,
+                                                                                       monkeypatch: Any) -> None:
     """bf16 -> e4m3 with 128x128 weight_scale_inv, quantized on each trainer rank's own boxes: the fp8 bytes
     and scales equal the block-by-block reference quantization of the full tensor, and each block's
-    dequantization error is at most 0.07 of its largest element."""
+    dequantization error is at most 0.07 of its largest element. Trainer in Megatron names (the preset) or
+    HF names (an FSDP trainer with expert parallelism)."""
+    from weightsync.agent.layout_presets import DEEPSEEK_V3, NAMINGS, PRESETS, Preset
+
+    monkeypatch.setitem(PRESETS, "ds", Preset("ds", DEEPSEEK_V3, NAMINGS[naming]))
     seen = {"ok": 0, "refused": 0}
     for tp, fsdp, ep, itp, iep in itertools.product((1, 2, 4), (1, 2), (1, 4), (1, 2, 4, 8), (1, 4)):
-        cfg = B.LayoutsConfig(transport="nccl", size_mb=0, trainer_tp=tp, inference_tp=itp, preset="deepseek-fp8",
+        cfg = B.LayoutsConfig(transport="nccl", size_mb=0, trainer_tp=tp, inference_tp=itp, preset="ds",
                               trainer_fsdp=fsdp, trainer_ep=ep, inference_ep=iep, fp8=True, bucket_kb=1024)
         res = _execute(cfg)
         if "refused" in res:
