@@ -25,6 +25,7 @@ A combination the layouts cannot express is refused before any process starts: o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -170,10 +171,11 @@ def build_layouts(cfg: LayoutsConfig) -> Layouts:
 
 
 # -- the independent reference --------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
 def hf_full(m: ModelShape | DeepSeekShape, finite: bool = False) -> dict[str, torch.Tensor]:
     """Random full HF tensors: bf16 from random bits (every bit pattern, NaNs included, must survive), or
     with `finite` (FP8) normal values whose magnitude varies by row over five decades, so blocks get
-    different scales."""
+    different scales. Cached per process: callers must not modify the tensors."""
     out = {}
     for t in hf_metas(m):
         g = torch.Generator().manual_seed(zlib.crc32(t.name.encode()))
@@ -188,6 +190,12 @@ def hf_full(m: ModelShape | DeepSeekShape, finite: bool = False) -> dict[str, to
         else:
             out[t.name] = torch.randint(-32768, 32768, (n,), dtype=torch.int16, generator=g).view(torch.bfloat16).reshape(t.shape)
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def ref_quantized(m: ModelShape | DeepSeekShape, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """ref_quantize of a reference tensor, once per process."""
+    return ref_quantize(hf_full(m, True)[name])
 
 
 def ref_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,15 +494,12 @@ def verify(cfg: LayoutsConfig, lay: Layouts, rank: int, views: dict[str, torch.T
     against the reference quantization of the full tensor, and each block's dequantization error."""
     m = lay.preset.model
     hf = hf_full(m, cfg.fp8)
-    quant: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     bad = []
     max_rel = 0.0
     for s in lay.needs[rank]:
         base = s.name.removesuffix("_scale_inv")
         if s.dtype == "float8_e4m3fn" or s.name.endswith(".weight_scale_inv"):
-            if base not in quant:
-                quant[base] = ref_quantize(hf[base])
-            full = quant[base][1 if s.name.endswith("_scale_inv") else 0]
+            full = ref_quantized(m, base)[1 if s.name.endswith("_scale_inv") else 0]
         else:
             full = hf[s.name]
         want = expected_slice(m, base, full, cfg.inference_tp, rank, cfg.inference_ep)
