@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.agent import local
+from weightsync.agent import atomic, local
 from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
 from weightsync.agent.delta import DeltaConfig
 from weightsync.agent.engines import factory
@@ -280,6 +280,8 @@ class Agent:
         self._unreachable_message: str | None = None
         self._loading = False  # a version is being fetched and loaded (progress is reported)
         self._engine_copied = 0  # the Custom adapter's copied_bytes already counted in the metrics
+        self.held: atomic.Held | None = None  # strategy Atomic: the prepared version (agent/atomic.py)
+        self._prepare_failed: int | None = None  # the version whose last Atomic prepare failed
         self.pod: PodLink | None = None
 
         topo = self.watcher.current
@@ -477,12 +479,17 @@ class Agent:
         # report: reporting "stale" now would flap readiness for an engine that is in fact up to date.
         if self.islot is not None and self._engine_known:
             ok, reason, msg = synced_state(latest, self.served, self.cfg.max_staleness)
+            if self.desired.committed is not None:  # Atomic: Ready only on the committed version
+                ok, reason, msg = atomic.ready(self._served_key(self.desired.committed[0]),
+                                               atomic.CommitState(self.desired.commit, self.desired.committed))
             if self._unreachable_message is not None:  # held until the engine answers again
                 ok, reason, msg = False, contract.REASON_ENGINE_UNREACHABLE, self._unreachable_message
             if not self._loading:  # the load under way reports its own progress
                 fields["sync_progress"] = None
                 self.metrics.sync_progress_buckets.set(0)
                 self.metrics.sync_progress_bytes.set(0)
+            fields.update(prepared_version=self.held.version if self.held else None,
+                          prepared_epoch=self.held.epoch if self.held else None)
             fields.update(served_version=self.served, served_epoch=self.served_epoch, engine_paused=self.user_paused, last_sync=self.last_sync,
                           sync_error=self.last_error, synced=ok, synced_reason=reason, synced_message=msg)
         self.pod.update(**fields)
@@ -591,6 +598,8 @@ class Agent:
             self._engine_known = True
             self._engine_reached()
         self._apply_pause()
+        if self._atomic_step():
+            return
         target = self._target()
         self.metrics.target_version.set(target[1] if target else self.served or 0)
         if target is None:
@@ -657,7 +666,59 @@ class Agent:
                 except EngineError as exc:
                     log.error("engine resume after restore failed: %s", exc)
 
-    def _fetch(self, version: int, trainer_epoch: int = 0) -> None:
+    def _atomic_step(self) -> bool:
+        """strategy Atomic (agent/atomic.py): prepare, wait or commit; False leaves the step to the ordinary
+        path (Rolling, or loading the committed version directly)."""
+        d = self.desired
+        state = atomic.CommitState(d.commit, d.committed)
+        target = (d.target_epoch, d.target_version) if d.target_version is not None else None
+        served = self._served_key(d.committed[0] if d.committed else 0)
+        if self.held is not None and self.held.key not in (target, state.commit, state.committed):
+            log.info("dropping the prepared version=%s (superseded)", self.held.version)
+            self.held = None
+        action = atomic.decide(served, self.held.key if self.held else None, target, state)
+        if action in (atomic.ROLLING, atomic.LOAD):
+            return False
+        if action == atomic.PREPARE and target is not None:
+            self._fetch(target[1], target[0], hold=atomic.HoldingAdapter(
+                target[0], fault=d.inject_fault if d.inject_fault == "prepare" else None))
+        elif action == atomic.COMMIT_HELD and self.held is not None:
+            self._commit_held(self.held)
+        else:
+            self._report()
+        return True
+
+    def _commit_held(self, held: atomic.Held) -> None:
+        assert self.adapter is not None and self.peers is not None
+        t0 = time.perf_counter()
+        try:
+            atomic.commit_held(held, _UserPauseGuard(self.adapter, self), pause_generation=self.cfg.pause_generation)
+        except EngineError as exc:
+            self.last_error = f"loading the prepared version {held.version}: {exc}"
+            self.metrics.versions.labels("failed").inc()
+            if getattr(self.adapter, "needs_restore", False):
+                self.served = None  # mixed weights; the engine stays out of the Service until it loads the version
+            log.warning("atomic commit failed version=%s error=%s", held.version, exc)
+            self._report()
+            self._attempt += 1
+            time.sleep(min(0.2 * 2 ** min(self._attempt, 5), 5.0))
+            self._wake.set()
+            return
+        took = time.perf_counter() - t0
+        self.held = None
+        self.served, self.served_epoch = held.version, held.epoch
+        self.last_error = None
+        self.last_sync = {"version": held.version, "durationSeconds": round(took, 4), "bytes": held.nbytes,
+                          "mode": self.mode}
+        self.metrics.served_version.set(held.version)
+        self.metrics.versions.labels("committed").inc()
+        log.info("version committed (atomic) version=%s bytes=%s seconds=%.3f", held.version, held.nbytes, took)
+        self._report()
+        self.peers.report_served(held.version, held.epoch)
+        self._wake.set()
+
+    def _fetch(self, version: int, trainer_epoch: int = 0, hold: atomic.HoldingAdapter | None = None) -> None:
+        """Fetch `version` and load it into the engine; with `hold` (Atomic prepare) into host memory only."""
         assert self.adapter is not None and self.peers is not None and self.islot is not None
         topo = self.watcher.current
         rep = self.islot.replica
@@ -679,6 +740,9 @@ class Agent:
         full = engine_takes_full_tensors(self.cfg.engine_type)
         my_ranks = ([0] if 0 in self.islot.member.ranks else []) if full else self.islot.member.ranks
         if not my_ranks:
+            if hold is not None:  # nothing to hold: replica rank 0's agent holds the full tensors
+                self.held = atomic.Held(version, trainer_epoch)
+                self._report()
             return  # the engine's HTTP endpoint (replica rank 0's pod) loads the full tensors for all ranks
         t0 = time.perf_counter()
 
@@ -686,7 +750,7 @@ class Agent:
             return fetch_version(
                 v, peers=self.peers, topo=topo, replica=rep.replica, my_ranks=my_ranks,
                 layout_fn=full_layout if full else None,
-                adapter=_UserPauseGuard(self.adapter, self),
+                adapter=_UserPauseGuard(self.adapter, self) if hold is None else hold,
                 transport_for=transport_for, group=group, bucket_bytes=self.cfg.bucket_size_mb << 20,
                 proposal=proposal_of(self.session, self._attempt, self.peers_sessions()),
                 pause_generation=pause, port=self.cfg.control_port, token=self.token,
@@ -694,6 +758,9 @@ class Agent:
                 timeout=self.cfg.timeout_seconds, progress=self._progress_reporter(v),
             )
 
+        if hold is not None:
+            self._hold(version, lambda v: fetch(v, False), hold)
+            return
         prev, prev_epoch = self.served, self.served_epoch
         self.restore_version = prev
         self._loading = True
@@ -747,6 +814,38 @@ class Agent:
                  sum(x.handshake_seconds for x in st), sum(x.wait_seconds for x in st), sum(x.load_seconds for x in st))
         self._report()
         self.peers.report_served(version, trainer_epoch)  # trainer agents answer wait_served from these reports
+        self._wake.set()
+
+    def _hold(self, version: int, fetch: Callable[[int], Any], hold: atomic.HoldingAdapter) -> None:
+        """Atomic prepare: fetch and verify `version` into host memory; the engine is not touched."""
+        assert self.peers is not None
+        if self._prepare_failed is not None and self._prepare_failed != version:
+            self.last_error = None  # a new round: the last one's error is not this one's
+        self._loading = True
+        try:
+            fetch(version)
+            if hold.complete is None:
+                raise FetchError(f"version {version} was not complete")
+        except (FetchError, EngineError, StagingError) as exc:
+            self._loading = False
+            self._prepare_failed = version
+            self._attempt += 1
+            if self.islot is not None:
+                g = group_for(self.watcher.current, self.islot.replica.replica, self.cfg.pod_name)
+                self.cache.drop(g.name, role_prefix="dst")
+            self.last_error = f"prepare of version {version} failed: {exc}"
+            self.metrics.versions.labels("failed").inc()
+            log.warning("atomic prepare failed version=%s attempt=%s error=%s", version, self._attempt, exc)
+            self._report()
+            time.sleep(min(0.2 * 2 ** min(self._attempt, 5), 5.0))
+            self._wake.set()
+            return
+        self._loading = False
+        self._prepare_failed = None
+        self.held = hold.complete
+        self.last_error = None
+        log.info("version prepared (held, not served) version=%s bytes=%s", version, self.held.nbytes)
+        self._report()
         self._wake.set()
 
     def _progress_reporter(self, version: int) -> Callable[[int, int, int, int], None]:

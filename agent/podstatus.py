@@ -35,6 +35,10 @@ class Desired:
     target_version: int | None = None
     paused: bool = False
     target_epoch: int = 0  # the trainer epoch of target_version
+    # strategy Atomic (agent/atomic.py): (epoch, version) of commit-version / committed-version; None: Rolling
+    commit: tuple[int, int] | None = None
+    committed: tuple[int, int] | None = None
+    inject_fault: str | None = None  # contract.ANN_INJECT_FAULT (tests, chaos drills)
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class Observed:
     last_sync: dict[str, Any] | None = None
     sync_error: str | None = None
     sync_progress: dict[str, Any] | None = None  # the load under way (None: none, the annotation is removed)
+    prepared_version: int | None = None  # Atomic: the version held prepared (None: none, removed)
+    prepared_epoch: int | None = None
     synced: bool | None = None
     synced_reason: str = ""
     synced_message: str = ""
@@ -64,7 +70,15 @@ def desired_from_annotations(annotations: dict[str, str] | None) -> Desired:
         except ValueError:
             log.warning("ignoring non-integer %s=%r", contract.ANN_TARGET_VERSION, raw)
     epoch = _nonnegative(ann.get(contract.ANN_TARGET_EPOCH)) or 0
-    return Desired(target, str(ann.get(contract.ANN_PAUSED, "")).lower() == "true", epoch)
+    return Desired(target, str(ann.get(contract.ANN_PAUSED, "")).lower() == "true", epoch,
+                   commit=_key(ann, contract.ANN_COMMIT_VERSION, contract.ANN_COMMIT_EPOCH),
+                   committed=_key(ann, contract.ANN_COMMITTED_VERSION, contract.ANN_COMMITTED_EPOCH),
+                   inject_fault=ann.get(contract.ANN_INJECT_FAULT) or None)
+
+
+def _key(ann: dict[str, str], version_key: str, epoch_key: str) -> tuple[int, int] | None:
+    version = _nonnegative(ann.get(version_key))
+    return None if version is None else (_nonnegative(ann.get(epoch_key)) or 0, version)
 
 
 def _nonnegative(raw: str | None) -> int | None:
@@ -95,6 +109,9 @@ def annotations_for(obs: Observed) -> dict[str, str | None]:
         out[contract.ANN_PUBLISHED_EPOCH] = str(obs.published_epoch or 0)
     if obs.served_version is not None:
         out[contract.ANN_SERVED_EPOCH] = str(obs.served_epoch or 0)
+    prepared = obs.prepared_version is not None
+    out[contract.ANN_PREPARED_VERSION] = str(obs.prepared_version) if prepared else None
+    out[contract.ANN_PREPARED_EPOCH] = str(obs.prepared_epoch or 0) if prepared else None
     if obs.engine_paused is not None:
         out[contract.ANN_ENGINE_PAUSED] = "true" if obs.engine_paused else "false"
     if obs.last_sync is not None:

@@ -35,7 +35,19 @@ ANN_TARGET_VERSION: Final = f"{GROUP}/target-version"   # the version this infer
 ANN_TARGET_EPOCH: Final = f"{GROUP}/target-epoch"       # ... of this trainer epoch (absent: 0)
 ANN_PAUSED: Final = f"{GROUP}/paused"                   # "true" while spec.paused (engine paused)
 ANN_MEMBERSHIP_GENERATION: Final = f"{GROUP}/membership-generation"
-DESIRED_POD_ANNOTATIONS: Final = (ANN_TARGET_VERSION, ANN_TARGET_EPOCH, ANN_PAUSED, ANN_MEMBERSHIP_GENERATION)
+# spec.updatePolicy.strategy Atomic (operator/atomic.py, agent/atomic.py): a two-phase update. commit-version
+# above committed-version: every replica leaves the Service (drain); committed-version: the version Ready
+# replicas serve (agents load their prepared copy of it). Absent or empty on pods of a Rolling job.
+ANN_COMMIT_VERSION: Final = f"{GROUP}/commit-version"
+ANN_COMMIT_EPOCH: Final = f"{GROUP}/commit-epoch"
+ANN_COMMITTED_VERSION: Final = f"{GROUP}/committed-version"
+ANN_COMMITTED_EPOCH: Final = f"{GROUP}/committed-epoch"
+ATOMIC_POD_ANNOTATIONS: Final = (ANN_COMMIT_VERSION, ANN_COMMIT_EPOCH, ANN_COMMITTED_VERSION, ANN_COMMITTED_EPOCH)
+DESIRED_POD_ANNOTATIONS: Final = (ANN_TARGET_VERSION, ANN_TARGET_EPOCH, ANN_PAUSED, ANN_MEMBERSHIP_GENERATION,
+                                  *ATOMIC_POD_ANNOTATIONS)
+# Fault injection (tests, chaos drills; set by hand on one pod): "prepare" makes this agent's Atomic prepare
+# fail. Anyone who may patch the pod may delete it too, so this grants nothing new.
+ANN_INJECT_FAULT: Final = f"{GROUP}/inject-fault"
 
 # --- Annotations: observed state (agent -> its own pod -> operator) -----------------------------------
 ANN_SERVED_VERSION: Final = f"{GROUP}/served-version"     # inference: last fully loaded version
@@ -54,7 +66,11 @@ ANN_SYNC_PROGRESS: Final = f"{GROUP}/sync-progress"
 # HMAC (job token) over the pod uid and the version annotations below: only the agent, which holds the
 # job's token, can write a version the operator believes (crds/version_proof.py).
 ANN_VERSION_PROOF: Final = f"{GROUP}/version-proof"
-VERSION_PROOF_KEYS: Final = (ANN_PUBLISHED_VERSION, ANN_PUBLISHED_EPOCH, ANN_SERVED_VERSION, ANN_SERVED_EPOCH)
+# inference, Atomic: the version this agent fetched, verified and holds (not served) until the commit
+ANN_PREPARED_VERSION: Final = f"{GROUP}/prepared-version"
+ANN_PREPARED_EPOCH: Final = f"{GROUP}/prepared-epoch"
+VERSION_PROOF_KEYS: Final = (ANN_PUBLISHED_VERSION, ANN_PUBLISHED_EPOCH, ANN_SERVED_VERSION, ANN_SERVED_EPOCH,
+                             ANN_PREPARED_VERSION, ANN_PREPARED_EPOCH)
 # On the WeightSyncJob (operator-written): the id of the operator key its token was derived from. Version
 # proofs are enforced for a job only when this matches the running operator's key.
 ANN_VERSION_PROOF_KEY: Final = f"{GROUP}/version-proof-key"
@@ -63,6 +79,10 @@ ANN_VERSION_PROOF_KEY: Final = f"{GROUP}/version-proof-key"
 POD_CONDITION_SYNCED: Final = f"{GROUP}/synced"
 # The synced condition's reason when the agent cannot reach its engine (the job's Degraded reason too).
 REASON_ENGINE_UNREACHABLE: Final = "EngineUnreachable"
+# Atomic: the synced condition's reasons while a version switch is under way / the replica is not committed
+REASON_ATOMIC_SWITCHING: Final = "AtomicSwitching"
+REASON_NOT_COMMITTED: Final = "NotCommittedVersion"
+REASON_COMMITTED: Final = "CommittedVersion"
 
 # --- WeightSyncJob condition types (metav1.Condition) -------------------------------------------------
 COND_READY: Final = "Ready"

@@ -56,6 +56,7 @@ TransferModeSpec = Literal["Auto", "IPC", "NCCL", "GDR"]
 TransferMode = Literal["IPC", "NCCL", "GDR"]
 VerifyMode = Literal["None", "Checksum"]
 EngineType = Literal["SGLang", "VLLM", "Custom"]
+UpdateStrategy = Literal["Rolling", "Atomic"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 
 HOSTNAME_TOPOLOGY_KEY = "kubernetes.io/hostname"
@@ -537,6 +538,13 @@ IntOrPercent = Annotated[
 class UpdatePolicy(_Model):
     """How a new version rolls out over the inference replicas."""
 
+    strategy: UpdateStrategy = Field(
+        default="Rolling",
+        description="Rolling: replicas load a new version in waves bounded by maxUnavailable (Ready replicas may "
+        "serve two versions meanwhile). Atomic: a two-phase update: every serving replica fetches and verifies the "
+        "version without serving it (prepare), then all switch together (commit); a replica failing to prepare "
+        "keeps every replica on the previous version, and Ready replicas never serve two versions.",
+    )
     pause_generation: bool = Field(
         default=True,
         alias="pauseGeneration",
@@ -767,6 +775,14 @@ class WeightSyncJobStatus(_Model):
     )
     served_epoch: int | None = Field(
         default=None, alias="servedEpoch", ge=0, description="Trainer epoch of servedVersion.",
+    )
+    committed_version: int | None = Field(
+        default=None, alias="committedVersion", ge=0,
+        description="updatePolicy.strategy Atomic: the version committed to every replica (the only version a Ready "
+                    "replica serves).",
+    )
+    committed_epoch: int | None = Field(
+        default=None, alias="committedEpoch", ge=0, description="Trainer epoch of committedVersion.",
     )
     membership_generation: int | None = Field(
         default=None, alias="membershipGeneration", ge=0,

@@ -165,6 +165,8 @@ def printer_columns() -> list[dict[str, Any]]:
          "description": "Inference replicas Ready."},
         {"name": "Replica-Versions", "type": "string", "jsonPath": ".status.replicaVersions",
          "priority": 1, "description": "The version each inference replica serves, in replica order (skew at a glance)."},
+        {"name": "Committed", "type": "integer", "jsonPath": ".status.committedVersion", "priority": 1,
+         "description": "updatePolicy.strategy Atomic: the version committed to every replica."},
     ]
 
 

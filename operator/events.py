@@ -70,6 +70,7 @@ class EventRecorder:
 REASON_VERSION_PUBLISHED = "VersionPublished"
 REASON_VERSION_SERVED = "VersionServed"
 REASON_RECOVERED = "Recovered"
+REASON_ATOMIC_PREPARE_FAILED = "AtomicPrepareFailed"  # operator/atomic.py: Synced=False with this reason
 EventSpec = tuple[str, str, str]  # (type, reason, message)
 
 
@@ -108,6 +109,10 @@ def version_events(previous: Mapping[str, Any] | None, new: Mapping[str, Any]) -
             out.append(("Warning", str(d_new.get("reason") or "Degraded"), str(d_new.get("message") or "")))
     elif d_old.get("status") == "True" and d_new.get("status") == "False":
         out.append(("Normal", REASON_RECOVERED, f"no longer degraded (was {d_old.get('reason')})"))
+    s_old, s_new = _condition(prev, contract.COND_SYNCED), _condition(new, contract.COND_SYNCED)
+    if s_new.get("reason") == REASON_ATOMIC_PREPARE_FAILED and (
+            s_old.get("reason") != s_new.get("reason") or s_old.get("message") != s_new.get("message")):
+        out.append(("Warning", REASON_ATOMIC_PREPARE_FAILED, str(s_new.get("message") or "")))
     c_old, c_new = _condition(prev, contract.COND_COMPLETE), _condition(new, contract.COND_COMPLETE)
     if c_new.get("status") == "True" and c_old.get("status") != "True":
         out.append(("Normal", str(c_new.get("reason") or "Complete"), str(c_new.get("message") or "")))

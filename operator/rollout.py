@@ -5,6 +5,8 @@ than maxUnavailable serving replicas are loading, so serving capacity stays. A r
 nothing yet (new, restarted, scaled up) takes the newest version at once: loading it costs no capacity.
 A replica already loading keeps its target until it is served (no retargeting mid-load).
 
+spec.updatePolicy.strategy Atomic replaces the waves with the two-phase round of operator/atomic.py.
+
 Only a loading replica that still serves traffic holds the budget: one that is NotReady (out of the
 Service endpoints, e.g. it fell beyond maxStaleness while a hung engine blocked its load) or whose agent
 reported a failed load (`contract.ANN_SYNC_ERROR`; the agent fails a hung engine's requests after
@@ -18,7 +20,7 @@ from typing import Any
 
 from weightsync.crds import contract
 from weightsync.crds.models import WeightSyncJobSpec, max_unavailable_count
-from weightsync.operator import podstate
+from weightsync.operator import atomic, podstate
 from weightsync.operator.placement import Plan
 from weightsync.operator.replicas import ReplicaState, VersionKey
 
@@ -70,13 +72,25 @@ def desired_annotations(
     membership_generation: int,
     pods: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, dict[str, str]]:
-    """Pod name -> the operator-owned annotations it should carry (`pods`: the observed pods, for sync errors)."""
-    targets = replica_targets(spec, states, trainer_version, failed_replicas(states, pods or {}))
+    """Pod name -> the operator-owned annotations it should carry (`pods`: the observed pods, for sync errors).
+    strategy Atomic: the targets and commit annotations of operator/atomic.py instead of waves."""
+    pods = pods or {}
+    commit_ann: dict[str, str] = {}
+    if spec.update_policy.strategy == "Atomic":
+        round_ = atomic.decide(states, pods, trainer_version)
+        targets = round_.targets
+        commit_ann = atomic.pod_annotations(round_)
+    else:
+        targets = replica_targets(spec, states, trainer_version, failed_replicas(states, pods))
     out: dict[str, dict[str, str]] = {}
     for p in plan.pods:
         ann = {contract.ANN_MEMBERSHIP_GENERATION: str(membership_generation)}
         if p.is_inference:
             ann[contract.ANN_PAUSED] = "true" if spec.paused else "false"
+            have = podstate.pod_annotations(pods.get(p.name) or {})
+            # a job switched back to Rolling: empty values, which agents read as absent (Rolling behaviour)
+            ann.update({k: "" for k in contract.ATOMIC_POD_ANNOTATIONS if have.get(k)})
+            ann.update(commit_ann)
             known = [v for s in p.slots if (v := targets.get(s.replica)) is not None]
             if known:
                 epoch, version = min(known)

@@ -25,7 +25,7 @@ from weightsync.crds.models import (
     WeightSyncJobStatus,
     set_condition,
 )
-from weightsync.operator import podstate
+from weightsync.operator import atomic, podstate
 from weightsync.operator.placement import Plan
 from weightsync.operator.replicas import (
     ReplicaState,
@@ -167,8 +167,11 @@ def aggregate(
             "inference replicas are Ready",
         )
 
+    round_ = atomic.decide(states, pods, tv_key) if spec.update_policy.strategy == "Atomic" else None
     # Synced: every replica serves the newest published version.
-    if tv is None:
+    if round_ is not None and round_.failure is not None:
+        put(contract.COND_SYNCED, "False", atomic.REASON_PREPARE_FAILED, round_.failure.message(round_.committed))
+    elif tv is None:
         put(contract.COND_SYNCED, "Unknown", "NoVersionPublished", "the trainer has not published a version yet")
     elif len(synced) == len(states):
         put(contract.COND_SYNCED, "True", "AllReplicasSynced", f"all {len(states)} replicas serve version {tv}")
@@ -185,6 +188,12 @@ def aggregate(
     elif missing or unscheduled:
         put(contract.COND_PROGRESSING, "True", "PodsStarting",
             f"waiting for {len(missing)} missing and {len(unscheduled)} unscheduled pods")
+    elif round_ is not None and round_.switching and round_.commit is not None:
+        put(contract.COND_PROGRESSING, "True", atomic.REASON_SWITCHING,
+            f"every replica prepared version {round_.commit[1]}; switching all replicas together")
+    elif round_ is not None and round_.preparing is not None and round_.failure is None:
+        put(contract.COND_PROGRESSING, "True", atomic.REASON_PREPARING,
+            f"{len(round_.commit_set)} replicas prepare version {round_.preparing[1]} (fetch and verify, not served)")
     elif loading:
         put(contract.COND_PROGRESSING, "True", "RollingOut",
             f"{len(loading)} replicas loading a new version")
@@ -227,6 +236,8 @@ def aggregate(
         trainer_epoch=tv_key[0] if tv_key else prev.get("trainerEpoch"),
         served_version=served,
         served_epoch=served_key[0] if served_key else None,
+        committed_version=round_.committed[1] if round_ is not None and round_.committed else None,
+        committed_epoch=round_.committed[0] if round_ is not None and round_.committed else None,
         selector=inference_selector(plan),
         inference_replicas=replica_statuses(states, pods, tv_key),
         replica_versions=replica_versions(states),

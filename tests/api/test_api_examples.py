@@ -118,8 +118,9 @@ def test_status_subresource_and_printer_columns(cluster: Any, api_ns: str) -> No
     row = kubectl_ok(cluster, "get", "wsj", name, "-n", api_ns, "--no-headers").split()
     assert row[:7] == [name, "Separated", "NCCL", "7", "6", "False", "True"]
     wide = kubectl_ok(cluster, "get", "wsj", name, "-n", api_ns, "-o", "wide").splitlines()
-    assert wide[0].split()[-4:] == ["REQUESTED", "REPLICAS", "READY-REPLICAS", "REPLICA-VERSIONS"]
-    assert wide[1].split()[-3:] == ["NCCL", "2", "4"]  # no inferenceReplicas in this status: an empty column
+    assert wide[0].split()[-5:] == ["REQUESTED", "REPLICAS", "READY-REPLICAS", "REPLICA-VERSIONS", "COMMITTED"]
+    # no replicaVersions / committedVersion in this status: empty columns
+    assert wide[1].split()[-3:] == ["NCCL", "2", "4"]
 
 
 def test_status_cannot_be_written_through_the_main_resource(cluster: Any, api_ns: str) -> None:

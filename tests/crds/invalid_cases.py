@@ -177,6 +177,8 @@ CASES: list[Case] = [
          "spec.placement.topologyKey", "CEL", base=colocated),
     Case("max-unavailable-zero-percent", _set("spec.updatePolicy", {"maxUnavailable": "0%"}),
          "spec.updatePolicy.maxUnavailable", "CEL"),
+    Case("update-strategy-enum", _set("spec.updatePolicy", {"strategy": "BlueGreen"}),
+         "spec.updatePolicy.strategy", "enum"),
     Case("max-unavailable-garbage", _set("spec.updatePolicy", {"maxUnavailable": "half"}),
          "spec.updatePolicy.maxUnavailable", "CEL"),
     Case("delta-sync-needs-gdr", _set("spec.transfer.deltaSync", {"enabled": True}), "spec.transfer.deltaSync",
@@ -227,6 +229,7 @@ ALLOWED_UPDATES: list[tuple[str, Callable[[Obj], None]]] = [
     ("scale-inference", _set("spec.inference.replicas", 5)),
     ("pause", _set("spec.paused", True)),
     ("update-policy", _set("spec.updatePolicy", {"maxUnavailable": 2, "maxStaleness": 3, "pauseGeneration": False})),
+    ("update-strategy-atomic", _set("spec.updatePolicy", {"strategy": "Atomic"})),
     ("bucket-size", _set("spec.transfer.bucketSizeMB", 256)),
     ("verify", _set("spec.transfer.verify", "Checksum")),
     ("delta-sync-disabled", _set("spec.transfer.deltaSync", {"enabled": False, "maxChangedFraction": 0.3})),  # NCCL: off is ok

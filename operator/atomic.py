@@ -1,0 +1,153 @@
+"""spec.updatePolicy.strategy Atomic: the operator's side of the two-phase update (pure decisions).
+
+A round moves every serving replica from the committed version C to N (the trainer's newest) together:
+
+1. prepare: the commit set (replicas Ready and serving C when the round starts) get target N; their agents
+   fetch and verify N into host memory without touching the engine and report `prepared-version` N (with
+   the version proof: a container cannot forge it). Replicas outside the commit set (new, scaled up,
+   restarted, not Ready) are not waited for: their target is C, which they load directly (they are out of
+   the Service, so loading costs nothing), and they join the next round.
+2. drain: once every replica of the commit set prepared N, `commit-version` N goes on every inference pod.
+   Agents turn their readiness gate False (every replica leaves the routing Service) and load nothing yet.
+3. switch: once the operator sees no inference pod Ready, `committed-version` N: agents load their prepared
+   copy into the engine (pause, load, commit, resume) and are Ready again when they serve N. A replica
+   whose gate says Ready serves `committed-version`, so two Ready replicas never serve different versions.
+
+The drain makes the switch safe although pods are patched one by one: no replica can be Ready at N before
+every replica stopped being Ready at C. The price is a short gap with no Ready replica (the load from host
+memory), which on-policy RL accepts (it waits for the new version anyway).
+
+A round whose prepare failed on a replica (its agent reports `sync-error`, e.g. a fetch, a checksum or the
+timeout of spec.transfer.timeoutSeconds) does not commit: every replica keeps serving C. The agents retry
+with back-off; once the trainer publishes a newer version the round moves to it (retry with the next
+version). Once the drain started a round is never aborted (it only waits for pods to leave the Service).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.crds import contract
+from weightsync.operator import podstate
+from weightsync.operator.replicas import ReplicaState, VersionKey
+
+REASON_PREPARE_FAILED = "AtomicPrepareFailed"
+REASON_PREPARING = "AtomicPreparing"
+REASON_SWITCHING = "AtomicSwitching"
+
+
+@dataclass(frozen=True)
+class PrepareFailure:
+    version: VersionKey
+    replica: int
+    pod: str
+    error: str
+
+    def message(self, committed: VersionKey | None) -> str:
+        stay = f"; every replica stays on version {committed[1]}" if committed is not None else ""
+        return (f"replica {self.replica} (pod {self.pod}) failed to prepare version {self.version[1]}: "
+                f"{self.error}{stay}")[:2000]
+
+
+@dataclass(frozen=True)
+class AtomicRound:
+    """What the operator asks of the inference pods of an Atomic job, and why."""
+
+    committed: VersionKey | None          # the version Ready replicas serve
+    commit: VersionKey | None             # above `committed`: the drain / switch to it is under way
+    targets: dict[int, VersionKey | None] = field(default_factory=dict)
+    commit_set: frozenset[int] = frozenset()
+    preparing: VersionKey | None = None   # the version the commit set prepares
+    failure: PrepareFailure | None = None
+
+    @property
+    def switching(self) -> bool:
+        return self.commit is not None and self.committed is not None and self.commit > self.committed
+
+
+def annotation_key(pod: Mapping[str, Any], version_key: str, epoch_key: str) -> VersionKey | None:
+    v = podstate.int_annotation(pod, version_key)
+    return None if v is None else (podstate.int_annotation(pod, epoch_key) or 0, v)
+
+
+def prepared_key(pod: Mapping[str, Any]) -> VersionKey | None:
+    """The version the pod's agent holds prepared (believe only pods whose proofs were checked)."""
+    return annotation_key(pod, contract.ANN_PREPARED_VERSION, contract.ANN_PREPARED_EPOCH)
+
+
+def _max(keys: Iterable[VersionKey | None]) -> VersionKey | None:
+    known = [k for k in keys if k is not None]
+    return max(known) if known else None
+
+
+def _replica_prepared(s: ReplicaState, pods: Mapping[str, Mapping[str, Any]]) -> VersionKey | None:
+    keys = [prepared_key(pods[n]) for n in s.pod_names if podstate.is_live(pods.get(n))]
+    if not keys or any(k is None for k in keys):
+        return None
+    return min(k for k in keys if k is not None)
+
+
+def _failure(s: ReplicaState, pods: Mapping[str, Mapping[str, Any]], version: VersionKey) -> PrepareFailure | None:
+    for n in s.pod_names:
+        pod = pods.get(n)
+        if podstate.is_live(pod) and pod is not None and (err := podstate.sync_error(pod)):
+            return PrepareFailure(version, s.replica, n, err)
+    return None
+
+
+def decide(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]],
+           trainer: VersionKey | None) -> AtomicRound:
+    """The round's state from the observed pods (level-triggered: the operator's own commit annotations on
+    the pods are its memory, so a restarted operator carries on)."""
+    live = [pods[n] for s in states for n in s.pod_names if podstate.is_live(pods.get(n))]
+    committed = _max(annotation_key(p, contract.ANN_COMMITTED_VERSION, contract.ANN_COMMITTED_EPOCH) for p in live)
+    commit = _max(annotation_key(p, contract.ANN_COMMIT_VERSION, contract.ANN_COMMIT_EPOCH) for p in live)
+    if committed is None:  # a new job, or one switched from Rolling: what the serving replicas serve
+        served = [s.served_key for s in states if s.serving and s.served_key is not None]
+        committed = min(served) if served else trainer
+    if committed is None:  # nothing published yet
+        return AtomicRound(None, None, {s.replica: s.target_key for s in states})
+    if commit is None or commit < committed:
+        commit = committed
+
+    if commit > committed:  # drain, then switch: final, never aborted
+        if not any(podstate.is_ready(p) for p in live):
+            committed = commit
+        serving = frozenset(s.replica for s in states if s.serving and s.served_key in (committed, commit))
+        return AtomicRound(committed, commit, {s.replica: commit for s in states}, serving, commit)
+
+    commit_set = frozenset(s.replica for s in states if s.serving and s.ready and s.served_key == committed)
+    newer = trainer if trainer is not None and trainer > committed else None
+    if not commit_set:  # nothing Ready to keep consistent: commit the newest version at once
+        committed = commit = newer or committed
+        return AtomicRound(committed, commit, {s.replica: committed for s in states})
+    members = [s for s in states if s.replica in commit_set]
+    version = _max(s.target_key for s in members if s.target_key is not None and s.target_key > committed)
+    failure = None
+    if version is not None:
+        failure = next((f for s in members if _replica_prepared(s, pods) != version
+                        and (f := _failure(s, pods, version)) is not None), None)
+    if version is None or (failure is not None and newer is not None and newer > version):
+        version = newer  # a new round, or a failed one retried with the trainer's newer version
+        failure = None if version is None else next(
+            (f for s in members if _replica_prepared(s, pods) != version
+             and (f := _failure(s, pods, version)) is not None), None)
+    if version is None:
+        return AtomicRound(committed, commit, {s.replica: committed for s in states}, commit_set)
+    if all(_replica_prepared(s, pods) == version for s in members):
+        commit = version  # every replica of the commit set holds it: the drain starts
+        failure = None
+    targets = {s.replica: version if s.replica in commit_set else committed for s in states}
+    return AtomicRound(committed, commit, targets, commit_set, version, failure)
+
+
+def pod_annotations(r: AtomicRound) -> dict[str, str]:
+    """The commit annotations every inference pod of the job carries."""
+    if r.committed is None or r.commit is None:
+        return {}
+    return {
+        contract.ANN_COMMIT_VERSION: str(r.commit[1]), contract.ANN_COMMIT_EPOCH: str(r.commit[0]),
+        contract.ANN_COMMITTED_VERSION: str(r.committed[1]), contract.ANN_COMMITTED_EPOCH: str(r.committed[0]),
+    }

@@ -1,0 +1,141 @@
+"""updatePolicy.strategy Atomic (operator/atomic.py): prepare on the commit set, drain, switch; a failed
+prepare commits nothing and names the replica; a joining replica is not waited for."""
+
+from __future__ import annotations
+
+from test_status import T0, cond, pod
+from weightsync.crds import contract
+from weightsync.operator import atomic
+from weightsync.operator.events import version_events
+from weightsync.operator.placement import plan
+from weightsync.operator.replicas import replica_states
+from weightsync.operator.rollout import desired_annotations
+from weightsync.operator.status import aggregate
+
+N = 4
+
+
+def _spec(separated):
+    return separated(inference={"replicas": N, "gpusPerReplica": 1, "parallelism": {"tensor": 1}},
+                     updatePolicy={"strategy": "Atomic"})
+
+
+def _name(r):
+    return f"demo-inference-{r}-0"
+
+
+def _committed(v, commit=None):
+    commit = v if commit is None else commit
+    return {contract.ANN_COMMITTED_VERSION: str(v), contract.ANN_COMMIT_VERSION: str(commit)}
+
+
+def _inf(r, served=1, target=1, prepared=None, ready=True, commit=(1, 1), **ann):
+    a = dict(ann)
+    if prepared is not None:
+        a[contract.ANN_PREPARED_VERSION] = str(prepared)
+    if commit is not None:
+        a.update(_committed(commit[0], commit[1]))
+    return pod(_name(r), ready=ready, synced=ready, served=served, target=target, **a)
+
+
+def _pods(p, trainer=2, **inference):
+    pods = {n: pod(n, published=trainer) for n in p.trainer_pods}
+    for r in range(N):
+        pods[_name(r)] = inference.get(f"r{r}") or _inf(r)
+    return pods
+
+
+def _decide(spec, pods, trainer=(0, 2)):
+    p = plan("demo", spec)
+    return atomic.decide(replica_states(p, pods), pods, trainer), desired_annotations(
+        spec, p, replica_states(p, pods), trainer, 1, pods)
+
+
+def _ann(ann, key):
+    return [ann[_name(r)].get(key) for r in range(N)]
+
+
+def test_prepare_targets_the_commit_set_and_commits_nothing_yet(separated):
+    spec = _spec(separated)
+    pods = _pods(plan("demo", spec))
+    r, ann = _decide(spec, pods)
+    assert r.committed == (0, 1) and r.commit == (0, 1) and r.preparing == (0, 2)
+    assert r.commit_set == frozenset(range(N)) and r.failure is None
+    assert _ann(ann, contract.ANN_TARGET_VERSION) == ["2"] * N
+    assert _ann(ann, contract.ANN_COMMIT_VERSION) == ["1"] * N
+    assert _ann(ann, contract.ANN_COMMITTED_VERSION) == ["1"] * N
+
+
+def test_every_replica_prepared_starts_the_drain_then_the_switch(separated):
+    spec = _spec(separated)
+    p = plan("demo", spec)
+    pods = _pods(p, **{f"r{i}": _inf(i, target=2, prepared=2) for i in range(N)})
+    r, ann = _decide(spec, pods)
+    assert r.commit == (0, 2) and r.committed == (0, 1) and r.switching  # drain: commit above committed
+    assert _ann(ann, contract.ANN_COMMIT_VERSION) == ["2"] * N
+    assert _ann(ann, contract.ANN_COMMITTED_VERSION) == ["1"] * N
+    # while one pod is still Ready (its agent has not left the Service yet) nothing is committed
+    draining = {f"r{i}": _inf(i, target=2, prepared=2, commit=(1, 2), ready=i == 3) for i in range(N)}
+    r, ann = _decide(spec, _pods(p, **draining))
+    assert r.committed == (0, 1) and r.commit == (0, 2)
+    # no pod Ready: the switch
+    gone = {f"r{i}": _inf(i, target=2, prepared=2, commit=(1, 2), ready=False) for i in range(N)}
+    r, ann = _decide(spec, _pods(p, **gone))
+    assert r.committed == (0, 2) and r.commit == (0, 2) and not r.switching
+    assert _ann(ann, contract.ANN_COMMITTED_VERSION) == ["2"] * N
+    assert _ann(ann, contract.ANN_TARGET_VERSION) == ["2"] * N
+
+
+def test_a_failed_prepare_keeps_every_replica_on_the_committed_version(separated):
+    spec = _spec(separated)
+    p = plan("demo", spec)
+    bad = _inf(2, target=2, **{contract.ANN_SYNC_ERROR: "prepare of version 2 failed: checksum mismatch"})
+    pods = _pods(p, r0=_inf(0, target=2, prepared=2), r1=_inf(1, target=2, prepared=2), r2=bad,
+                 r3=_inf(3, target=2, prepared=2))
+    r, ann = _decide(spec, pods)
+    assert r.commit == (0, 1) and r.committed == (0, 1)  # nothing committed
+    assert r.failure is not None and r.failure.replica == 2 and r.failure.pod == _name(2)
+    assert _ann(ann, contract.ANN_COMMITTED_VERSION) == ["1"] * N
+    assert _ann(ann, contract.ANN_TARGET_VERSION) == ["2"] * N  # the agents retry with back-off
+    st = aggregate(spec, 1, p, pods, None, 1, now=T0)
+    synced = cond(st, contract.COND_SYNCED)
+    assert synced.status == "False" and synced.reason == atomic.REASON_PREPARE_FAILED
+    assert "replica 2" in synced.message and _name(2) in synced.message and "checksum mismatch" in synced.message
+    assert "stays on version 1" in synced.message and st.committed_version == 1
+    events = version_events({}, st.to_dict())
+    assert any(e[0] == "Warning" and e[1] == atomic.REASON_PREPARE_FAILED and _name(2) in e[2] for e in events)
+    # the trainer published a newer version: the round retries with it
+    pods = {**pods, **{n: pod(n, published=3) for n in p.trainer_pods}}
+    r, ann = _decide(spec, pods, (0, 3))
+    assert r.preparing == (0, 3) and _ann(ann, contract.ANN_TARGET_VERSION) == ["3"] * N
+
+
+def test_a_joining_replica_is_not_waited_for(separated):
+    spec = _spec(separated)
+    p = plan("demo", spec)
+    new = _inf(3, served=None, target=None, ready=False, commit=None)  # scaled up / restarted: serves nothing
+    pods = _pods(p, **{f"r{i}": _inf(i, target=2, prepared=2) for i in range(3)}, r3=new)
+    r, ann = _decide(spec, pods)
+    assert r.commit_set == frozenset({0, 1, 2}) and r.commit == (0, 2)  # the drain starts without replica 3
+    assert ann[_name(3)][contract.ANN_TARGET_VERSION] == "1"  # it loads the committed version directly
+
+
+def test_nothing_serving_commits_the_first_version_at_once(separated):
+    spec = _spec(separated)
+    p = plan("demo", spec)
+    pods = _pods(p, trainer=1, **{f"r{i}": _inf(i, served=None, target=None, ready=False, commit=None)
+                                  for i in range(N)})
+    r, ann = _decide(spec, pods, (0, 1))
+    assert r.committed == (0, 1) and r.commit == (0, 1)
+    assert _ann(ann, contract.ANN_TARGET_VERSION) == ["1"] * N
+
+
+def test_rolling_clears_leftover_commit_annotations(separated):
+    spec = separated(inference={"replicas": N, "gpusPerReplica": 1, "parallelism": {"tensor": 1}})
+    p = plan("demo", spec)
+    pods = _pods(p)
+    ann = desired_annotations(spec, p, replica_states(p, pods), (0, 2), 1, pods)
+    assert _ann(ann, contract.ANN_COMMITTED_VERSION) == [""] * N
+    fresh = {**pods, _name(0): pod(_name(0), served=1)}
+    ann = desired_annotations(spec, p, replica_states(p, fresh), (0, 2), 1, fresh)
+    assert contract.ANN_COMMITTED_VERSION not in ann[_name(0)]
