@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from .layout import LayoutError, Rule
-from .plan import Box, TensorShard
+from .plan import TensorShard
 
 
 @dataclass(frozen=True)
@@ -256,8 +256,3 @@ def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:
         raise LayoutError(f"{num_layers} layers do not divide into {pp_size} pipeline stages")
     per = num_layers // pp_size
     return range(stage * per, (stage + 1) * per)
-
-
-def box_of(shard: TensorShard) -> tuple[slice, ...]:
-    """Slices of the full tensor that give `shard`'s box (references, tests)."""
-    return shard.box.slices_within(Box.full(shard.global_shape))
