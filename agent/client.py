@@ -443,7 +443,9 @@ class InferenceSession:
     `on_bucket(version, [(name, tensor), ...])` must copy what it keeps: the tensors alias a staging segment
     that the agent reuses for the next bucket. `on_commit(version)` is called once per version, only after
     every bucket arrived; `on_abort(version, reason)` when a partial load is dropped. Pause and resume
-    callbacks are optional (the demo engine refuses predictions while paused).
+    callbacks are optional (the demo engine refuses predictions while paused). `layout` (agent/engine_layout.py:
+    head counts, experts, expert parallelism) makes the agent send each rank its head-wise boxes instead of the
+    default row split; every rank passes the same one.
     """
 
     def __init__(
@@ -458,8 +460,14 @@ class InferenceSession:
         socket_path: str | os.PathLike[str] | None = None,
         rank: int | None = None,
         served_version: int | None = None,
+        layout: Mapping[str, Any] | None = None,
     ) -> None:
         self.on_bucket = on_bucket
+        if layout is not None:  # refused here, by field, rather than by the agent at every reconnect
+            from weightsync.agent.engine_layout import EngineLayout
+
+            EngineLayout.from_dict(layout)
+        self.layout = dict(layout) if layout is not None else None
         self.on_commit = on_commit
         self.on_begin = on_begin
         self.on_abort = on_abort
@@ -487,7 +495,8 @@ class InferenceSession:
             try:
                 self._conn = local.connect(self.socket_path, timeout=3600)
                 self._conn.request({"op": "hello", "kind": "inference", "rank": self.rank, "pid": os.getpid(),
-                                    "served_version": self.served_version, "paused": self.paused})
+                                    "served_version": self.served_version, "paused": self.paused,
+                                    **({"layout": self.layout} if self.layout is not None else {})})
                 self.connected.set()
                 self._serve(self._conn)
             except (ConnectionError, OSError, local.LocalProtocolError) as exc:

@@ -29,12 +29,14 @@ from typing import Any
 from weightsync.agent import atomic, local
 from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
 from weightsync.agent.delta import DeltaConfig
+from weightsync.agent.engine_layout import EngineLayout
 from weightsync.agent.engines import factory
 from weightsync.agent.engines.base import EngineAdapter, EngineError, EngineUnsupported
 from weightsync.agent.engines.custom import AppRegistry, CustomEngineAdapter
 from weightsync.agent.fetcher import FetchError, TrainerPeers, fetch_version
 from weightsync.agent.groups import TransportCache, group_for, proposal_of
 from weightsync.agent.health import HealthServer
+from weightsync.agent.layout import LayoutError
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.plan import TensorShard, TransferPlan
 from weightsync.agent.podstatus import Desired, PodLink, synced_state
@@ -272,6 +274,9 @@ class Agent:
         self._stop = threading.Event()
         self._attempt = 0
         self._engine_known = False  # the engine reported its served version (hello or served_version())
+        # a Custom engine's layout from its hello (agent/engine_layout.py), and the needs function made of it
+        self.layout: EngineLayout | None = None
+        self.layout_fn: Callable[[dict[str, TensorShard], int, int], list[list[TensorShard]]] | None = None
         self.restore_version: int | None = None  # the last good version while a load is in flight
         self.held_paused = False  # a failed load left the engine's weights mixed: paused until restored
         self.engine_refused: str | None = None  # an unsupported engine release: no load is attempted
@@ -380,6 +385,10 @@ class Agent:
                 conn.reply_error(f"this agent's role is {self.cfg.role}: it has no engine side")
                 return
             served = hello.get("served_version")
+            refused = self._engine_layout(hello.get("layout"), rank)
+            if refused:
+                conn.reply_error(refused)
+                return
             conn.reply_ok(pod=self.cfg.pod_name, role=self.cfg.role, job=self.cfg.job)
             # The engine is the truth about what it serves: a restarted agent adopts its version, a restarted
             # engine (None) is loaded again; a new engine process is not paused yet, so pause is re-applied.
@@ -402,6 +411,33 @@ class Agent:
             # the LocalServer closes the connection when this returns
         else:
             conn.reply_error(f"unknown client kind {kind!r}: expected trainer or inference")
+
+    def _engine_layout(self, spec: Any, rank: int) -> str:
+        """Take a Custom engine's layout from its hello (agent/engine_layout.py); the reason when refused. The
+        first rank's layout is kept; another rank must send the same (a replica has one layout)."""
+        if spec is None:
+            return ""
+        try:
+            got = EngineLayout.from_dict(spec) if isinstance(spec, dict) else None
+        except LayoutError as exc:
+            return f"engine rank {rank}: bad layout: {exc}"
+        if got is None:
+            return f"engine rank {rank}: layout must be an object, got {type(spec).__name__}"
+        if self.layout is not None and self.layout != got:
+            return (f"engine rank {rank} sends layout {got.to_dict()}, another rank sent {self.layout.to_dict()}: "
+                    "every rank of a replica must use the same layout")
+        if self.layout is None:
+            self.layout = got
+            log.info("engine layout %s", got.to_dict())
+
+            def needs(names: dict[str, TensorShard], world: int, tp: int) -> list[list[TensorShard]]:
+                try:
+                    return got.needs(names, world, tp)
+                except LayoutError as exc:
+                    raise FetchError(f"the engine's layout cannot lay out the model: {exc}") from None
+
+            self.layout_fn = needs  # one object per layout: the fetcher caches needs and plans by it
+        return ""
 
     def _adopt_served(self, served: int | None) -> None:
         """Take the version the engine says it serves. Its trainer epoch is known only when it is the version
@@ -749,7 +785,7 @@ class Agent:
         def fetch(v: int, pause: bool) -> Any:
             return fetch_version(
                 v, peers=self.peers, topo=topo, replica=rep.replica, my_ranks=my_ranks,
-                layout_fn=full_layout if full else None,
+                layout_fn=full_layout if full else self.layout_fn,
                 adapter=_UserPauseGuard(self.adapter, self) if hold is None else hold,
                 transport_for=transport_for, group=group, bucket_bytes=self.cfg.bucket_size_mb << 20,
                 proposal=proposal_of(self.session, self._attempt, self.peers_sessions()),
