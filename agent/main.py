@@ -513,13 +513,14 @@ class Agent:
         fields: dict[str, Any] = {"published_version": self.published, "published_epoch": self.published_epoch}
         # Until the engine said what it serves (a restarted agent knows nothing yet), the pod keeps its last
         # report: reporting "stale" now would flap readiness for an engine that is in fact up to date.
-        if self.islot is not None and self._engine_known:
+        state = atomic.CommitState(self.desired.commit, self.desired.committed)
+        if self.islot is not None and (self._engine_known or state.draining):
             ok, reason, msg = synced_state(latest, self.served, self.cfg.max_staleness)
-            if self.desired.committed is not None:  # Atomic: Ready only on the committed version
-                ok, reason, msg = atomic.ready(self._served_key(self.desired.committed[0]),
-                                               atomic.CommitState(self.desired.commit, self.desired.committed))
             if self._unreachable_message is not None:  # held until the engine answers again
                 ok, reason, msg = False, contract.REASON_ENGINE_UNREACHABLE, self._unreachable_message
+            if state.committed is not None and (state.draining or self._unreachable_message is None):
+                # Atomic: Ready only on the committed version; a drain is acknowledged whatever else holds
+                ok, reason, msg = atomic.ready(self._served_key(state.committed[0]), state)
             if not self._loading:  # the load under way reports its own progress
                 fields["sync_progress"] = None
                 self.metrics.sync_progress_buckets.set(0)
@@ -869,7 +870,7 @@ class Agent:
             if self.islot is not None:
                 g = group_for(self.watcher.current, self.islot.replica.replica, self.cfg.pod_name)
                 self.cache.drop(g.name, role_prefix="dst")
-            self.last_error = f"prepare of version {version} failed: {exc}"
+            self.last_error = f"atomic prepare: {exc}"
             self.metrics.versions.labels("failed").inc()
             log.warning("atomic prepare failed version=%s attempt=%s error=%s", version, self._attempt, exc)
             self._report()

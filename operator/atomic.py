@@ -82,6 +82,17 @@ def _max(keys: Iterable[VersionKey | None]) -> VersionKey | None:
     return max(known) if known else None
 
 
+def drained(pod: Mapping[str, Any]) -> bool:
+    """The pod left the Service for the switch: NotReady, and its agent acknowledged the drain (its synced
+    condition says AtomicSwitching, written after it saw commit-version; it stays False until the committed
+    version moves), or it has no synced condition yet (a new pod: its agent reads commit-version before it
+    writes one). A NotReady pod whose agent did not acknowledge could still turn Ready on the old version."""
+    if podstate.is_ready(pod):
+        return False
+    detail = podstate.condition_detail(pod, contract.POD_CONDITION_SYNCED)
+    return detail is None or detail[0] == contract.REASON_ATOMIC_SWITCHING
+
+
 def _replica_prepared(s: ReplicaState, pods: Mapping[str, Mapping[str, Any]]) -> VersionKey | None:
     keys = [prepared_key(pods[n]) for n in s.pod_names if podstate.is_live(pods.get(n))]
     if not keys or any(k is None for k in keys):
@@ -113,16 +124,16 @@ def decide(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]],
         commit = committed
 
     if commit > committed:  # drain, then switch: final, never aborted
-        if not any(podstate.is_ready(p) for p in live):
+        if all(drained(p) for p in live):
             committed = commit
         serving = frozenset(s.replica for s in states if s.serving and s.served_key in (committed, commit))
         return AtomicRound(committed, commit, {s.replica: commit for s in states}, serving, commit)
 
     commit_set = frozenset(s.replica for s in states if s.serving and s.ready and s.served_key == committed)
     newer = trainer if trainer is not None and trainer > committed else None
-    if not commit_set:  # nothing Ready to keep consistent: commit the newest version at once
-        committed = commit = newer or committed
-        return AtomicRound(committed, commit, {s.replica: committed for s in states})
+    if not commit_set:  # nobody to prepare: straight to the drain (a replica may be about to turn Ready)
+        return AtomicRound(committed, newer or commit, {s.replica: committed for s in states}, commit_set,
+                           newer)
     members = [s for s in states if s.replica in commit_set]
     version = _max(s.target_key for s in members if s.target_key is not None and s.target_key > committed)
     failure = None

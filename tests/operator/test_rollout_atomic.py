@@ -29,13 +29,17 @@ def _committed(v, commit=None):
     return {contract.ANN_COMMITTED_VERSION: str(v), contract.ANN_COMMIT_VERSION: str(commit)}
 
 
-def _inf(r, served=1, target=1, prepared=None, ready=True, commit=(1, 1), **ann):
+def _inf(r, served=1, target=1, prepared=None, ready=True, commit=(1, 1), acked=True, **ann):
+    """An inference pod; `acked`: during a drain its agent acknowledged it (synced reason AtomicSwitching)."""
     a = dict(ann)
     if prepared is not None:
         a[contract.ANN_PREPARED_VERSION] = str(prepared)
     if commit is not None:
         a.update(_committed(commit[0], commit[1]))
-    return pod(_name(r), ready=ready, synced=ready, served=served, target=target, **a)
+    p = pod(_name(r), ready=ready, synced=ready, served=served, target=target, **a)
+    if commit is not None and commit[1] > commit[0] and acked:
+        p["status"]["conditions"][-1]["reason"] = contract.REASON_ATOMIC_SWITCHING
+    return p
 
 
 def _pods(p, trainer=2, **inference):
@@ -78,7 +82,11 @@ def test_every_replica_prepared_starts_the_drain_then_the_switch(separated):
     draining = {f"r{i}": _inf(i, target=2, prepared=2, commit=(1, 2), ready=i == 3) for i in range(N)}
     r, ann = _decide(spec, _pods(p, **draining))
     assert r.committed == (0, 1) and r.commit == (0, 2)
-    # no pod Ready: the switch
+    # NotReady, but one agent has not acknowledged the drain (it could still turn Ready on version 1)
+    unacked = {f"r{i}": _inf(i, target=2, prepared=2, commit=(1, 2), ready=False, acked=i != 0) for i in range(N)}
+    r, ann = _decide(spec, _pods(p, **unacked))
+    assert r.committed == (0, 1)
+    # every pod NotReady and drained: the switch
     gone = {f"r{i}": _inf(i, target=2, prepared=2, commit=(1, 2), ready=False) for i in range(N)}
     r, ann = _decide(spec, _pods(p, **gone))
     assert r.committed == (0, 2) and r.commit == (0, 2) and not r.switching
@@ -128,6 +136,17 @@ def test_nothing_serving_commits_the_first_version_at_once(separated):
     r, ann = _decide(spec, pods, (0, 1))
     assert r.committed == (0, 1) and r.commit == (0, 1)
     assert _ann(ann, contract.ANN_TARGET_VERSION) == ["1"] * N
+
+
+def test_nothing_ready_goes_through_the_drain_too(separated):
+    """No replica Ready on the committed version (all restarting, loading): no prepare, but the switch to a
+    newer version still waits for every pod to acknowledge the drain (one may be about to turn Ready)."""
+    spec = _spec(separated)
+    p = plan("demo", spec)
+    pods = _pods(p, **{f"r{i}": _inf(i, ready=False) for i in range(N)})
+    r, ann = _decide(spec, pods)
+    assert r.commit_set == frozenset() and r.committed == (0, 1) and r.commit == (0, 2)
+    assert _ann(ann, contract.ANN_COMMIT_VERSION) == ["2"] * N and _ann(ann, contract.ANN_COMMITTED_VERSION) == ["1"] * N
 
 
 def test_rolling_clears_leftover_commit_annotations(separated):
