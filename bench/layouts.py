@@ -231,6 +231,11 @@ def megatron_full(m: ModelShape, hf: dict[str, torch.Tensor], layers: range, tp:
         for g in range(m.kv_heads):
             rows += [wq[g * qpg * hd:(g + 1) * qpg * hd], wk[g * hd:(g + 1) * hd], wv[g * hd:(g + 1) * hd]]
         out[p + "self_attention.linear_qkv.weight"] = torch.cat(rows)
+        if m.qkv_bias:  # Qwen2: the biases fused the same way
+            bq, bk, bv = (hf[q + f"self_attn.{n}_proj.bias"] for n in "qkv")
+            out[p + "self_attention.linear_qkv.bias"] = torch.cat(
+                [x for g in range(m.kv_heads)
+                 for x in (bq[g * qpg * hd:(g + 1) * qpg * hd], bk[g * hd:(g + 1) * hd], bv[g * hd:(g + 1) * hd])])
         out[p + "self_attention.linear_qkv.layer_norm_weight"] = hf[q + "input_layernorm.weight"]
         out[p + "self_attention.linear_proj.weight"] = hf[q + "self_attn.o_proj.weight"]
         if m.qk_norm:

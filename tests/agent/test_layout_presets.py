@@ -90,6 +90,25 @@ def test_every_combination_is_bit_exact_or_refused_by_reason(preset: str) -> Non
 
 
 @pytest.mark.parametrize("naming", ["hf", "megatron"])
+def test_qwen2_qkv_bias_is_split_and_fused_like_the_weights(naming: str, monkeypatch: Any) -> None:
+    """Qwen2-style q / k / v biases: fused per KV group in Megatron's linear_qkv.bias, split by heads (KV heads
+    replicated past their count) on the engine."""
+    import dataclasses
+
+    from weightsync.agent.layout_presets import NAMINGS, PRESETS, Preset
+
+    qwen2 = dataclasses.replace(LLAMA_GQA, qkv_bias=True, tie_word_embeddings=True)
+    monkeypatch.setitem(PRESETS, "qwen2", Preset("qwen2", qwen2, NAMINGS[naming]))
+    for tp, pp, itp in itertools.product((1, 8), (1, 2), (4, 16)):
+        cfg = B.LayoutsConfig(transport="nccl", size_mb=0, trainer_tp=tp, inference_tp=itp, preset="qwen2",
+                              trainer_pp=pp, bucket_kb=64)
+        res = _execute(cfg)
+        assert res.get("bit_exact"), (tp, pp, itp, res)
+        lay = B.build_layouts(cfg)
+        assert any(s.name.endswith("k_proj.bias") for s in lay.needs[0])
+
+
+@pytest.mark.parametrize("naming", ["hf", "megatron"])
 def test_tied_embeddings_are_sent_once_and_never_needed_as_lm_head(naming: str, monkeypatch: Any) -> None:
     """Llama-3.2-style tied embeddings: the engine needs no lm_head; a Megatron last stage's copy of the
     embedding (output_layer.weight) is left unsent."""
