@@ -126,13 +126,14 @@ class Store:
             if cur is None or _rv(obj) > _rv(cur):
                 self._index(key, _slim(obj))
 
-    def replace(self, objs: Iterable[Obj]) -> list[tuple[str, Obj]]:
-        """A fresh LIST: the new content, and the events that turn the old content into it."""
+    def replace(self, objs: Iterable[Obj], namespace: str | None = None) -> list[tuple[str, Obj]]:
+        """A fresh LIST of NAMESPACE (None: all; one store serves every namespace's informer): the new
+        content, and the events that turn the old content into it."""
         new = {_key(o): _slim(o) for o in objs}
         events: list[tuple[str, Obj]] = []
         with self._lock:
             for key, cur in list(self._items.items()):
-                if key not in new:
+                if key not in new and (namespace is None or key[0] == namespace):
                     events.append(("DELETED", cur))
                     self._index(key, None)
             for key, obj in new.items():
@@ -195,7 +196,7 @@ class Informer:
             if not cont:
                 break
         RELISTS.labels(self.kind).inc()
-        for type_, obj in self.store.replace(items):
+        for type_, obj in self.store.replace(items, self.namespace):
             self._emit(type_, obj)
         CACHED_OBJECTS.labels(self.kind).set(len(self.store))
         self.synced.set()
@@ -261,10 +262,15 @@ class Informers:
         self._informers: list[Informer] = []
         scopes: list[str | None] = list(self.namespaces) if self.namespaces else [None]
         for ns in scopes:
-            self._informers.append(Informer(self.kube, contract.KIND, ns, self.stores[contract.KIND], self.on_change))
+            self._informers.append(Informer(self.kube, contract.KIND, ns, self.stores[contract.KIND], self._dispatch))
             for kind in self.kinds:
-                self._informers.append(Informer(self.kube, kind, ns, self.stores[kind], self.on_change,
+                self._informers.append(Informer(self.kube, kind, ns, self.stores[kind], self._dispatch,
                                                 label_selector=OWNED_SELECTOR))
+
+    def _dispatch(self, kind: str, type_: str, obj: Obj) -> None:
+        """Calls whatever `on_change` is now (it may be set after construction)."""
+        if self.on_change is not None:
+            self.on_change(kind, type_, obj)
 
     def start(self) -> Informers:
         for inf in self._informers:

@@ -107,7 +107,11 @@ class Kube:
             k8s_config.load_incluster_config()
         except k8s_config.ConfigException:
             k8s_config.load_kube_config()
-        return cls(k8s_client.ApiClient(), request_timeout)
+        conf = k8s_client.Configuration.get_default_copy()
+        # One long-lived connection per watch (8 kinds per namespace) plus concurrent pod creates and patches:
+        # the default (5 x CPUs) would open and throw away connections all the time.
+        conf.connection_pool_maxsize = max(int(conf.connection_pool_maxsize or 0), 64)
+        return cls(k8s_client.ApiClient(conf), request_timeout)
 
     # --- plumbing ---------------------------------------------------------------------------------------
     def _path(self, kind: str, namespace: str | None, name: str | None = None, sub: str | None = None,
@@ -209,7 +213,7 @@ class Kube:
             if on_open is not None:
                 on_open(raw)
             buf = b""
-            for chunk in raw.stream(65536, decode_content=True):
+            for chunk in raw.stream(None, decode_content=True):  # None: each chunk as it arrives
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)

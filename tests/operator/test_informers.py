@@ -72,3 +72,16 @@ def test_batch_window_makes_one_pass_of_a_burst_of_events():
     t0 = asyncio.run(scenario())
     assert len(calls) == 1
     assert calls[0] - t0 >= 0.1
+
+
+def test_relist_of_one_namespace_leaves_the_others_alone():
+    """One store serves the informers of every served namespace: a LIST of one must not drop the other's."""
+    s = Store("Pod")
+    other = pod("x", 3)
+    other["metadata"]["namespace"] = "other"
+    s.apply("ADDED", other)
+    s.apply("ADDED", pod("a", 4))
+    assert s.replace([], namespace="empty") == []
+    assert sorted(s.key_list()) == [("ns", "a"), ("other", "x")]
+    assert [(t, o["metadata"]["name"]) for t, o in s.replace([], namespace="ns")] == [("DELETED", "a")]
+    assert s.key_list() == [("other", "x")]
