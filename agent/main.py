@@ -413,9 +413,17 @@ class Agent:
             conn.reply_error(f"unknown client kind {kind!r}: expected trainer or inference")
 
     def _engine_layout(self, spec: Any, rank: int) -> str:
-        """Take a Custom engine's layout from its hello (agent/engine_layout.py); the reason when refused. The
-        first rank's layout is kept; another rank must send the same (a replica has one layout)."""
+        """Take a Custom engine's layout from its hello (agent/engine_layout.py); the reason when refused. While
+        ranks are connected, another rank must send the same layout (a replica has one); an engine whose ranks
+        all left may come back with another."""
+        others = [r for r in self.registry.ranks() if r != rank]
         if spec is None:
+            if self.layout is not None and others:
+                return (f"engine rank {rank} sends no layout, connected ranks {others} sent {self.layout.to_dict()}: "
+                        "every rank of a replica must use the same layout")
+            if self.layout is not None:
+                log.warning("engine layout %s dropped: the default row split applies", self.layout.to_dict())
+            self.layout, self.layout_fn = None, None
             return ""
         try:
             got = EngineLayout.from_dict(spec) if isinstance(spec, dict) else None
@@ -423,10 +431,12 @@ class Agent:
             return f"engine rank {rank}: bad layout: {exc}"
         if got is None:
             return f"engine rank {rank}: layout must be an object, got {type(spec).__name__}"
-        if self.layout is not None and self.layout != got:
-            return (f"engine rank {rank} sends layout {got.to_dict()}, another rank sent {self.layout.to_dict()}: "
-                    "every rank of a replica must use the same layout")
-        if self.layout is None:
+        if self.layout is not None and self.layout != got and others:
+            return (f"engine rank {rank} sends layout {got.to_dict()}, connected ranks {others} sent "
+                    f"{self.layout.to_dict()}: every rank of a replica must use the same layout")
+        if self.layout != got:  # the first rank, or an engine restarted with another layout
+            if self.layout is not None:
+                log.warning("engine layout changes from %s", self.layout.to_dict())
             self.layout = got
             log.info("engine layout %s", got.to_dict())
 

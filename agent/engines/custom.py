@@ -46,6 +46,11 @@ class AppRegistry:
                 if c is conn:
                     del self._conns[rank]
 
+    def ranks(self) -> list[int]:
+        """The ranks connected now."""
+        with self._cond:
+            return sorted(self._conns)
+
     def holds(self, rank: int, conn: local.LocalConn) -> bool:
         with self._cond:
             return self._conns.get(rank) is conn
