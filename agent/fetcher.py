@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from weightsync.agent import protocol as P
+from weightsync.agent.digest import Digest, DigestHooks
 from weightsync.agent.engines.base import EngineAdapter, NamedTensors, load_version
 from weightsync.agent.groups import RoutingTransport
 from weightsync.agent.layout import LayoutError, TensorMeta, inference_layout
@@ -299,10 +300,18 @@ class _BucketPipe:
 
 
 class _RankRouter:
-    """Tells a multi-rank adapter (e.g. the Custom one) which destination rank the next bucket is for."""
+    """Tells a multi-rank adapter (e.g. the Custom one) which destination rank the next bucket is for, and
+    an HTTP engine's adapter the version's content digest at commit (every piece arrived and was checked by
+    then: load_version commits only after the last bucket)."""
 
-    def __init__(self, inner: EngineAdapter) -> None:
+    def __init__(self, inner: EngineAdapter, digest: Digest | None = None) -> None:
         self.inner = inner
+        self.digest = digest
+
+    def commit(self, version: int) -> None:
+        if self.digest is not None and not self.digest.unchecked and hasattr(self.inner, "label_digest"):
+            self.inner.label_digest = self.digest.hex()
+        self.inner.commit(version)
 
     def load_bucket(self, tensors: NamedTensors) -> None:
         rank = getattr(tensors, "rank", None)
@@ -338,6 +347,8 @@ class FetchResult:
     seconds: float
     stats: list[SyncStats]
     verified_bytes: int = 0
+    digest: str = ""  # the version's content digest as this agent received it (agent/digest.py)
+    digest_checked: bool = True  # every piece was checked against its sender's leaf
 
 
 def reachable_sources(topo: Topology, group_name: str) -> set[int] | None:
@@ -429,7 +440,9 @@ def fetch_version(
         receive_allocator = None  # only an adapter that hands shared segments to its engine has one
     links: dict[int, dict[int, Mailbox]] = {r: {} for r in my_ranks}
     all_links: list[Mailbox] = []
-    hooks = {r: ChecksumHooks() if verify else None for r in my_ranks}
+    digest = Digest()  # one for the agent's destination ranks: a region two of them hold counts once
+    checks = {r: ChecksumHooks() if verify else None for r in my_ranks}
+    hooks = {r: DigestHooks(inner=checks[r], digest=digest) for r in my_ranks}
     receivers: dict[int, WeightReceiver] = {}
     try:
         for r in my_ranks:
@@ -454,9 +467,9 @@ def fetch_version(
                     t.use_allocator(receive_allocator)
                 by_src[s] = t
             transport = RoutingTransport(by_src, receive_slots(r, receive_allocator))
-            hook = hooks[r]
-            if hook is not None and transport.can_refetch:
-                hook.refetch = transport.refetch  # a checksum mismatch reads the bucket again before failing
+            check = checks[r]
+            if check is not None and transport.can_refetch:
+                check.refetch = transport.refetch  # a checksum mismatch reads the bucket again before failing
             receivers[r] = WeightReceiver(plan, r, transport, links[r], timeout=timeout, device=device,
                                           hooks=hooks[r])
     except (LinkError, OSError) as exc:
@@ -505,7 +518,7 @@ def fetch_version(
     for th in threads:
         th.start()
     try:
-        load_version(_RankRouter(adapter), version, pipe, pause_generation=pause_generation)
+        load_version(_RankRouter(adapter, digest), version, pipe, pause_generation=pause_generation)
     except Exception as exc:
         pipe.cancel()
         raise FetchError(f"version {version} was not committed: {exc}") from exc
@@ -515,8 +528,9 @@ def fetch_version(
         for mb in all_links:
             mb.close()
     nbytes = sum(st.bytes for st in results)
-    verified = sum(h.stats.bytes for h in hooks.values() if h is not None)
-    return FetchResult(version, nbytes, time.perf_counter() - t0, results, verified_bytes=verified)
+    verified = sum(c.stats.bytes for c in checks.values() if c is not None)
+    return FetchResult(version, nbytes, time.perf_counter() - t0, results, verified_bytes=verified,
+                       digest=digest.hex(), digest_checked=not digest.unchecked)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -27,6 +27,7 @@ import torch
 from weightsync.agent import protocol as P
 from weightsync.agent import staging
 from weightsync.agent.buckets import SMALL_ALIGNMENT, BucketLayout
+from weightsync.agent.digest import DigestHooks
 from weightsync.agent.groups import epoch_of
 from weightsync.agent.link import AuthError, FrameError, Link, LinkError, LinkListener, LinkTimeout, Mailbox
 from weightsync.agent.metrics import AgentMetrics
@@ -620,7 +621,7 @@ class WeightServer:
                     transport.register_shared(str(seg.path), seg.tensor)  # IPC hands buckets out of staging
                 sender = WeightSender(rdv.plan, rdv.src, transport, rdv.peers, timeout=self.timeout,
                                       world=world, device=self.device,
-                                      hooks=ChecksumHooks() if self.verify else None)
+                                      hooks=DigestHooks(inner=ChecksumHooks() if self.verify else None))
                 stats = sender.send_version(rdv.version, rs.tensors())
         except (SyncError, StagingError, LinkError) as exc:
             self._failures[gname] = self._failures.get(gname, 0) + 1

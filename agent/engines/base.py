@@ -8,6 +8,7 @@ the first byte, commit only after the last bucket, resume always (also when the 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -16,6 +17,23 @@ import torch
 log = logging.getLogger(__name__)
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
+
+_LABEL = re.compile(r"^(\d+)(?:-[0-9a-f]{1,32})?$")
+LABEL_DIGEST_CHARS = 16
+
+
+def version_label(version: int, digest: str | None = None) -> str:
+    """The engine's weight version label: `<N>-<digest prefix>` once the content digest is known (requests
+    can then be attributed to exact weights), plain `<N>` otherwise."""
+    return f"{version}-{digest[:LABEL_DIGEST_CHARS]}" if digest else str(version)
+
+
+def parse_version(value: object) -> int | None:
+    """The version N of an engine's label `N` or `N-<digest prefix>`; None for anything else (`partial-N`,
+    an engine's own initial label)."""
+    m = _LABEL.match(str(value)) if value is not None else None
+    return int(m.group(1)) if m else None
+
 
 #: Tensors a trainer publishes under this prefix are the engine's draft (speculative / MTP) model's weights,
 #: named as the draft model names them after the prefix (vLLM's own `weight_info` lists its draft model's

@@ -39,7 +39,7 @@ import torch
 from ..client import tensor_checksum
 from ..config import LoraSpec
 from . import sglang, vllm
-from .base import EngineAdapter, EngineError, NamedTensors
+from .base import EngineAdapter, EngineError, NamedTensors, version_label
 from .http import EngineHTTPError, HttpClient
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,9 @@ class LoraLoader(Protocol):
 
     client: HttpClient
 
-    def load_lora(self, spec: LoraSpec, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Replace the adapter `spec.adapter_name` by `tensors` and label the engine's weights `version`."""
+    def load_lora(self, spec: LoraSpec, tensors: dict[str, torch.Tensor], version: int, label: str) -> None:
+        """Replace the adapter `spec.adapter_name` by `tensors` (version `version`) and label the engine's
+        weights `label` (base.version_label)."""
 
 
 def pickle_by_value(tensors: Mapping[str, torch.Tensor]) -> bytes:
@@ -85,7 +86,7 @@ class SGLangLoraLoader:
         self.client = client
         self.tp_size = tp_size
 
-    def load_lora(self, spec: LoraSpec, tensors: dict[str, torch.Tensor], version: int) -> None:
+    def load_lora(self, spec: LoraSpec, tensors: dict[str, torch.Tensor], version: int, label: str) -> None:
         try:
             self.client.post("/unload_lora_adapter", {"lora_name": spec.adapter_name}, retry=False)
         except EngineHTTPError as exc:
@@ -94,7 +95,7 @@ class SGLangLoraLoader:
             log.info("lora.unload adapter=%s not loaded: %s", spec.adapter_name, exc.detail)
         self.client.post("/load_lora_adapter_from_tensors", sglang_load_body(spec, tensors, self.tp_size),
                          retry=False)
-        self.client.post("/update_weight_version", sglang.weight_version_body(str(version)), retry=False)
+        self.client.post("/update_weight_version", sglang.weight_version_body(label), retry=False)
 
 
 class VLLMLoraLoader:
@@ -117,10 +118,10 @@ class VLLMLoraLoader:
         tmp.rename(path)  # the engine never reads a half-written adapter
         return path
 
-    def load_lora(self, spec: LoraSpec, tensors: dict[str, torch.Tensor], version: int) -> None:
+    def load_lora(self, spec: LoraSpec, tensors: dict[str, torch.Tensor], version: int, label: str) -> None:
         path = self.write(spec, tensors, version)
         self.client.post("/v1/load_lora_adapter", vllm_load_body(spec, path), retry=False)
-        self.client.post("/update_weight_version", vllm.weight_version_body(str(version)), retry=False)
+        self.client.post("/update_weight_version", vllm.weight_version_body(label), retry=False)
         for old in (self.root / spec.adapter_name).iterdir():
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
@@ -137,6 +138,7 @@ class LoraAdapter:
     held_bytes: int = 0
     partial: int | None = None
     needs_restore: bool = False
+    label_digest: str | None = None  # see SGLangAdapter.label_digest
 
     def pause(self) -> None:
         self.inner.pause()
@@ -160,7 +162,8 @@ class LoraAdapter:
         held, self.held, self.held_bytes = self.held, {}, 0
         log.info("lora.load adapter=%s version=%s tensors=%s", self.spec.adapter_name, version, len(held))
         try:
-            self.loader.load_lora(self.spec, held, version)
+            label, self.label_digest = version_label(version, self.label_digest), None
+            self.loader.load_lora(self.spec, held, version, label)
         except EngineError:
             # After the unload the engine may serve no adapter of that name: reload the last good version.
             self.partial = version

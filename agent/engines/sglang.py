@@ -61,7 +61,15 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing import reductions
 
-from .base import DRAFT_PREFIX, EngineError, EngineUnsupported, NamedTensors, split_draft
+from .base import (
+    DRAFT_PREFIX,
+    EngineError,
+    EngineUnsupported,
+    NamedTensors,
+    parse_version,
+    split_draft,
+    version_label,
+)
 from .http import EngineHTTPError, HttpClient
 from .overlap import post_during
 
@@ -212,11 +220,6 @@ def check_weights_body(action: str = "checksum") -> dict[str, Any]:
     return {"action": action}
 
 
-def parse_version(value: Any) -> int | None:
-    try:
-        return int(str(value))
-    except (TypeError, ValueError):
-        return None
 
 
 
@@ -316,6 +319,9 @@ class SGLangAdapter:
         self._flat: torch.Tensor | None = None
         self._bufs: dict[int, torch.Tensor] = {}
         self._speculative: str | object | None = _UNKNOWN
+        #: the content digest of the version being committed (set by the fetch once every piece was checked):
+        #: the engine's label becomes `<N>-<digest prefix>`
+        self.label_digest: str | None = None
 
     # -- engine facts --
 
@@ -452,7 +458,8 @@ class SGLangAdapter:
 
     def commit(self, version: int) -> None:
         self._end_session()
-        self.client.post("/update_weight_version", weight_version_body(str(version)), retry=False)
+        label, self.label_digest = version_label(version, self.label_digest), None
+        self.client.post("/update_weight_version", weight_version_body(label), retry=False)
         self.client.post("/flush_cache", None)
         self.partial = None
         self.needs_restore = False

@@ -75,7 +75,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from .base import EngineError, EngineUnsupported, NamedTensors, split_draft
+from .base import EngineError, EngineUnsupported, NamedTensors, parse_version, split_draft, version_label
 from .http import EngineHTTPError, HttpClient
 from .overlap import post_during
 
@@ -191,11 +191,6 @@ def weight_checker_body(action: str = "checksum", baseline: dict[str, str] | Non
     return body
 
 
-def parse_version(value: Any) -> int | None:
-    try:
-        return int(str(value))
-    except (TypeError, ValueError):
-        return None
 
 
 # ---------------- packing (vLLM's packed layout: the tensors' bytes back to back, no padding) ----------------
@@ -456,6 +451,7 @@ class VLLMAdapter:
         self._keep: list[torch.Tensor] = []
         self._uuids: dict[torch.device, str] = {}
         self._draft: list[tuple[str, torch.Tensor]] = []  # draft tensors held for the draft session at commit
+        self.label_digest: str | None = None  # see SGLangAdapter.label_digest
         self.draft_bytes_held = 0
 
     # -- engine facts --
@@ -682,7 +678,8 @@ class VLLMAdapter:
             if self._draft:
                 self.buckets_sent += 1  # the target's finish below makes the weights a new target + old draft
                 self._draft_session(version)
-            self.client.post("/finish_weight_update", finish_body(str(version)), retry=False)
+            label, self.label_digest = version_label(version, self.label_digest), None
+            self.client.post("/finish_weight_update", finish_body(label), retry=False)
         except EngineError:
             # Unknown whether vLLM finalized: its weights are not version N for sure, maybe mixed.
             self.update_open = False

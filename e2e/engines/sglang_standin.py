@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from weightsync.agent.client import checksums
 from weightsync.agent.demo.jsonhttp import JsonHandler
+from weightsync.agent.engines.base import parse_version
 
 from . import sglang_code
 
@@ -234,7 +235,8 @@ def checksums_of(engine: Engine) -> dict[str, Any]:
         with engine.draft.lock:
             sums.update(checksums((f"draft.{n}", t) for n, t in sorted(engine.draft.params.items())))
     v = engine.version
-    return {"version": int(v) if v is not None and v.isdigit() else v, "checksums": sums}
+    n = parse_version(v)  # the agent labels a version `N-<digest prefix>`
+    return {"version": v if n is None else n, "label": v, "checksums": sums}
 
 
 def make_handler(engine: Engine, max_body: int) -> type[BaseHTTPRequestHandler]:

@@ -9,12 +9,16 @@ the agent: HTTP control and SGLang's weight-update group.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 from e2e_helpers import assert_bit_exact, inference_pods, job, served, wait
+from weightsync.agent.engines.base import LABEL_DIGEST_CHARS, parse_version
 from weightsync.crds import contract
 from weightsync.e2e import demo
+
+LABEL = re.compile(rf"^\d+-[0-9a-f]{{{LABEL_DIGEST_CHARS}}}$")
 
 pytestmark = [pytest.mark.e2e]
 
@@ -71,9 +75,11 @@ def test_sglang_job_serves_every_version_through_sglang_protocol(kube, namespace
     name, last = body["metadata"]["name"], demo.trainer_versions(body)
     _served_everywhere(kube, namespace, name, last, 2)
     assert_bit_exact(kube, namespace, name, last, 2)
+    label_of: dict[int | None, set[str]] = {}
     for pod in inference_pods(kube, namespace, name).values():
         st = _state(pod)
-        assert st == {**st, "weight_version": str(last), "paused": False, "session_open": False}, st
+        assert st == {**st, "paused": False, "session_open": False}, st
+        assert parse_version(st["weight_version"]) == last and LABEL.match(st["weight_version"]), st
         events = _events(pod)
         assert not [e for e in events if e["op"] == "refused"], events
         sessions = _sessions(events)
@@ -83,8 +89,13 @@ def test_sglang_job_serves_every_version_through_sglang_protocol(kube, namespace
             # every load of a version happened inside a session, and the session was closed
             assert ops[-1] == "end_weight_update" and all(e["status"] == 200 for e in s), ops
             assert set(ops[1:-1]) <= {"update_weights_from_distributed"} and len(ops) > 2, ops
-        versions = [e["version"] for e in events if e["op"] == "weights"]
-        assert versions == sorted(versions, key=int) and versions[-1] == str(last), versions
+        labels = [e["version"] for e in events if e["op"] == "weights"]
+        versions = [parse_version(v) for v in labels]
+        assert versions == sorted(versions) and versions[-1] == last, labels  # type: ignore[type-var]
+        # the label names the content: `N-<digest prefix>`, the same on every replica for the same N
+        assert all(LABEL.match(v) for v in labels), labels
+        for v in labels:
+            label_of.setdefault(parse_version(v), set()).add(v)
         # the version is recorded after end, the radix cache flushed once per version, then generation resumes
         ops = [e["op"] for e in events]
         for i, op in enumerate(ops):
@@ -93,6 +104,7 @@ def test_sglang_job_serves_every_version_through_sglang_protocol(kube, namespace
                                               "continue_generation"], ops[i - 2 : i + 6]
         assert ops.count("flush_cache") == len(sessions)
         assert served(pod) == last and demo.pod_condition(pod, contract.POD_CONDITION_SYNCED) == "True"
+    assert all(len(v) == 1 for v in label_of.values()), label_of  # both replicas: one digest per version
 
 
 def test_sglang_load_failing_at_bucket_k_restores_the_previous_version(cluster, kube, namespace, operator,
@@ -122,9 +134,9 @@ def test_sglang_load_failing_at_bucket_k_restores_the_previous_version(cluster, 
                        if events[i]["op"] == "weights" and not events[i]["version"].startswith("partial-"))
     between = [e["op"] for e in events[k:restored_at]]
     assert "continue_generation" not in between, between
-    restored = events[restored_at]["version"]
-    assert restored.isdigit() and int(restored) == int(events[k + 2]["version"].removeprefix("partial-")) - 1
-    assert events[restored_at]["checksums"] == _trainer_checksums(kube, namespace, name, int(restored))
+    restored = parse_version(events[restored_at]["version"])
+    assert restored is not None and restored == int(events[k + 2]["version"].removeprefix("partial-")) - 1
+    assert events[restored_at]["checksums"] == _trainer_checksums(kube, namespace, name, restored)
     assert [e["op"] for e in events[restored_at + 1 : restored_at + 3]] == ["flush_cache", "continue_generation"]
-    assert _state(pod)["weight_version"] == str(last) and not _state(pod)["paused"]
+    assert parse_version(_state(pod)["weight_version"]) == last and not _state(pod)["paused"]
     assert_bit_exact(kube, namespace, name, last, 1)

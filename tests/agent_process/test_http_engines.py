@@ -6,11 +6,13 @@ version set and the engine resumed; an unsupported engine release is refused wit
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import requests
 from podprocs import PY, Cluster, wait_for
+from weightsync.agent.engines.base import LABEL_DIGEST_CHARS, parse_version
 from weightsync.crds import contract
 from weightsync.e2e.procs import free_port
 
@@ -40,12 +42,15 @@ def test_agent_drives_an_sglang_engine_over_http(tmp_path: Path, clusters: list[
         except requests.RequestException:
             return None
 
-    wait_for(lambda: (state() or {}).get("weight_version") == "2", 120, "SGLang serves version 2", c)
+    wait_for(lambda: parse_version((state() or {}).get("weight_version")) == 2, 120, "SGLang serves version 2", c)
     events = requests.get(f"{url}/standin/events", timeout=5).json()["events"]
     ops = [e["op"] for e in events]
     assert "refused" not in ops, events
-    for v in ("1", "2"):
-        k = next(n for n, e in enumerate(events) if e["op"] == "update_weight_version" and e["version"] == v)
+    for v in (1, 2):
+        k = next(n for n, e in enumerate(events)
+                 if e["op"] == "update_weight_version" and parse_version(e["version"]) == v)
+        # the label names the content: `N-<digest prefix>` (agent/digest.py)
+        assert re.fullmatch(rf"{v}-[0-9a-f]{{{LABEL_DIGEST_CHARS}}}", events[k]["version"]), events[k]
         before = ops[:k]
         last_pause = len(before) - 1 - before[::-1].index("pause_generation")
         window = [op for op in before[last_pause:] if op != "init_weights_update_group"]  # the group: once
@@ -108,7 +113,7 @@ def test_agent_loads_each_version_as_a_lora_adapter(tmp_path: Path, clusters: li
         except requests.RequestException:
             return {}
 
-    wait_for(lambda: lora().get("version") == "2", 120, "SGLang serves adapter version 2", c)
+    wait_for(lambda: parse_version(lora().get("version")) == 2, 120, "SGLang serves adapter version 2", c)
     published = json.loads((c.root / t.name / "sock" / "demo-trainer-checksums.json").read_text())
     assert lora()["adapters"] == {"policy": published["2"]}
     ops = [e["op"] for e in requests.get(f"{url}/standin/events", timeout=5).json()["events"]]

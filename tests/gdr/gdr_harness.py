@@ -28,6 +28,7 @@ import torch
 from torch.distributed import TCPStore
 from weightsync.agent.buckets import entry_view, itemsize, to_dtype
 from weightsync.agent.delta import DeltaConfig
+from weightsync.agent.digest import Digest, DigestHooks
 from weightsync.agent.groups import RoutingTransport
 from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.link import LinkListener, Mailbox, connect
@@ -123,6 +124,7 @@ class GdrScenario:
     hold: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # replica -> (version, other, v)
     arena: bool = False  # tensors live in plan arenas: zero-copy send from staging, receive into place
     routed: bool = False  # as the agent process: one GdrTransport per source rank behind a RoutingTransport
+    digest: bool = False  # as the agent process: piece digests sent with every bucket and checked (agent/digest.py)
 
 
 def tp_sources(metas: list[TensorMeta], tp: int, *, fsdp: int = 1, tied: bool = False) -> list[list[TensorShard]]:
@@ -197,10 +199,10 @@ class CorruptingTransport(Transport):
         self.inner.close()
 
 
-def _hooks(scn: GdrScenario, transport: Any) -> SyncHooks | None:
-    if not scn.verify:
-        return None
-    return ChecksumHooks(policy=RetryPolicy(retries=2), refetch=getattr(transport, "refetch", None))
+def _hooks(scn: GdrScenario, transport: Any, digest: Digest | None = None) -> SyncHooks | None:
+    check = ChecksumHooks(policy=RetryPolicy(retries=2), refetch=getattr(transport, "refetch", None)) \
+        if scn.verify else None
+    return DigestHooks(inner=check, digest=digest) if scn.digest else check
 
 
 def _store(port: int, timeout: float) -> TCPStore:
@@ -302,6 +304,7 @@ def _destination(scn: GdrScenario, replica: int, rank: int, port: int, out: Any)
         corrupt = rep.corrupt.get(rank)
         if corrupt is not None:
             transport = CorruptingTransport(gdr, corrupt[1])
+        digests: dict[int, Digest] = {}
         receiver = WeightReceiver(plan, rank, transport, peers, timeout=scn.timeout, hooks=_hooks(scn, transport))
         needs = {s.name: s for s in plan.needs[rank]}
         engine: dict[str, torch.Tensor] = {}  # the committed weights (engine stand-in)
@@ -321,6 +324,9 @@ def _destination(scn: GdrScenario, replica: int, rank: int, port: int, out: Any)
                         res["mismatches"].append(f"{n} handed twice")
                     staged[n] = t.clone()
 
+            if scn.digest:
+                digests[v] = Digest()
+                receiver.hooks = _hooks(scn, transport, digests[v])
             try:
                 st = receiver.receive_version(on_bucket, expected_version=v, into=into)
             except Exception as exc:
@@ -328,6 +334,8 @@ def _destination(scn: GdrScenario, replica: int, rank: int, port: int, out: Any)
                 break  # links are poisoned after an abort; the agent would reconnect
             engine.update(staged)
             res["committed"].append(v)
+            if v in digests:
+                res.setdefault("digests", {})[v] = {"hex": digests[v].hex(), "leaves": digests[v].leaves}
             moved = [g.describe() for g in gdrs.values()]
             res["stats"].append({**st.to_dict(), "transport": {**moved[0], "refetches": sum(
                 int(d["refetches"]) for d in moved)}})

@@ -1,0 +1,193 @@
+"""Content digest of a version: what lets a replica, the job's status and the engine's weight-version label
+name the exact bytes served.
+
+Why per piece, summed: a version moves as pieces (a tensor's region: name, dtype, global shape, box), and
+the pieces a replica receives do not depend on which data-parallel trainer rank sent them or how they were
+grouped into buckets. The digest is the sum, modulo 2^128, of one 128-bit leaf per distinct piece:
+
+    leaf = xxh3_128(bytes of the piece in row-major order, seed = xxh3_64("name|dtype|shape|offset|size"))
+
+so it is independent of bucket boundaries, source choice and arrival order, costs one xxh3 pass over the
+bytes on each side (tens of GB/s per core; no extra copy: the piece's bytes are contiguous in the bucket,
+and a bucket sent in place is the trainer's staging itself), and every replica of a job (same inference
+layout) gets the same digest for the same weights. Replicas with a different layout get a different one:
+the digest names the bytes as this job's engines hold them, not a checkpoint format.
+
+Checked before commit: the sender hashes every piece of a bucket and sends the leaves with it
+(`sync.bucket`); the receiver hashes the piece where it landed and refuses the version at the first leaf
+that differs, naming the tensor, its box and the source rank. A mismatch is never loaded into an engine,
+let alone committed. CUDA buckets use the on-device weighted sum of agent/verify.py instead of xxh3 (no
+device-to-host copy); the sender names the algorithm and the receiver computes the same one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .plan import BucketPlan
+from .sync import SyncError, SyncHooks
+
+log = logging.getLogger(__name__)
+
+MASK = (1 << 128) - 1
+XXH3_128 = "xxh3_128"
+WSUM = "wsum64"
+
+
+class DigestMismatch(SyncError):
+    """A piece's bytes differ from the leaf its sender computed: the version is not loaded."""
+
+
+def piece_key(name: str, dtype: str, global_shape: Iterable[int], offset: Iterable[int], shape: Iterable[int]) -> str:
+    """The piece's identity: the same region of the same tensor has the same key whichever rank sends it."""
+    return f"{name}|{dtype}|{','.join(map(str, global_shape))}|{','.join(map(str, offset))}|{','.join(map(str, shape))}"
+
+
+def _xxhash() -> Any:
+    try:
+        import xxhash
+    except ImportError as exc:  # pragma: no cover - xxhash is a declared dependency of the agent extra
+        raise RuntimeError("the content digest needs the 'xxhash' package: pip install 'weightsync[agent]'") from exc
+    return xxhash
+
+
+def leaf(key: str, data: torch.Tensor, algorithm: str = XXH3_128) -> int:
+    """The 128-bit leaf of one piece (`data`: its bytes, 1-d uint8)."""
+    if algorithm == WSUM:
+        from .verify import checksum
+
+        xx = _xxhash()
+        inner = int(checksum(data, WSUM).split(":")[0], 16)
+        return xx.xxh3_128_intdigest(f"{key}|{inner:016x}|{data.numel()}".encode())
+    if algorithm != XXH3_128:
+        raise ValueError(f"unknown digest algorithm {algorithm!r}; supported: {XXH3_128}, {WSUM}")
+    xx = _xxhash()
+    seed = xx.xxh3_64_intdigest(key.encode())
+    host = data if data.device.type == "cpu" else data.cpu()
+    if host.numel() == 0:
+        return int(xx.xxh3_128_intdigest(b"", seed=seed))
+    if not host.is_contiguous():
+        host = host.contiguous()
+    return int(xx.xxh3_128_intdigest(host.numpy().data, seed=seed))
+
+
+def default_algorithm(data: torch.Tensor) -> str:
+    return XXH3_128 if data.device.type == "cpu" else WSUM
+
+
+def bucket_leaves(bucket: BucketPlan, data: torch.Tensor, algorithm: str) -> list[tuple[str, int]]:
+    """(key, leaf) of every piece of `bucket`, read where it sits in `data` (the bucket's bytes)."""
+    out = []
+    for e in bucket.entries:
+        p = e.piece
+        key = piece_key(p.name, p.dtype, p.global_shape, p.box.offset, p.box.shape)
+        out.append((key, leaf(key, data[e.offset : e.offset + p.nbytes], algorithm)))
+    return out
+
+
+def fmt(value: int) -> str:
+    return f"{value & MASK:032x}"
+
+
+@dataclass
+class Digest:
+    """A version's digest as pieces arrive: distinct keys only (a region two destination ranks both hold
+    counts once), thread-safe (one receiver thread per destination rank adds to it)."""
+
+    leaves: dict[str, int] = field(default_factory=dict)
+    unchecked: bool = False  # some source sent no leaves to check against (an agent of an earlier release)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, key: str, value: int) -> None:
+        with self._lock:
+            old = self.leaves.setdefault(key, value)
+        if old != value:
+            raise DigestMismatch(f"piece {key} arrived twice with different bytes ({fmt(old)} vs {fmt(value)})")
+
+    def value(self) -> int:
+        with self._lock:
+            return sum(self.leaves.values()) & MASK
+
+    def hex(self) -> str:
+        return fmt(self.value())
+
+
+def combine(leaves: Mapping[str, int]) -> str:
+    """The digest of a set of distinct pieces (what `Digest.hex` gives)."""
+    return fmt(sum(leaves.values()))
+
+
+@dataclass
+class DigestStats:
+    pieces: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class DigestHooks(SyncHooks):
+    """SyncHooks that carry every piece's leaf with its bucket and check it on arrival, wrapping the
+    `verify: Checksum` hooks when the job asks for them (their bucket checksum and retry run first).
+
+    Sender: `on_send_bucket` adds {"digest": {"algorithm", "leaves": [hex per entry]}} to the bucket's
+    metadata. Receiver: `on_recv_bucket` recomputes each leaf, raises DigestMismatch at the first one that
+    differs, and adds the leaves to `digest` (shared by the agent's destination ranks)."""
+
+    inner: SyncHooks | None = None
+    digest: Digest | None = None
+    algorithm: str | None = None
+    stats: DigestStats = field(default_factory=DigestStats)
+
+    def on_send_bucket(self, version: int, bucket: BucketPlan, data: torch.Tensor) -> dict[str, Any] | None:
+        meta = dict(self.inner.on_send_bucket(version, bucket, data) or {}) if self.inner is not None else {}
+        t0 = time.perf_counter()
+        algo = self.algorithm or default_algorithm(data)
+        leaves = bucket_leaves(bucket, data, algo)
+        self._count(leaves, bucket, t0)
+        meta["digest"] = {"algorithm": algo, "leaves": [fmt(v) for _, v in leaves]}
+        return meta
+
+    def on_recv_bucket(
+        self, version: int, bucket: BucketPlan, data: torch.Tensor, meta: dict[str, Any] | None
+    ) -> None:
+        if self.inner is not None:
+            self.inner.on_recv_bucket(version, bucket, data, meta)
+        sent = (meta or {}).get("digest")
+        where = f"bucket {bucket.index} of version {version} from trainer rank {bucket.src}"
+        t0 = time.perf_counter()
+        if not isinstance(sent, dict) or not isinstance(sent.get("leaves"), list):
+            # A trainer agent of an earlier release (mid-upgrade) sends no leaves: nothing to check against;
+            # the digest is still computed, and reported as unchecked.
+            if self.digest is not None:
+                self.digest.unchecked = True
+            got = bucket_leaves(bucket, data, default_algorithm(data))
+            self._count(got, bucket, t0)
+            if self.digest is not None:
+                for key, value in got:
+                    self.digest.add(key, value)
+            return
+        got = bucket_leaves(bucket, data, str(sent.get("algorithm") or XXH3_128))
+        want = sent["leaves"]
+        if len(want) != len(got):
+            raise DigestMismatch(f"{where}: {len(want)} piece digests for {len(got)} pieces")
+        for (key, value), expected in zip(got, want, strict=True):
+            if fmt(value) != expected:
+                raise DigestMismatch(
+                    f"{where}: piece {key} has digest {fmt(value)}, the sender computed {expected}: the bytes "
+                    "changed between the trainer's staging and this agent; the version is not loaded")
+        self._count(got, bucket, t0)
+        if self.digest is not None:
+            for key, value in got:
+                self.digest.add(key, value)
+
+    def _count(self, leaves: list[tuple[str, int]], bucket: BucketPlan, t0: float) -> None:
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.pieces += len(leaves)
+        self.stats.bytes += bucket.data_nbytes
