@@ -537,6 +537,8 @@ class Agent:
                 self.metrics.sync_progress_bytes.set(0)
             fields.update(prepared_version=self.held.version if self.held else None,
                           prepared_epoch=self.held.epoch if self.held else None)
+            self.metrics.prepared_version.set(self.held.version if self.held else 0)
+            self.metrics.prepared_bytes.set(self.held.nbytes if self.held else 0)
             fields.update(served_version=self.served, served_epoch=self.served_epoch, engine_paused=self.user_paused, last_sync=self.last_sync,
                           sync_error=self.last_error, synced=ok, synced_reason=reason, synced_message=msg)
         self.pod.update(**fields)
@@ -720,7 +722,8 @@ class Agent:
         state = atomic.CommitState(d.commit, d.committed)
         target = (d.target_epoch, d.target_version) if d.target_version is not None else None
         served = self._served_key(d.committed[0] if d.committed else 0)
-        if self.held is not None and self.held.key not in (target, state.commit, state.committed):
+        if self.held is not None and (state.committed is None or self.held.key not in (target, state.commit,
+                                                                                        state.committed)):
             log.info("dropping the prepared version=%s (superseded)", self.held.version)
             self.held = None
         action = atomic.decide(served, self.held.key if self.held else None, target, state)
@@ -739,7 +742,9 @@ class Agent:
         assert self.adapter is not None and self.peers is not None
         t0 = time.perf_counter()
         try:
-            atomic.commit_held(held, _UserPauseGuard(self.adapter, self), pause_generation=self.cfg.pause_generation)
+            if held.buckets:  # none: the engine takes full tensors from replica rank 0's agent, not this one
+                atomic.commit_held(held, _UserPauseGuard(self.adapter, self),
+                                   pause_generation=self.cfg.pause_generation)
         except EngineError as exc:
             self.last_error = f"loading the prepared version {held.version}: {exc}"
             self.metrics.versions.labels("failed").inc()

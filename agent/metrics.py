@@ -69,6 +69,12 @@ class AgentMetrics:
             "weightsync_agent_served_version", "Version the local engine serves (committed)", registry=r)
         self.target_version = Gauge(
             "weightsync_agent_target_version", "Version this agent should serve", registry=r)
+        self.prepared_version = Gauge(
+            "weightsync_agent_prepared_version", "updatePolicy.strategy Atomic: version held prepared (0: none)",
+            registry=r)
+        self.prepared_bytes = Gauge(
+            "weightsync_agent_prepared_bytes", "updatePolicy.strategy Atomic: host memory holding the prepared version",
+            registry=r)
         self.engine_paused = Gauge(
             "weightsync_agent_engine_paused", "1 while the engine is paused by spec.paused", registry=r)
         self.rejected_frames = Counter(

@@ -110,6 +110,7 @@ def test_atomic_four_replicas_sampled_continuously_never_serve_two_versions(
     uid = job(kube, namespace, name)["metadata"]["uid"]
     token = version_proof.job_token(key, namespace, name, uid)
     samples: list[dict[str, int]] = []  # Ready pod -> its proven served version, one dict per LIST
+    stamps: list[float] = []
     violations: list[dict[str, int]] = []
     unproven: list[str] = []
     stop = threading.Event()
@@ -132,6 +133,7 @@ def test_atomic_four_replicas_sampled_continuously_never_serve_two_versions(
                 if served:
                     ready[n] = int(served)
             samples.append(ready)
+            stamps.append(time.monotonic())
             if len(set(ready.values())) > 1:
                 violations.append(ready)
 
@@ -149,6 +151,16 @@ def test_atomic_four_replicas_sampled_continuously_never_serve_two_versions(
         stop.set()
         sampler.join(timeout=30)
     seen = Counter(v for s in samples for v in set(s.values()))
+    # the switches: from the last sample with Ready replicas on one version to the first on the next
+    gaps, last_ready = [], None
+    for t, s in zip(stamps, samples, strict=False):
+        if s and last_ready is not None and last_ready[1] != set(s.values()) and t - last_ready[0] > 0:
+            gaps.append(t - last_ready[0])
+        if s:
+            last_ready = (t, set(s.values()))
+    if gaps:
+        print(f"switches: {len(gaps)}, no Ready replica for median {sorted(gaps)[len(gaps) // 2]:.2f}s, "
+              f"max {max(gaps):.2f}s")
     full = sum(1 for s in samples if len(s) == 4)
     print(f"{len(samples)} samples, Ready versions seen {dict(sorted(seen.items()))}, {full} with 4 Ready replicas, "
           f"{sum(1 for s in samples if not s)} with none Ready (switches)")
