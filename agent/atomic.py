@@ -17,12 +17,13 @@ rank 0's agent of an SGLang / vLLM replica) in host memory from prepare until th
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from weightsync.agent.engines.base import EngineAdapter, NamedTensors, load_version
+from weightsync.agent.engines.base import EngineAdapter, EngineError, NamedTensors, load_version
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +100,15 @@ class Held:
 
 
 class HoldingAdapter:
-    """An EngineAdapter that keeps every bucket in host memory instead of loading it (Atomic prepare)."""
+    """An EngineAdapter that keeps every bucket in host memory instead of loading it (Atomic prepare).
+    `timeout`: seconds the whole prepare may take (spec.transfer.timeoutSeconds); beyond, it fails (the
+    transports bound each single wait by the same timeout, so a stalled prepare ends too)."""
 
-    def __init__(self, epoch: int, fault: str | None = None) -> None:
+    def __init__(self, epoch: int, fault: str | None = None, timeout: float | None = None) -> None:
         self.epoch = epoch
         self.fault = fault
+        self.timeout = timeout
+        self.started = time.monotonic()
         self.rank: int | None = None
         self.held: Held | None = None
         self.complete: Held | None = None
@@ -114,6 +119,11 @@ class HoldingAdapter:
     def resume(self) -> None:
         pass
 
+    def _in_time(self, version: int) -> None:
+        if self.timeout is not None and time.monotonic() - self.started > self.timeout:
+            raise EngineError(f"the prepare of version {version} took longer than spec.transfer.timeoutSeconds="
+                              f"{self.timeout:g}s")
+
     def begin_update(self, version: int) -> None:
         self.held, self.complete = Held(version, self.epoch), None
 
@@ -121,6 +131,7 @@ class HoldingAdapter:
         assert self.held is not None
         if self.fault:
             raise RuntimeError(f"injected prepare fault ({self.fault})")
+        self._in_time(self.held.version)
         rank = getattr(tensors, "rank", self.rank)
         device = tensors[0][1].device if tensors else torch.device("cpu")
         copy = [(n, t.detach().to("cpu", copy=True)) for n, t in tensors]  # the bucket's memory is reused
@@ -129,6 +140,7 @@ class HoldingAdapter:
 
     def commit(self, version: int) -> None:
         assert self.held is not None and self.held.version == version
+        self._in_time(version)
         self.complete, self.held = self.held, None
 
     def abort(self, version: int, reason: str) -> None:

@@ -731,7 +731,8 @@ class Agent:
             return False
         if action == atomic.PREPARE and target is not None:
             self._fetch(target[1], target[0], hold=atomic.HoldingAdapter(
-                target[0], fault=d.inject_fault if d.inject_fault == "prepare" else None))
+                target[0], fault=d.inject_fault if d.inject_fault == "prepare" else None,
+                timeout=float(self.cfg.timeout_seconds)))
         elif action == atomic.COMMIT_HELD and self.held is not None:
             self._commit_held(self.held)
         else:

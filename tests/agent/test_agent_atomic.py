@@ -102,3 +102,11 @@ def test_a_failed_prepare_holds_nothing_and_a_failed_commit_is_aborted_and_resum
     with pytest.raises(EngineError):
         atomic.commit_held(hold.complete, engine, pause_generation=True)
     assert engine.calls[-2:] == ["abort 7", "resume"]
+
+
+def test_a_prepare_longer_than_the_timeout_fails():
+    hold = atomic.HoldingAdapter(epoch=0, timeout=0.5)
+    hold.started -= 1.0  # the transfer took a second already
+    with pytest.raises(EngineError, match=r"timeoutSeconds=0\.5s"):
+        load_version(hold, 7, _buckets()[0], pause_generation=False)
+    assert hold.complete is None
