@@ -4,8 +4,9 @@
    is committed, every replica keeps serving the committed version while the trainer moves on, and the job
    says Synced=False, reason AtomicPrepareFailed, naming the replica and its pod (plus a Warning Event).
    Without the fault the next round commits on every replica.
-2. Four replicas sampled as fast as the API answers while versions roll: never two different versions
-   among Ready replicas (the served version counted only with a valid version proof).
+2. Four replicas sampled as fast as the API answers while versions roll, and a fifth joining mid-run: never
+   two different versions among Ready replicas (the served version counted only with a valid version
+   proof); the joining replica does not hold the commits back and is Ready on a later committed version.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def test_atomic_four_replicas_sampled_continuously_never_serve_two_versions(
         cluster, kube, namespace, operator, process_runtime):
     operator()
     name = "atomic-four"
-    body = _atomic_job(cluster, namespace, process_runtime, name, replicas=4, versions=8, interval=1.5)
+    body = _atomic_job(cluster, namespace, process_runtime, name, replicas=4, versions=10, interval=1.5)
     last = demo.trainer_versions(body)
     key = read_operator_key(str(demo.operator_key_file(cluster.kubeconfig)))
     assert key is not None
@@ -140,13 +141,19 @@ def test_atomic_four_replicas_sampled_continuously_never_serve_two_versions(
     sampler = threading.Thread(target=sample, name="atomic-sampler", daemon=True)
     sampler.start()
     try:
+        # elastic membership: a fifth replica joins mid-run; it is not waited for, loads the committed version
+        # and is Ready in a later round (never on another version than the others)
+        wait(lambda: ((job(kube, namespace, name).get("status") or {}).get("committedVersion") or 0) >= 3,
+             START_TIMEOUT, f"{name}: version 3 committed")
+        demo.patch_job(kube.custom, namespace, name, {"inference": {"replicas": 5}})
+
         def done() -> dict[str, Any] | None:
             j = job(kube, namespace, name)
             st = j.get("status") or {}
-            ok = st.get("committedVersion") == last and (st.get("replicas") or {}).get("ready") == 4
+            ok = st.get("committedVersion") == last and (st.get("replicas") or {}).get("ready") == 5
             return j if ok else None
 
-        wait(done, START_TIMEOUT + 60, f"{name}: version {last} committed on 4 Ready replicas")
+        wait(done, START_TIMEOUT, f"{name}: version {last} committed on 5 Ready replicas")
     finally:
         stop.set()
         sampler.join(timeout=30)
@@ -161,11 +168,13 @@ def test_atomic_four_replicas_sampled_continuously_never_serve_two_versions(
     if gaps:
         print(f"switches: {len(gaps)}, no Ready replica for median {sorted(gaps)[len(gaps) // 2]:.2f}s, "
               f"max {max(gaps):.2f}s")
-    full = sum(1 for s in samples if len(s) == 4)
+    full = sum(1 for s in samples if len(s) >= 4)
     print(f"{len(samples)} samples, Ready versions seen {dict(sorted(seen.items()))}, {full} with 4 Ready replicas, "
           f"{sum(1 for s in samples if not s)} with none Ready (switches)")
     assert not unproven, f"Ready pods with versions not proven by their agent: {unproven[:5]}"
     assert not violations, f"two versions among Ready replicas: {violations[:5]}"
     assert len(seen) >= 3, f"too few versions rolled while sampling: {seen}"
     assert full > 0 and len(samples) > 100
-    assert_bit_exact(kube, namespace, name, last, 4)
+    joined = [s[f"{name}-inference-4-0"] for s in samples if f"{name}-inference-4-0" in s]
+    assert joined, "the joining replica never became Ready"
+    assert_bit_exact(kube, namespace, name, last, 5)
