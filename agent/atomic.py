@@ -88,6 +88,7 @@ class Held:
     epoch: int
     buckets: list[tuple[int | None, list[tuple[str, torch.Tensor]], torch.device]] = field(default_factory=list)
     nbytes: int = 0
+    digest: str | None = None  # its content digest, checked piece by piece as it arrived (agent/digest.py)
 
     @property
     def key(self) -> VersionKey:
@@ -112,6 +113,7 @@ class HoldingAdapter:
         self.rank: int | None = None
         self.held: Held | None = None
         self.complete: Held | None = None
+        self.label_digest: str | None = None  # set by the fetch before commit, as for an HTTP engine's adapter
 
     def pause(self) -> None:
         pass
@@ -141,6 +143,7 @@ class HoldingAdapter:
     def commit(self, version: int) -> None:
         assert self.held is not None and self.held.version == version
         self._in_time(version)
+        self.held.digest, self.label_digest = self.label_digest, None
         self.complete, self.held = self.held, None
 
     def abort(self, version: int, reason: str) -> None:
@@ -170,4 +173,6 @@ def commit_held(held: Held, adapter: EngineAdapter, *, pause_generation: bool) -
     """Load the held version into the engine (pause, buckets, commit, resume); returns tensors loaded."""
     log.info("atomic commit: loading the prepared version=%s (%s bytes held) into the engine",
              held.version, held.nbytes)
+    if held.digest and hasattr(adapter, "label_digest"):
+        adapter.label_digest = held.digest  # the engine's label: <N>-<digest prefix>
     return load_version(_Router(adapter), held.version, held.replay(), pause_generation=pause_generation)

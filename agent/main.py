@@ -117,6 +117,12 @@ def lora_adapter(cfg: AgentConfig, tp_size: int) -> EngineAdapter:
     return lora.LoraAdapter(inner=inner, loader=loader, spec=cfg.lora)
 
 
+def _checked_digest(res: Any) -> str | None:
+    """A fetch's content digest when every piece was checked against its sender's hash (agent/digest.py)."""
+    digest = getattr(res, "digest", "")
+    return str(digest) if digest and getattr(res, "digest_checked", False) else None
+
+
 def engine_devices(device: str, tp_size: int) -> list[str]:
     """The CUDA device of each engine TP rank as the agent sees it (a pinned cuda:N: all on N)."""
     return [device] * tp_size if ":" in device else [f"cuda:{r}" for r in range(tp_size)]
@@ -264,6 +270,7 @@ class Agent:
         self.user_paused = False
         self.served: int | None = None
         self.served_epoch: int | None = None  # trainer epoch of `served` (None: unknown, e.g. an adopted version)
+        self.served_digest: str | None = None  # content digest of `served` (agent/digest.py; None: unknown)
         self._reported_served: tuple[int | None, int | None] = (None, None)  # (served, epoch) on the pod at start
         self.published: int | None = None
         self.published_epoch = 0  # trainer epoch of `published`
@@ -457,6 +464,7 @@ class Agent:
         self.served = served
         before, epoch = self._reported_served
         self.served_epoch = epoch if served is not None and served == before else None
+        self.served_digest = None  # not loaded by this agent: its content is not known
 
     def _trainer_conn(self, conn: local.LocalConn, session: str = "") -> None:
         assert self.store is not None
@@ -539,7 +547,8 @@ class Agent:
                           prepared_epoch=self.held.epoch if self.held else None)
             self.metrics.prepared_version.set(self.held.version if self.held else 0)
             self.metrics.prepared_bytes.set(self.held.nbytes if self.held else 0)
-            fields.update(served_version=self.served, served_epoch=self.served_epoch, engine_paused=self.user_paused, last_sync=self.last_sync,
+            fields.update(served_version=self.served, served_epoch=self.served_epoch, served_digest=self.served_digest,
+                          engine_paused=self.user_paused, last_sync=self.last_sync,
                           sync_error=self.last_error, synced=ok, synced_reason=reason, synced_message=msg)
         self.pod.update(**fields)
 
@@ -699,11 +708,13 @@ class Agent:
         assert self.adapter is not None
         try:
             log.warning("restoring version=%s into the engine after a failed load", version)
-            fetch(version)
+            res = fetch(version)
             self.served = version
+            self.served_digest = _checked_digest(res)
             log.info("restored version=%s", version)
         except (FetchError, EngineError, StagingError) as exc:
             self.served = None  # the engine's weights are mixed: not served until a full version loads
+            self.served_digest = None
             if self.peers is not None:
                 self.peers.report_served(0)  # wait_served must not count this replica any more
             log.error("restore of version=%s failed: %s; the engine serves no complete version", version, exc)
@@ -751,6 +762,7 @@ class Agent:
             self.metrics.versions.labels("failed").inc()
             if getattr(self.adapter, "needs_restore", False):
                 self.served = None  # mixed weights; the engine stays out of the Service until it loads the version
+                self.served_digest = None
             log.warning("atomic commit failed version=%s error=%s", held.version, exc)
             self._report()
             self._attempt += 1
@@ -759,7 +771,7 @@ class Agent:
             return
         took = time.perf_counter() - t0
         self.held = None
-        self.served, self.served_epoch = held.version, held.epoch
+        self.served, self.served_epoch, self.served_digest = held.version, held.epoch, held.digest
         self.last_error = None
         self.last_sync = {"version": held.version, "durationSeconds": round(took, 4), "bytes": held.nbytes,
                           "mode": self.mode}
@@ -824,6 +836,7 @@ class Agent:
             self.restore_version = None
             if getattr(self.adapter, "needs_restore", False):
                 self.served = None  # mixed weights: not served until a complete version is loaded
+                self.served_digest = None
                 if prev is None and self.peers is not None:
                     self.peers.report_served(0)
                 if self.held_paused and prev is not None:
@@ -845,6 +858,7 @@ class Agent:
         took = time.perf_counter() - t0
         self.served = version
         self.served_epoch = trainer_epoch
+        self.served_digest = _checked_digest(res)
         self.last_error = None
         self.last_sync = {"version": version, "durationSeconds": round(took, 4), "bytes": res.bytes, "mode": self.mode}
         self.metrics.served_version.set(version)

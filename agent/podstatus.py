@@ -46,6 +46,7 @@ class Observed:
     """What the agent reports about this pod. None leaves a field unreported."""
 
     served_version: int | None = None
+    served_digest: str | None = None  # the content digest of served_version (None: unknown, removed)
     published_version: int | None = None
     served_epoch: int | None = None
     published_epoch: int | None = None
@@ -109,6 +110,7 @@ def annotations_for(obs: Observed) -> dict[str, str | None]:
         out[contract.ANN_PUBLISHED_EPOCH] = str(obs.published_epoch or 0)
     if obs.served_version is not None:
         out[contract.ANN_SERVED_EPOCH] = str(obs.served_epoch or 0)
+        out[contract.ANN_SERVED_DIGEST] = obs.served_digest or None
     prepared = obs.prepared_version is not None
     out[contract.ANN_PREPARED_VERSION] = str(obs.prepared_version) if prepared else None
     out[contract.ANN_PREPARED_EPOCH] = str(obs.prepared_epoch or 0) if prepared else None

@@ -736,6 +736,9 @@ class SyncProgress(_Model):
 MAX_REPLICAS_IN_STATUS = 128
 
 
+DIGEST_PATTERN = r"^[0-9a-f]{32}$"
+
+
 class InferenceReplicaStatus(_Model):
     """One inference replica as the operator sees it (from its pods' annotations and conditions)."""
 
@@ -745,6 +748,10 @@ class InferenceReplicaStatus(_Model):
     served_version: int | None = Field(default=None, alias="servedVersion", ge=0,
                                        description="Version every pod of the replica serves.")
     served_epoch: int | None = Field(default=None, alias="servedEpoch", ge=0, description="Its trainer epoch.")
+    served_digest: str | None = Field(
+        default=None, alias="servedDigest", pattern=DIGEST_PATTERN, max_length=32,
+        description="Content digest of servedVersion as the replica's agents checked it piece by piece against the "
+                    "trainer agents' hashes (the sum over its pods for a multi-pod replica).")
     target_version: int | None = Field(default=None, alias="targetVersion", ge=0,
                                        description="Version the operator asked the replica to load.")
     ready: bool = Field(default=False, description="Every pod of the replica is Ready.")
@@ -775,6 +782,12 @@ class WeightSyncJobStatus(_Model):
     )
     served_epoch: int | None = Field(
         default=None, alias="servedEpoch", ge=0, description="Trainer epoch of servedVersion.",
+    )
+    trainer_digest: str | None = Field(
+        default=None, alias="trainerDigest", pattern=DIGEST_PATTERN, max_length=32,
+        description="Content digest of trainerVersion: the trainer agents' piece hashes, as every replica that "
+                    "loaded it checked them (replicas that disagree make the job Degraded, reason DigestMismatch). "
+                    "Engines label the version <N>-<first 16 digits>.",
     )
     committed_version: int | None = Field(
         default=None, alias="committedVersion", ge=0,

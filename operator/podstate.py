@@ -141,6 +141,12 @@ def served_version(pod: Pod) -> int | None:
     return int_annotation(pod, contract.ANN_SERVED_VERSION)
 
 
+def served_digest(pod: Pod) -> str | None:
+    """The content digest of the served version (32 lowercase hex digits), None when absent or malformed."""
+    raw = str(pod_annotations(pod).get(contract.ANN_SERVED_DIGEST) or "")
+    return raw if len(raw) == 32 and all(c in "0123456789abcdef" for c in raw) else None
+
+
 def published_version(pod: Pod) -> int | None:
     return int_annotation(pod, contract.ANN_PUBLISHED_VERSION)
 

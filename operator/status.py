@@ -209,6 +209,8 @@ def aggregate(
     unreachable = [(n, d[1]) for n, p in live.items()
                    if (d := podstate.condition_detail(p, contract.POD_CONDITION_SYNCED)) and d[0] == REASON_ENGINE_UNREACHABLE]
     errors = [n for n, p in live.items() if podstate.sync_error(p)]
+    digests = digest_groups(states, pods)
+    mismatch = next(((key, got) for key, got in sorted(digests.items()) if len(got) > 1), None)
     limit = spec.update_policy.max_staleness
     stale = [
         s.replica for s in complete
@@ -220,6 +222,13 @@ def aggregate(
     elif unreachable:
         put(contract.COND_DEGRADED, "True", REASON_ENGINE_UNREACHABLE,
             f"{len(unreachable)} pods cannot reach their engine, e.g. {unreachable[0][0]}: {unreachable[0][1]}"[:2000])
+    elif mismatch is not None:
+        (epoch, version), got = mismatch
+        detail = "; ".join(f"replicas {sorted(r)}: {d}" for d, r in sorted(got.items()))
+        put(contract.COND_DEGRADED, "True", contract.REASON_DIGEST_MISMATCH,
+            (f"replicas serving version {version} (epoch {epoch}) hold different content: {detail}. The trainer's "
+             "data-parallel ranks published different bytes, or a replica's engine was changed behind its "
+             "agent: check the trainer, then delete the odd replicas' pods")[:2000])
     elif errors:
         put(contract.COND_DEGRADED, "True", "SyncFailed",
             f"{len(errors)} pods report a sync error, e.g. {errors[0]}: {podstate.sync_error(live[errors[0]])}")
@@ -236,6 +245,7 @@ def aggregate(
         trainer_epoch=tv_key[0] if tv_key else prev.get("trainerEpoch"),
         served_version=served,
         served_epoch=served_key[0] if served_key else None,
+        trainer_digest=_trainer_digest(tv_key, digests, prev),
         committed_version=round_.committed[1] if round_ is not None and round_.committed else None,
         committed_epoch=round_.committed[0] if round_ is not None and round_.committed else None,
         selector=inference_selector(plan),
@@ -246,6 +256,45 @@ def aggregate(
         last_sync=_last_sync(plan, pods, prev_last),
         conditions=conds,
     )
+
+
+def replica_digest(s: ReplicaState, pods: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The content digest a replica serves: its pods' digests summed (each covers its own ranks' pieces), when
+    every live pod serves the replica's version and reports one; else None."""
+    if s.served_key is None:
+        return None
+    live = [pods[n] for n in s.pod_names if podstate.is_live(pods.get(n))]
+    total = 0
+    for p in live:
+        d = podstate.served_digest(p)
+        if d is None or (podstate.served_epoch(p), podstate.served_version(p)) != s.served_key:
+            return None
+        total += int(d, 16)
+    return f"{total % (1 << 128):032x}" if live else None
+
+
+def digest_groups(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]]
+                  ) -> dict[VersionKey, dict[str, list[int]]]:
+    """(epoch, version) -> digest -> the replicas serving that version with that digest."""
+    out: dict[VersionKey, dict[str, list[int]]] = {}
+    for s in states:
+        d = replica_digest(s, pods)
+        if d is not None and s.served_key is not None:
+            out.setdefault(s.served_key, {}).setdefault(d, []).append(s.replica)
+    return out
+
+
+def _trainer_digest(tv_key: VersionKey | None, digests: Mapping[VersionKey, Mapping[str, list[int]]],
+                    prev: Mapping[str, Any]) -> str | None:
+    """The digest of the trainer's newest version once replicas that loaded it agree on one; the previous
+    status's value while none has loaded it yet (same version), else None."""
+    if tv_key is None:
+        return None
+    got = digests.get(tv_key) or {}
+    if len(got) == 1:
+        return next(iter(got))
+    same = (prev.get("trainerEpoch") or 0, prev.get("trainerVersion")) == tv_key
+    return str(prev["trainerDigest"]) if same and not got and prev.get("trainerDigest") else None
 
 
 def replica_statuses(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]],
@@ -263,7 +312,8 @@ def replica_statuses(states: list[ReplicaState], pods: Mapping[str, Mapping[str,
         error = next((e for e in map(podstate.sync_error, live) if e), None) or next(iter(unreachable), None)
         out.append(InferenceReplicaStatus(
             index=s.replica, pods=list(s.pod_names), served_version=s.served,
-            served_epoch=s.served_key[0] if s.served_key else None, target_version=s.target, ready=s.ready,
+            served_epoch=s.served_key[0] if s.served_key else None, served_digest=replica_digest(s, pods),
+            target_version=s.target, ready=s.ready,
             progress=SyncProgress.model_validate(progress) if progress else None,
             last_sync_seconds=max(durations) if durations else None, last_error=error[:1024] if error else None,
         ))

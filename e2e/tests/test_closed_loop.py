@@ -93,6 +93,10 @@ def _final_status_is_correct(j: dict[str, Any], last: int, replicas: int) -> Non
     assert cond(j, contract.COND_SYNCED) == "True" and cond(j, contract.COND_READY) == "True", st["conditions"]
     assert cond(j, contract.COND_DEGRADED) == "False" and cond(j, contract.COND_PAUSED) == "False", st["conditions"]
     assert st["lastSync"]["version"] == last and st["lastSync"]["bytes"] > 0, st.get("lastSync")
+    # content digests: every replica that reports one reports the trainer's (an agent restarted after it loaded
+    # the last version adopted it from the engine and does not know it)
+    digests = {r["servedDigest"] for r in per_replica if "servedDigest" in r}
+    assert len(digests) <= 1 and (not digests or st["trainerDigest"] in digests), (st.get("trainerDigest"), per_replica)
 
 
 # --- (1) the two demo examples ---------------------------------------------------------------------------------
@@ -109,6 +113,9 @@ def test_demo_example_serves_every_version_bit_exact(cluster, kube, namespace, o
     _kubectl_wait_synced(cluster, namespace, name, 60)
     j = _final_status(kube, namespace, name, last, engines)
     assert j["status"]["lastSync"]["mode"] == mode
+    digest = j["status"].get("trainerDigest") or ""
+    assert len(digest) == 32 and all(r.get("servedDigest") == digest for r in j["status"]["inferenceReplicas"]), \
+        j["status"]
 
     out = cluster.kubectl("get", "wsj", "-n", namespace).stdout.splitlines()
     assert out[0].split() == PRINTER_COLUMNS

@@ -57,6 +57,20 @@ def test_only_proven_versions_are_believed() -> None:
     assert podstate.published_version(pods["forged"]) == 100000, "the observed pods are not mutated"
 
 
+
+def test_a_served_digest_is_believed_only_under_the_proof() -> None:
+    token = proofs.token_for(KEY, JOB)
+    assert token is not None
+    ann = {contract.ANN_SERVED_VERSION: "4", contract.ANN_SERVED_DIGEST: "a" * 32}
+    ann[contract.ANN_VERSION_PROOF] = version_proof.version_proof(token, "u1", ann)
+    pods = {"good": _pod("u1", ann), "swapped": _pod("u2", {**ann, contract.ANN_SERVED_DIGEST: "b" * 32})}
+    pods["swapped"]["metadata"]["uid"] = "u1"
+    believed, unproven = proofs.believed(pods, token)
+    assert unproven == ["swapped"]
+    assert podstate.served_digest(believed["good"]) == "a" * 32
+    assert podstate.served_digest(believed["swapped"]) is None and podstate.served_version(believed["swapped"]) is None
+
+
 def test_proofs_are_enforced_only_for_jobs_whose_token_the_key_derived() -> None:
     kid = version_proof.key_id(KEY)
     assert proofs.enforced_key(KEY, {}, created_now=True) == kid

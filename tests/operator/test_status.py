@@ -306,3 +306,48 @@ def test_complete_when_every_trainer_pod_succeeded(separated):
     assert cond(done, "Degraded").status == "False" and done.trainer_version == 8 and done.served_version == 8
     events = version_events(ordered(running), ordered(done))
     assert ("Normal", "TrainerSucceeded") in [(t, r) for t, r, _ in events]
+
+
+def test_content_digests_in_status_and_replicas_that_disagree_degrade_the_job(separated):
+    """status.trainerDigest is the digest the replicas serving trainerVersion agree on; each replica shows its
+    own (servedDigest); replicas at the same version with different digests make the job Degraded with reason
+    DigestMismatch, naming them; a malformed digest annotation counts as none."""
+    d1, d2 = "a" * 32, "b" * 32
+    spec = separated(inference={"replicas": 3, "gpusPerReplica": 1, "parallelism": {"tensor": 1}})
+    p = plan("demo", spec)
+
+    def pods_with(*digests):
+        out = {n: pod(n, published=5) for n in p.trainer_pods}
+        for r, d in enumerate(digests):
+            name = f"demo-inference-{r}-0"
+            out[name] = pod(name, synced=True, served=5, **({contract.ANN_SERVED_DIGEST: d} if d else {}))
+        return out
+
+    st = aggregate(spec, 1, p, pods_with(d1, d1, None), None, 1, now=T0)
+    assert st.trainer_digest == d1 and cond(st, "Degraded").status == "False"
+    assert [r.served_digest for r in st.inference_replicas or []] == [d1, d1, None]
+    bad = aggregate(spec, 1, p, pods_with(d1, d2, "not-hex"), None, 1, now=T0)
+    deg = cond(bad, "Degraded")
+    assert (deg.status, deg.reason) == ("True", contract.REASON_DIGEST_MISMATCH)
+    assert "version 5" in deg.message and "[0]" in deg.message and "[1]" in deg.message and d2 in deg.message
+    assert bad.trainer_digest is None and (bad.inference_replicas or [])[2].served_digest is None
+    # no replica has loaded the trainer's version yet: the digest of that same version is kept
+    prev = {"trainerVersion": 5, "trainerEpoch": 0, "trainerDigest": d1}
+    assert aggregate(spec, 1, p, pods_with(None, None, None), prev, 1, now=T0).trainer_digest == d1
+
+
+def test_a_multi_pod_replica_digest_is_the_sum_of_its_pods(separated):
+    from weightsync.operator.status import replica_digest
+
+    spec = separated(inference={"replicas": 1, "gpusPerReplica": 2, "podsPerReplica": 2, "parallelism": {"tensor": 2}})
+    p = plan("demo", spec)
+    pods = {n: pod(n, published=5) for n in p.trainer_pods}
+    names = [n for n in p.names if "inference" in n]
+    assert len(names) == 2
+    pods[names[0]] = pod(names[0], synced=True, served=5, **{contract.ANN_SERVED_DIGEST: f"{1:032x}"})
+    pods[names[1]] = pod(names[1], synced=True, served=5, **{contract.ANN_SERVED_DIGEST: f"{(1 << 128) - 1:032x}"})
+    (state,) = replica_states(p, pods)
+    assert replica_digest(state, pods) == f"{0:032x}"  # modulo 2^128
+    pods[names[1]] = pod(names[1], synced=True, served=4, **{contract.ANN_SERVED_DIGEST: f"{2:032x}"})
+    (state,) = replica_states(p, pods)
+    assert replica_digest(state, pods) is None  # its pods serve different versions
