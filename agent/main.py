@@ -900,7 +900,7 @@ class Agent:
             if self.islot is not None:
                 g = group_for(self.watcher.current, self.islot.replica.replica, self.cfg.pod_name)
                 self.cache.drop(g.name, role_prefix="dst")
-            self.last_error = f"atomic prepare: {exc}"
+            self.last_error = f"atomic prepare: {exc.__cause__ or exc}"  # not "was not committed"
             self.metrics.versions.labels("failed").inc()
             log.warning("atomic prepare failed version=%s attempt=%s error=%s", version, self._attempt, exc)
             self._report()
