@@ -213,7 +213,8 @@ def test_prometheus_rule_is_opt_in_with_the_documented_alerts(helm):
     (rule,) = by_kind(objs, "PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == "kps"
     rules = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert sorted(rules) == ["WeightSyncJobVersionLag", "WeightSyncOperatorDown", "WeightSyncOperatorReconcileErrors",
+    assert sorted(rules) == ["WeightSyncDigestMismatch", "WeightSyncJobVersionLag", "WeightSyncOperatorDown",
+                             "WeightSyncOperatorReconcileErrors",
                              "WeightSyncReplicaStale", "WeightSyncSyncFailing", "WeightSyncTrainerStalled"]
     lag, errors, down = (rules[n] for n in ("WeightSyncJobVersionLag", "WeightSyncOperatorReconcileErrors",
                                             "WeightSyncOperatorDown"))
