@@ -1,4 +1,6 @@
-"""Operator scale: from `kubectl create` of a WeightSyncJob to all its pods created, scheduled by the real
+"""Operator scale, two modes.
+
+Replica mode: from `kubectl create` of a WeightSyncJob to all its pods created, scheduled by the real
 kube-scheduler, and the first status; and the cost of a no-op (steady-state) reconcile; for growing
 inference replica counts.
 
@@ -9,30 +11,61 @@ simulated GPU nodes (e2e/nodes.py, no process runtime: pods are only placed), an
 process (`weightsync-operator --namespace NS`). Each size: one 8-GPU trainer pod plus R one-GPU
 inference replicas, in a fresh namespace; pods are force-deleted afterwards to free the GPUs.
 The no-op reconcile cost comes from the operator's own histogram over a window of periodic resyncs.
+
+Fleet mode: a thousand GPU nodes, thousands of pods, a hundred jobs.
+
+    .venv/bin/python bench/operator_scale.py --nodes 1000 --pods 2000 --jobs 100 --json
+
+N kwok nodes (8 GPUs each, e2e/kwok.py: one kwok process keeps them Ready and runs their pods), J jobs of
+P/J pods (one 8-GPU trainer pod, the rest one-GPU inference replicas) created at once, the operator as a
+process, and the agents played by one process (FakeAgents: what each agent's PodLink writes, built with
+the agent's own functions; an agent "loads" a version the moment its pod is targeted). It reports:
+
+* `api_requests_per_version_per_pod`: every request the API server counted (apiserver_request_total, all
+  clients, WATCH and kwok's node leases and node status left out) while every job moved through
+  `--versions` versions, divided by versions x pods; by request, and the operator's own share
+  (`operator_api_requests_per_version_per_pod`, from weightsync_operator_api_requests_total);
+* `operator_rss_bytes` (and the peak) of the operator process with every job running;
+* `restart_converge_s`: the operator is stopped, every trainer publishes a new version meanwhile, the
+  operator is started: seconds from its start until every job's status shows that version
+  (`restart_rollout_s`: until every job also serves it);
+* `publish_to_status_p99_s_256_pods` (p50 too): one more job with `--big-pods` inference pods, from the
+  trainer's publish annotation to status.servedVersion (seen through a watch), over `--big-versions`.
+
+An older operator can be measured with the same script: put a tree whose `weightsync` package is the
+older code first on PYTHONPATH (the operator process inherits it).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
+import logging
 import math
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from weightsync.agent.podstatus import Observed, annotations_for, condition_for
 from weightsync.crds import contract
 from weightsync.e2e.environment import start_environment
 from weightsync.e2e.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 OPERATOR_BIN = Path(sys.executable).parent / "weightsync-operator"
+log = logging.getLogger("weightsync.bench.operator_scale")
 
 
 def metrics(port: int) -> dict[str, float]:
@@ -143,12 +176,464 @@ def measure(env: Any, kube_api: Any, replicas: int, work: Path, resync: float, w
         core.delete_namespace(ns)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--replicas", type=int, nargs="+", default=[8, 32, 64])
-    ap.add_argument("--resync", type=float, default=1.0, help="operator resync period during the no-op window")
-    ap.add_argument("--window", type=float, default=10.0, help="seconds of steady state measured")
-    args = ap.parse_args()
+# --- fleet mode: --nodes N --pods P --jobs J on kwok nodes -------------------------------------------------
+KWOK_GRACE = ["--node-monitor-grace-period=3m", "--node-startup-grace-period=5m"]
+BIG_NS, FLEET_NS = "big", "fleet"
+UNCOUNTED = ("leases", "nodes")  # kwok renews node leases and node status all the time: not our load
+
+
+def kwok_job_spec(inference: int) -> dict[str, Any]:
+    """One 8-GPU trainer pod and INFERENCE one-GPU replicas on kwok nodes, every replica may load at once."""
+    from weightsync.e2e.kwok import KWOK_TOLERATION, LABEL_KWOK_NODE
+
+    spec = job_spec(inference)
+    for role in ("trainer", "inference"):
+        tpl = spec[role]["template"]["spec"]
+        tpl["tolerations"] = [KWOK_TOLERATION]
+        tpl["nodeSelector"] = {LABEL_KWOK_NODE: "true"}
+    spec["updatePolicy"] = {"maxUnavailable": "100%"}
+    return spec
+
+
+def apiserver_requests(api: Any) -> dict[str, float]:
+    """apiserver_request_total (every client) by `verb resource/subresource`, WATCH and UNCOUNTED left out."""
+    resp = api.call_api(*api.param_serialize("GET", "/metrics", auth_settings=["BearerToken"]))
+    resp.read()
+    out: dict[str, float] = {}
+    for line in (resp.data or b"").decode().splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        raw, value = line[len("apiserver_request_total{"):].rsplit("} ", 1)
+        labels = {k: v.strip('"') for k, v in (part.split("=", 1) for part in raw.split(",") if "=" in part)}
+        if labels.get("verb") == "WATCH" or labels.get("resource") in UNCOUNTED:
+            continue
+        key = f"{labels.get('verb')} {labels.get('resource')}/{labels.get('subresource') or '-'}"
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+
+
+def operator_requests(port: int) -> dict[str, float]:
+    """The operator's own weightsync_operator_api_requests_total by `verb kind` ({} for an operator without it)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("weightsync_operator_api_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            verb = labels.split('verb="', 1)[1].split('"', 1)[0]
+            kind = labels.split('kind="', 1)[1].split('"', 1)[0]
+            if verb != "watch" and "Peering" not in kind:
+                out[f"{verb} {kind}"] = out.get(f"{verb} {kind}", 0.0) + float(value)
+    return out
+
+
+def rss(pid: int) -> tuple[int, int]:
+    """(current, peak) resident set of PID in bytes, from /proc."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return (int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024)
+
+
+class FakeAgents:
+    """The agents of every pod, played by one process: one watch per namespace (as the real agents' own pod
+    watches add up to), and for each pod the writes a real agent's PodLink sends, built by the agent's own
+    code (agent/podstatus.py): the Synced condition once the pod runs, then one annotation patch per version
+    it is targeted at ("loads" instantly)."""
+
+    def __init__(self, api_factory: Callable[[], Any], namespaces: list[str], workers: int = 16) -> None:
+        import kubernetes
+
+        self.api = api_factory()
+        self.api.configuration.connection_pool_maxsize = workers + 4
+        self.core: Any = kubernetes.client.CoreV1Api(self.api)
+        self.namespaces = namespaces
+        self.pool = ThreadPoolExecutor(max_workers=workers)
+        self.lock = threading.Lock()
+        self.started: set[tuple[str, str]] = set()
+        self.served: dict[tuple[str, str], int] = {}
+        self.commits: dict[tuple[str, str, int], float] = {}
+        self.errors = 0
+        self.publish_times: dict[int, float] = {}
+        self.stop_flag = threading.Event()
+        self.threads = [threading.Thread(target=self._watch, args=(ns, api_factory), daemon=True) for ns in namespaces]
+
+    def start(self) -> FakeAgents:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def _watch(self, ns: str, api_factory: Callable[[], Any]) -> None:
+        import kubernetes
+
+        api = api_factory()
+        core: Any = kubernetes.client.CoreV1Api(api)
+        rv = ""
+        while not self.stop_flag.is_set():
+            try:
+                if not rv:
+                    page = json.loads(core.list_namespaced_pod(ns, _preload_content=False).data)
+                    for pod in page.get("items", []):
+                        self._seen(pod)
+                    rv = page["metadata"]["resourceVersion"]
+                resp = core.list_namespaced_pod(ns, watch=True, resource_version=rv, timeout_seconds=60,
+                                                allow_watch_bookmarks=True, _preload_content=False)
+                buf = b""
+                for chunk in resp.stream(None):  # each chunk as it arrives
+                    buf += chunk
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        ev = json.loads(line)
+                        if ev["type"] == "ERROR":
+                            rv = ""
+                            break
+                        rv = ev["object"]["metadata"].get("resourceVersion") or rv
+                        if ev["type"] in ("ADDED", "MODIFIED"):
+                            self._seen(ev["object"])
+                    if self.stop_flag.is_set():
+                        return
+            except Exception as exc:  # reconnect; a 410 lists again
+                log.debug("fake agents' watch restarted: %r", exc)
+                rv = "" if "410" in str(exc) else rv
+                time.sleep(0.2)
+
+    def _seen(self, pod: dict[str, Any]) -> None:
+        meta, status = pod["metadata"], pod.get("status") or {}
+        key = (meta["namespace"], meta["name"])
+        if (meta.get("labels") or {}).get(contract.LABEL_ROLE) != contract.ROLE_INFERENCE or meta.get("deletionTimestamp"):
+            return
+        if status.get("phase") != "Running":
+            return
+        target = (meta.get("annotations") or {}).get(contract.ANN_TARGET_VERSION)
+        with self.lock:
+            first = key not in self.started
+            self.started.add(key)
+            v = int(target) if target not in (None, "") else None
+            load = v is not None and self.served.get(key, 0) < v
+            if load:
+                assert v is not None
+                self.served[key] = v
+                self.commits[(key[0], key[1], v)] = time.monotonic()
+        if first:
+            self.pool.submit(self._write, key, Observed(engine_paused=False, synced=True,
+                                                         synced_reason="NoVersionPublished"), True)
+        if load:
+            assert v is not None
+            self.pool.submit(self._write, key, Observed(
+                served_version=v, synced=True, synced_reason="UpToDate",
+                last_sync={"version": v, "durationSeconds": 0.0, "bytes": 1, "mode": "NCCL"}), v == 1)
+
+    def _write(self, key: tuple[str, str], obs: Observed, condition: bool) -> None:
+        """What PodLink._write sends: the annotations, and the Synced condition only when it changed."""
+        try:
+            self.core.patch_namespaced_pod(key[1], key[0], {"metadata": {"annotations": annotations_for(obs)}},
+                                           _content_type="application/merge-patch+json", _preload_content=False)
+            cond = condition_for(obs, dt.datetime.now(dt.timezone.utc))
+            if condition and cond is not None:
+                self.core.patch_namespaced_pod_status(
+                    key[1], key[0], {"status": {"conditions": [cond]}},
+                    _content_type="application/strategic-merge-patch+json", _preload_content=False)
+        except Exception as exc:
+            with self.lock:
+                self.errors += 1
+            log.warning("fake agent write failed pod=%s/%s: %r", key[0], key[1], exc)
+
+    def target_seen(self, namespace: str, versions: range) -> dict[str, float]:
+        """p50 over VERSIONS of publish -> the first and the last pod of NAMESPACE seeing its target: how
+        long the operator took to target the pods (the rest of publish -> status is agents and status)."""
+        first, last = [], []
+        with self.lock:
+            for v in versions:
+                seen = [t for (ns, _, ver), t in self.commits.items() if ns == namespace and ver == v]
+                if seen and v in self.publish_times:
+                    first.append(min(seen) - self.publish_times[v])
+                    last.append(max(seen) - self.publish_times[v])
+        if not first:
+            return {}
+        return {"publish_to_first_target_p50_s": round(statistics.median(first), 3),
+                "publish_to_last_target_p50_s": round(statistics.median(last), 3)}
+
+    def close(self) -> None:
+        self.stop_flag.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class JobWatch:
+    """Every job's status in the given namespaces, seen through one watch each (no polling requests)."""
+
+    def __init__(self, api_factory: Callable[[], Any], namespaces: list[str]) -> None:
+        self.cond = threading.Condition()
+        self.status: dict[tuple[str, str], dict[str, Any]] = {}
+        self.first_served: dict[tuple[str, str, int], float] = {}
+        self.stop_flag = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(ns, api_factory), daemon=True) for ns in namespaces]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, ns: str, api_factory: Callable[[], Any]) -> None:
+        import kubernetes
+
+        custom: Any = kubernetes.client.CustomObjectsApi(api_factory())
+        while not self.stop_flag.is_set():
+            try:
+                for ev in kubernetes.watch.Watch().stream(custom.list_namespaced_custom_object, contract.GROUP,
+                                                          contract.VERSION, ns, contract.PLURAL, timeout_seconds=60):
+                    now = time.monotonic()
+                    obj = ev["object"] or {}
+                    key = (ns, obj["metadata"]["name"])
+                    st = obj.get("status") or {}
+                    with self.cond:
+                        if ev["type"] == "DELETED":
+                            self.status.pop(key, None)
+                        else:
+                            self.status[key] = st
+                        served = st.get("servedVersion")
+                        if served is not None:
+                            for v in range(1, int(served) + 1):
+                                self.first_served.setdefault((*key, v), now)
+                        self.cond.notify_all()
+            except Exception as exc:
+                log.debug("job watch restarted: %r", exc)
+                time.sleep(0.2)
+
+    def wait(self, pred: Callable[[dict[tuple[str, str], dict[str, Any]]], bool], timeout: float, what: str) -> float:
+        t0 = time.monotonic()
+        with self.cond:
+            if not self.cond.wait_for(lambda: pred(self.status), timeout):
+                raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+        return time.monotonic() - t0
+
+    def close(self) -> None:
+        self.stop_flag.set()
+
+
+def ready(st: dict[str, Any]) -> bool:
+    return any(c.get("type") == contract.COND_READY and c.get("status") == "True" for c in st.get("conditions") or [])
+
+
+def all_jobs(names: list[tuple[str, str]], test: Callable[[dict[str, Any]], bool]) -> Callable[[Any], bool]:
+    return lambda status: all(k in status and test(status[k]) for k in names)
+
+
+class Operator:
+    """The operator as a process serving NAMESPACES (PYTHONPATH passes through: point it at an older tree
+    to measure that one)."""
+
+    def __init__(self, kubeconfig: Path, namespaces: list[str], work: Path, resync: float) -> None:
+        self.kubeconfig, self.namespaces, self.work, self.resync = kubeconfig, namespaces, work, resync
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.runs = 0
+
+    def start(self) -> float:
+        """Start; returns the monotonic time of the spawn."""
+        self.runs += 1
+        log_path = self.work / f"operator-{self.runs}.log"
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "WEIGHTSYNC_RESYNC_SECONDS": str(self.resync)}
+        scope = [a for ns in self.namespaces for a in ("--namespace", ns)]
+        t0 = time.monotonic()
+        with log_path.open("wb") as out:
+            self.proc = subprocess.Popen([str(OPERATOR_BIN), *scope, "--metrics-port", str(self.port),
+                                          "--health-port", "0", "--log-format", "plain"],
+                                         stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/")
+        deadline = time.monotonic() + 120
+        while "operator started" not in log_path.read_text(errors="replace"):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"operator did not start: {log_path.read_text()[-2000:]}")
+            time.sleep(0.05)
+        return t0
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def publish(core: Any, jobs: list[tuple[str, str]], version: int, pool: ThreadPoolExecutor) -> None:
+    """What each trainer agent writes when its trainer published VERSION."""
+    body = {"metadata": {"annotations": annotations_for(Observed(published_version=version))}}
+    list(pool.map(lambda k: core.patch_namespaced_pod(contract.trainer_pod_name(k[1], 0), k[0], body,
+                                                      _content_type="application/merge-patch+json",
+                                                      _preload_content=False), jobs))
+
+
+def cycle(core: Any, watch: JobWatch, jobs: list[tuple[str, str]], versions: range, pool: ThreadPoolExecutor,
+          timeout: float, agents: FakeAgents | None = None) -> list[float]:
+    """Publish each version on every job's trainer and wait until every job's status serves it; returns each
+    job's publish -> status latency for every version (and, with AGENTS, notes when the agents saw their
+    targets in `agents.phases`)."""
+    latencies: list[float] = []
+    for v in versions:
+        t_publish = time.monotonic()
+        if agents is not None:
+            agents.publish_times[v] = t_publish
+        publish(core, jobs, v, pool)
+        def served(st: dict[str, Any], v: int = v) -> bool:
+            return int(st.get("servedVersion") or 0) >= v
+
+        watch.wait(all_jobs(jobs, served), timeout, f"version {v} served")
+        with watch.cond:
+            latencies += [watch.first_served[(*k, v)] - t_publish for k in jobs]
+        time.sleep(0.2)
+    return latencies
+
+
+def wait_pods_running(core: Any, ns: str, count: int, timeout: float) -> float:
+    def running() -> int:
+        page = json.loads(core.list_namespaced_pod(ns, _preload_content=False).data)
+        return sum(1 for p in page["items"] if (p.get("status") or {}).get("phase") == "Running")
+
+    t0 = time.monotonic()
+    while (n := running()) < count:
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"{n}/{count} pods Running in {ns} after {timeout:.0f} s")
+        time.sleep(2.0)
+    return time.monotonic() - t0
+
+
+def per(d: dict[str, float], n: float) -> dict[str, float]:
+    return {k: round(v / n, 3) for k, v in sorted(d.items())}
+
+
+def fleet(args: argparse.Namespace) -> dict[str, Any]:
+    """The fleet measurement; see the module docstring."""
+    import kubernetes
+    from weightsync.e2e.cluster import LocalCluster
+    from weightsync.e2e.demo import wait_established
+    from weightsync.e2e.kwok import KwokController, create_nodes, kwok_fleet, ready_node_count, wait_for
+
+    per_job = args.pods // args.jobs
+    if per_job < 2:
+        raise SystemExit("--pods must be at least 2 x --jobs (one trainer and one inference pod per job)")
+    work = Path(tempfile.mkdtemp(prefix="weightsync-bench-fleet-"))
+    out: dict[str, Any] = {"benchmark": "operator_scale_fleet", "nodes": args.nodes, "pods": per_job * args.jobs,
+                           "jobs": args.jobs, "pods_per_job": per_job, "big_job_inference_pods": args.big_pods}
+    timings: dict[str, float] = {}
+    with LocalCluster(kubeconfig=work / "kubeconfig", extra_controller_manager_args=KWOK_GRACE) as cluster:
+        cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / f"{contract.GROUP}_{contract.PLURAL}.yaml"))
+        wait_established(cluster.kubectl, contract.CRD_NAME)
+        kwok = KwokController(cluster.kubeconfig, cluster.log_dir).start()
+        api = cluster.api_client()
+        api.configuration.connection_pool_maxsize = 24
+        core: Any = kubernetes.client.CoreV1Api(api)
+        custom: Any = kubernetes.client.CustomObjectsApi(api)
+        pool = ThreadPoolExecutor(max_workers=16)
+        agents: FakeAgents | None = None
+        watch: JobWatch | None = None
+        op = Operator(cluster.kubeconfig, [FLEET_NS, BIG_NS], work, args.resync)
+        try:
+            timings["nodes_created_s"] = create_nodes(api, kwok_fleet(args.nodes))
+            timings["nodes_ready_s"] = wait_for(lambda: ready_node_count(api) == args.nodes, timeout=900,
+                                                what=f"{args.nodes} kwok nodes Ready", interval=3.0)
+            for ns in (FLEET_NS, BIG_NS):
+                core.create_namespace({"metadata": {"name": ns}})
+                wait_for(lambda ns=ns: bool(core.list_namespaced_service_account(ns).items), 60, "default SA", 0.2)
+            agents = FakeAgents(cluster.api_client, [FLEET_NS, BIG_NS]).start()
+            watch = JobWatch(cluster.api_client, [FLEET_NS, BIG_NS])
+            op.start()
+
+            # 1. J jobs of P/J pods each, from nothing to every job Ready.
+            jobs = [(FLEET_NS, f"job-{i}") for i in range(args.jobs)]
+            t0 = time.monotonic()
+            for _, name in jobs:
+                custom.create_namespaced_custom_object(contract.GROUP, contract.VERSION, FLEET_NS, contract.PLURAL, {
+                    "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+                    "spec": kwok_job_spec(per_job - 1)})
+            timings["jobs_created_s"] = time.monotonic() - t0
+            wait_pods_running(core, FLEET_NS, per_job * args.jobs, args.timeout)
+            timings["all_pods_running_s"] = time.monotonic() - t0
+            watch.wait(all_jobs(jobs, ready), args.timeout, "every job Ready")
+            timings["all_jobs_ready_s"] = time.monotonic() - t0
+
+            # 2. Versions on every job at once: requests per version and pod, publish -> status per job.
+            cycle(core, watch, jobs, range(1, 2), pool, args.timeout)  # warm-up (first condition change)
+            time.sleep(2.0)
+            a0, o0 = apiserver_requests(api), operator_requests(op.port)
+            t1 = time.monotonic()
+            lat = cycle(core, watch, jobs, range(2, 2 + args.versions), pool, args.timeout)
+            time.sleep(2.0)  # the last status writes land
+            a1, o1 = apiserver_requests(api), operator_requests(op.port)
+            n = args.versions * per_job * args.jobs
+            out["fleet_versions"] = args.versions
+            out["fleet_version_round_s"] = round((time.monotonic() - t1 - 2.0) / args.versions, 3)
+            out["fleet_publish_to_status_s"] = {"p50": round(statistics.median(lat), 3),
+                                                "p99": round(percentile(lat, 99), 3), "max": round(max(lat), 3)}
+            out["api_requests_per_version_per_pod"] = round(sum(delta(a1, a0).values()) / n, 3)
+            out["api_requests_per_version_per_pod_by_request"] = per(delta(a1, a0), n)
+            out["operator_api_requests_per_version_per_pod"] = (round(sum(delta(o1, o0).values()) / n, 3)
+                                                                if o1 else None)
+            out["operator_api_requests_per_version_per_pod_by_request"] = per(delta(o1, o0), n) if o1 else None
+            cur, peak = rss(op.pid)
+            out["operator_rss_bytes"], out["operator_peak_rss_bytes"] = cur, peak
+            last = 1 + args.versions
+
+            # 3. Restart with everything running; a version published while it was down.
+            op.stop()
+            publish(core, jobs, last + 1, pool)
+            t_start = op.start()
+            watch.wait(all_jobs(jobs, lambda st: st.get("trainerVersion") == last + 1), args.timeout,
+                       "every job's status shows the version published while the operator was down")
+            out["restart_converge_s"] = round(time.monotonic() - t_start, 3)
+            watch.wait(all_jobs(jobs, lambda st: st.get("servedVersion") == last + 1), args.timeout,
+                       "every job serves that version")
+            out["restart_rollout_s"] = round(time.monotonic() - t_start, 3)
+
+            # 4. One job of B inference pods: publish -> status, and requests per version and pod.
+            big = [(BIG_NS, "big")]
+            custom.create_namespaced_custom_object(contract.GROUP, contract.VERSION, BIG_NS, contract.PLURAL, {
+                "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "big"},
+                "spec": kwok_job_spec(args.big_pods)})
+            wait_pods_running(core, BIG_NS, args.big_pods + 1, args.timeout)
+            watch.wait(all_jobs(big, ready), args.timeout, "the big job Ready")
+            cycle(core, watch, big, range(1, 3), pool, args.timeout)  # warm-up
+            time.sleep(2.0)
+            a0, o0 = apiserver_requests(api), operator_requests(op.port)
+            lat = cycle(core, watch, big, range(3, 3 + args.big_versions), pool, args.timeout, agents)
+            out["big_breakdown"] = agents.target_seen(BIG_NS, range(3, 3 + args.big_versions))
+            time.sleep(2.0)
+            a1, o1 = apiserver_requests(api), operator_requests(op.port)
+            n = args.big_versions * (args.big_pods + 1)
+            out[f"publish_to_status_p50_s_{args.big_pods}_pods"] = round(statistics.median(lat), 3)
+            out[f"publish_to_status_p99_s_{args.big_pods}_pods"] = round(percentile(lat, 99), 3)
+            out["big_versions"] = args.big_versions
+            out["big_api_requests_per_version_per_pod"] = round(sum(delta(a1, a0).values()) / n, 3)
+            out["big_api_requests_per_version_per_pod_by_request"] = per(delta(a1, a0), n)
+            out["big_operator_api_requests_per_version_per_pod"] = (round(sum(delta(o1, o0).values()) / n, 3)
+                                                                    if o1 else None)
+            cur, peak = rss(op.pid)
+            out["operator_rss_bytes_end"], out["operator_peak_rss_bytes_end"] = cur, peak
+            out["fake_agent_write_errors"] = agents.errors
+        finally:
+            out["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
+            op.stop()
+            if agents is not None:
+                agents.close()
+            if watch is not None:
+                watch.close()
+            pool.shutdown(wait=False, cancel_futures=True)
+            kwok.stop()
+    out["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                      "load_average_1m_at_end": round(os.getloadavg()[0], 2)}
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    s = sorted(values)
+    return s[max(0, min(len(s) - 1, math.ceil(q / 100.0 * len(s)) - 1))]
+
+
+def replicas_mode(args: argparse.Namespace) -> dict[str, Any]:
     nodes = math.ceil((max(args.replicas) + 8) / 8) + 1
     work = Path(tempfile.mkdtemp(prefix="weightsync-bench-operator-"))
     env = start_environment(node_count=nodes, process_nodes=False)
@@ -165,7 +650,7 @@ def main() -> int:
         results = [measure(env, api, r, work, args.resync, args.window) for r in args.replicas]
     finally:
         env.stop()
-    print(json.dumps({
+    return {
         "benchmark": "operator_scale",
         "command": "python bench/operator_scale.py --replicas " + " ".join(map(str, args.replicas)),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
@@ -173,7 +658,42 @@ def main() -> int:
         "resync_seconds": args.resync,
         "window_seconds": args.window,
         "results": results,
-    }, indent=2))
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replicas", type=int, nargs="+", default=None,
+                    help="replica mode: one job per size on simulated nodes (default 8 32 64)")
+    ap.add_argument("--nodes", type=int, default=None, help="fleet mode: this many kwok GPU nodes (8 GPUs each)")
+    ap.add_argument("--pods", type=int, default=2000, help="fleet mode: pods over all jobs")
+    ap.add_argument("--jobs", type=int, default=100, help="fleet mode: WeightSyncJobs (one trainer pod each)")
+    ap.add_argument("--versions", type=int, default=3, help="fleet mode: versions measured on every job")
+    ap.add_argument("--big-pods", type=int, default=256, help="fleet mode: inference pods of the one big job")
+    ap.add_argument("--big-versions", type=int, default=20, help="fleet mode: versions measured on the big job")
+    ap.add_argument("--timeout", type=float, default=900.0, help="fleet mode: bound on each wait (s)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (the replica mode always does)")
+    ap.add_argument("--resync", type=float, default=None,
+                    help="operator resync period (default: 1 s in replica mode, for its no-op window; 30 s in fleet mode)")
+    ap.add_argument("--window", type=float, default=10.0, help="replica mode: seconds of steady state measured")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.nodes is not None and args.replicas is not None:
+        ap.error("--replicas and --nodes are two modes: pick one")
+    if args.nodes is None:
+        args.replicas = args.replicas or [8, 32, 64]
+        args.resync = 1.0 if args.resync is None else args.resync
+        print(json.dumps(replicas_mode(args), indent=2))
+        return 0
+    args.resync = 30.0 if args.resync is None else args.resync
+    result = fleet(args)
+    result["command"] = ("python bench/operator_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key in ("operator_rss_bytes", "restart_converge_s", "api_requests_per_version_per_pod",
+                    f"publish_to_status_p99_s_{args.big_pods}_pods"):
+            print(f"{key}: {result.get(key)}")
     return 0
 
 
