@@ -520,7 +520,9 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
                            "jobs": args.jobs, "pods_per_job": per_job, "big_job_inference_pods": args.big_pods}
     timings: dict[str, float] = {}
     with LocalCluster(kubeconfig=work / "kubeconfig", extra_controller_manager_args=KWOK_GRACE) as cluster:
-        cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / f"{contract.GROUP}_{contract.PLURAL}.yaml"))
+        # The CRD of the tree the operator runs (an older operator refuses fields a newer CRD defaults).
+        crd = Path(contract.__file__).resolve().parent / f"{contract.GROUP}_{contract.PLURAL}.yaml"
+        cluster.kubectl("apply", "--server-side", "-f", str(crd))
         wait_established(cluster.kubectl, contract.CRD_NAME)
         kwok = KwokController(cluster.kubeconfig, cluster.log_dir).start()
         api = cluster.api_client()
