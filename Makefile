@@ -76,6 +76,7 @@ bench: setup
 	$(VPY) bench/layouts.py --preset qwen-moe --trainer-tp 2 --trainer-ep 4 --inference-tp 4 --inference-ep 2 --json | tee bench/results/layouts-qwen-moe.json
 	$(VPY) bench/layouts.py --preset deepseek-fp8 --fp8 --trainer-tp 2 --trainer-ep 2 --inference-tp 4 --inference-ep 4 --json | tee bench/results/layouts-deepseek-fp8.json
 	$(VPY) bench/operator_scale.py --replicas 8 32 64 | tee bench/results/operator-scale.json
+	$(VPY) bench/operator_scale.py --nodes 1000 --pods 2000 --jobs 100 --json | tee bench/results/operator-fleet.json
 	$(VPY) -m weightsync.e2e.runtime.bench --pods 8 | tee bench/results/process-runtime.json
 
 crds: $(STAMP)
