@@ -20,10 +20,9 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from weightsync.agent.engines.base import EngineAdapter, EngineError, NamedTensors, load_version
+from weightsync.agent.engines.base import EngineAdapter, EngineError, NamedTensors, RankRouter, load_version
 
 log = logging.getLogger(__name__)
 
@@ -153,26 +152,9 @@ class HoldingAdapter:
         return None
 
 
-class _Router:
-    """Tells a multi-rank adapter which destination rank the next held bucket is for."""
-
-    def __init__(self, inner: EngineAdapter) -> None:
-        self.inner = inner
-
-    def load_bucket(self, tensors: NamedTensors) -> None:
-        rank = getattr(tensors, "rank", None)
-        if rank is not None and hasattr(self.inner, "rank"):
-            self.inner.rank = rank
-        self.inner.load_bucket(tensors)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def commit_held(held: Held, adapter: EngineAdapter, *, pause_generation: bool) -> int:
     """Load the held version into the engine (pause, buckets, commit, resume); returns tensors loaded."""
     log.info("atomic commit: loading the prepared version=%s (%s bytes held) into the engine",
              held.version, held.nbytes)
-    if held.digest and hasattr(adapter, "label_digest"):
-        adapter.label_digest = held.digest  # the engine's label: <N>-<digest prefix>
-    return load_version(_Router(adapter), held.version, held.replay(), pause_generation=pause_generation)
+    return load_version(RankRouter(adapter, lambda: held.digest), held.version, held.replay(),
+                        pause_generation=pause_generation)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from weightsync.agent import protocol as P
 from weightsync.agent.digest import Digest, DigestHooks
-from weightsync.agent.engines.base import EngineAdapter, NamedTensors, load_version
+from weightsync.agent.engines.base import EngineAdapter, NamedTensors, RankRouter, load_version
 from weightsync.agent.groups import RoutingTransport
 from weightsync.agent.layout import LayoutError, TensorMeta, inference_layout
 from weightsync.agent.link import Link, LinkError, LinkTimeout, Mailbox, connect
@@ -299,30 +299,6 @@ class _BucketPipe:
             done.set()
 
 
-class _RankRouter:
-    """Tells a multi-rank adapter (e.g. the Custom one) which destination rank the next bucket is for, and
-    an HTTP engine's adapter the version's content digest at commit (every piece arrived and was checked by
-    then: load_version commits only after the last bucket)."""
-
-    def __init__(self, inner: EngineAdapter, digest: Digest | None = None) -> None:
-        self.inner = inner
-        self.digest = digest
-
-    def commit(self, version: int) -> None:
-        if self.digest is not None and not self.digest.unchecked and hasattr(self.inner, "label_digest"):
-            self.inner.label_digest = self.digest.hex()
-        self.inner.commit(version)
-
-    def load_bucket(self, tensors: NamedTensors) -> None:
-        rank = getattr(tensors, "rank", None)
-        if rank is not None and hasattr(self.inner, "rank"):
-            self.inner.rank = rank
-        self.inner.load_bucket(tensors)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def compute_needs(names: dict[str, TensorShard], world: int, tensor_parallel: int,
                   layout_fn: Callable[[dict[str, TensorShard], int, int], list[list[TensorShard]]] | None
                   ) -> list[list[TensorShard]]:
@@ -518,7 +494,8 @@ def fetch_version(
     for th in threads:
         th.start()
     try:
-        load_version(_RankRouter(adapter, digest), version, pipe, pause_generation=pause_generation)
+        load_version(RankRouter(adapter, lambda: None if digest.unchecked else digest.hex()), version, pipe,
+                     pause_generation=pause_generation)
     except Exception as exc:
         pipe.cancel()
         raise FetchError(f"version {version} was not committed: {exc}") from exc

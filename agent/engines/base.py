@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -90,6 +90,31 @@ class EngineAdapter(Protocol):
 
     def served_version(self) -> int | None:
         """The version the engine reports it serves, or None if unknown."""
+
+
+class RankRouter:
+    """Tells a multi-rank adapter (e.g. the Custom one) which destination rank the next bucket is for, and an
+    HTTP engine's adapter the version's content digest at commit (its label, `<N>-<digest prefix>`): the
+    digest is complete by then, load_version commits only after the last bucket."""
+
+    def __init__(self, inner: EngineAdapter, digest: Callable[[], str | None] | None = None) -> None:
+        self.inner = inner
+        self.digest = digest
+
+    def commit(self, version: int) -> None:
+        label = self.digest() if self.digest is not None else None
+        if label and hasattr(self.inner, "label_digest"):
+            self.inner.label_digest = label
+        self.inner.commit(version)
+
+    def load_bucket(self, tensors: NamedTensors) -> None:
+        rank = getattr(tensors, "rank", None)
+        if rank is not None and hasattr(self.inner, "rank"):
+            self.inner.rank = rank
+        self.inner.load_bucket(tensors)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def load_version(

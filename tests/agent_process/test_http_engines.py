@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import requests
 from podprocs import PY, Cluster, wait_for
@@ -22,7 +23,9 @@ from recording_server import RecordingServer
 NAMESPACES = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child", "sh", "-c"]
 
 
-def test_agent_drives_an_sglang_engine_over_http(tmp_path: Path, clusters: list[Cluster]) -> None:
+def _trainer_and_sglang(tmp_path: Path, clusters: list[Cluster], **agent_env: str) -> tuple[Cluster, Any, str]:
+    """A trainer pod publishing 2 versions and an inference pod whose engine is the SGLang stand-in, in its own
+    mount / PID namespaces and /dev/shm; returns (cluster, trainer pod, engine URL)."""
     c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
     clusters.append(c)
     t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
@@ -33,8 +36,13 @@ def test_agent_drives_an_sglang_engine_over_http(tmp_path: Path, clusters: list[
     engine = f"mount -t tmpfs tmpfs /dev/shm && exec {PY} -m weightsync.e2e.engines.sglang_standin --host {i.ip} --port {port}"
     c.spawn(i, "engine", [*NAMESPACES, engine])
     c.start_agent(t)
-    c.start_agent(i, **{contract.ENV_ENGINE_TYPE: "SGLang", contract.ENV_ENGINE_URL: url})
+    c.start_agent(i, **{contract.ENV_ENGINE_TYPE: "SGLang", contract.ENV_ENGINE_URL: url, **agent_env})
     c.start_trainer(t, "--versions", "2", "--interval", "1.0")
+    return c, t, url
+
+
+def test_agent_drives_an_sglang_engine_over_http(tmp_path: Path, clusters: list[Cluster]) -> None:
+    c, _, url = _trainer_and_sglang(tmp_path, clusters)
 
     def state() -> dict[str, object] | None:
         try:
@@ -91,21 +99,9 @@ def test_agent_loads_each_version_as_a_lora_adapter(tmp_path: Path, clusters: li
     SGLang's own checksum check), never inside a weight-update session; bit-exact with the trainer."""
     import json
 
-    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
-    clusters.append(c)
-    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
-    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
-    c.write_topology()
-    port = free_port(i.ip)
-    url = f"http://{i.ip}:{port}"
-    engine = f"mount -t tmpfs tmpfs /dev/shm && exec {PY} -m weightsync.e2e.engines.sglang_standin --host {i.ip} --port {port}"
-    c.spawn(i, "engine", [*NAMESPACES, engine])
-    c.start_agent(t)
     spec = {"adapterName": "policy", "config": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]},
             "pinned": False}
-    c.start_agent(i, **{contract.ENV_ENGINE_TYPE: "SGLang", contract.ENV_ENGINE_URL: url,
-                        contract.ENV_LORA: json.dumps(spec)})
-    c.start_trainer(t, "--versions", "2", "--interval", "1.0")
+    c, t, url = _trainer_and_sglang(tmp_path, clusters, **{contract.ENV_LORA: json.dumps(spec)})
 
     def lora() -> dict[str, object]:
         try:
