@@ -435,18 +435,6 @@ def stage(lay: Layouts, rank: int, locals_: dict[str, torch.Tensor], views: dict
             p.view.copy_into(views[p.shard.name], locals_[p.trainer_name])
 
 
-def _worker(cfg: LayoutsConfig, role: str, rank: int, port: int, out: Any) -> None:
-    res: dict[str, Any] = {"role": role, "rank": rank}
-    try:
-        res.update(_run(cfg, role, rank, port))
-    except BaseException as exc:  # reported to the parent, which fails the run with it
-        import traceback
-
-        res["error"] = f"{type(exc).__name__}: {exc}"
-        res["trace"] = traceback.format_exc()
-    out.put(res)
-
-
 def _run(cfg: LayoutsConfig, role: str, rank: int, port: int) -> dict[str, Any]:
     from weightsync.agent.transports.nccl import make_store
 
@@ -533,7 +521,7 @@ def run(cfg: LayoutsConfig) -> dict[str, Any]:
         with socket.socket() as s:
             s.bind((HOST, 0))
             cfg.dtensor_port = s.getsockname()[1]
-    results = run_workers(cfg, _worker, ["weightsync.agent.layout_spec", "weightsync.agent.transports.nccl",
+    results = run_workers(cfg, _run, ["weightsync.agent.layout_spec", "weightsync.agent.transports.nccl",
                                          "weightsync.agent.transports.ipc"])
     dst = [r for r in results if r["role"] == "dst"]
     per_iter = [max(r["seconds"][i] for r in results) for i in range(cfg.iters)]

@@ -213,14 +213,15 @@ def _make_transport(cfg: BenchConfig, store: Any) -> Transport:
     return NcclTransport(store, host=HOST, timeout=cfg.timeout)
 
 
-def _worker(cfg: BenchConfig, role: str, rank: int, port: int, out: Any) -> None:
+def _report(run: Callable[..., dict[str, Any]], cfg: Any, role: str, rank: int, port: int, out: Any) -> None:
+    """A worker process: `run(cfg, role, rank, store_port)`'s result, or its error and trace, to the parent."""
     if os.environ.get("WEIGHTSYNC_BENCH_DEBUG"):
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["WEIGHTSYNC_BENCH_DEBUG"]), exit=True)
     res: dict[str, Any] = {"role": role, "rank": rank}
     try:
-        res.update(_run_worker(cfg, role, rank, port))
+        res.update(run(cfg, role, rank, port))
     except BaseException as exc:  # reported to the parent, which fails the run with it
         import traceback
 
@@ -440,9 +441,9 @@ def _span(results: list[dict[str, Any]], key: str, i: int) -> float:
     return max(r[key][i][1] for r in results) - min(r[key][i][0] for r in results)
 
 
-def run_workers(cfg: BenchConfig, worker: Callable[..., None], preload: list[str]) -> list[dict[str, Any]]:
-    """One forkserver process per source and destination rank running `worker(cfg, role, rank, store_port,
-    queue)`; their reports. The first error stops the wait (the others would wait for its rank until their
+def run_workers(cfg: Any, run: Callable[..., dict[str, Any]], preload: list[str]) -> list[dict[str, Any]]:
+    """One forkserver process per source and destination rank running `run(cfg, role, rank, store_port)`;
+    their reports (its result, or its error and trace). The first error stops the wait (the others would wait for its rank until their
     timeout); any error or a missing report raises with every worker's message and trace."""
     from weightsync.agent.transports.nccl import make_store
 
@@ -450,9 +451,9 @@ def run_workers(cfg: BenchConfig, worker: Callable[..., None], preload: list[str
     ctx.set_forkserver_preload(["torch", "weightsync.agent.sync", "weightsync.agent.layout", *preload])
     store = make_store(HOST, 0, is_master=True, timeout=cfg.timeout)
     out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(cfg, "src", r, store.port, out), daemon=True)
+    procs = [ctx.Process(target=_report, args=(run, cfg, "src", r, store.port, out), daemon=True)
              for r in range(cfg.num_src)]
-    procs += [ctx.Process(target=worker, args=(cfg, "dst", r, store.port, out), daemon=True)
+    procs += [ctx.Process(target=_report, args=(run, cfg, "dst", r, store.port, out), daemon=True)
               for r in range(cfg.num_dst)]
     for p in procs:
         p.start()
@@ -485,7 +486,7 @@ def run_processes(cfg: BenchConfig) -> dict[str, Any]:
     metas = model_metas(cfg.size_mb)
     sources, needs = layouts(cfg, metas)
     plan = build_plan(sources, needs, cfg.bucket_mb * MiB)
-    results = run_workers(cfg, _worker, ["weightsync.agent.transports.ipc", "weightsync.agent.transports.nccl"])
+    results = run_workers(cfg, _run_worker, ["weightsync.agent.transports.ipc", "weightsync.agent.transports.nccl"])
     delivered = plan.delivered_bytes()
     agent_s = [_span(results, "agent_times", i) for i in range(cfg.iters)]
     raw_s = [_span(results, "raw_times", i) for i in range(cfg.iters)]
@@ -588,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main so worker functions pickle as transport_ratio._worker (importable in the
-    # forkserver's children: they get this process's sys.path), not as __main__._worker.
+    # Run the imported module's main so worker functions pickle as transport_ratio._run_worker (importable in the
+    # forkserver's children: they get this process's sys.path), not as __main__._run_worker.
     from transport_ratio import main as _main
 
     sys.exit(_main())

@@ -56,18 +56,6 @@ def _transport(cfg: BenchConfig) -> GdrTransport:
     return GdrTransport(num_slots=int(cfg.extra.get("prefetch", 2)), delta=delta)
 
 
-def _worker(cfg: BenchConfig, role: str, rank: int, port: int, out: Any) -> None:
-    res: dict[str, Any] = {"role": role, "rank": rank}
-    try:
-        res.update(_run(cfg, role, rank, port))
-    except BaseException as exc:  # reported to the parent, which fails the run with it
-        import traceback
-
-        res["error"] = f"{type(exc).__name__}: {exc}"
-        res["trace"] = traceback.format_exc()
-    out.put(res)
-
-
 def _run(cfg: BenchConfig, role: str, rank: int, port: int) -> dict[str, Any]:
     from weightsync.agent.transports.nccl import make_store
 
@@ -256,7 +244,7 @@ def run_gdr(cfg: BenchConfig) -> dict[str, Any]:
     metas = bench.model_metas(cfg.size_mb)
     sources, needs = bench.layouts(cfg, metas)
     plan = build_plan(sources, needs, cfg.bucket_mb * MiB)
-    results = bench.run_workers(cfg, _worker, ["weightsync.agent.transports.gdr"])
+    results = bench.run_workers(cfg, _run, ["weightsync.agent.transports.gdr"])
     delivered = plan.delivered_bytes()
     agent_s = [bench._span(results, "agent_times", i) for i in range(cfg.iters)]
     raw_s = [bench._span(results, "raw_times", i) for i in range(cfg.iters)]
