@@ -281,6 +281,29 @@ def _split(t: np.ndarray, off: np.ndarray, shp: np.ndarray, big: np.ndarray, mx:
     return t2, off2, shp2, counts
 
 
+def _whole_first(ten: np.ndarray, off: np.ndarray, shp: np.ndarray, soff: np.ndarray, sshp: np.ndarray,
+                 s_src: np.ndarray, s_grp: np.ndarray, s_len: np.ndarray
+                 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
+    """Split every (source, group) stream in two: the pieces that are their source rank's whole shard,
+    then the others (pieces of a shard: strided in the source's memory). Each part is packed into
+    buckets of its own, so a bucket of whole shards lies in the source's staging exactly like the bucket
+    (TransferPlan.arena) and is sent from there, instead of being packed because one piece in it is not.
+    Returns (piece order or None when unchanged, stream sources, groups, lengths)."""
+    p_src = np.repeat(s_src.astype(np.int64), s_len)
+    part = np.zeros(len(ten), dtype=bool)  # True: not the source's whole shard
+    for k in range(len(off)):
+        part |= (off[k] != soff[k, p_src, ten]) | (shp[k] != sshp[k, p_src, ten])
+    del p_src
+    if not part.any() or part.all():
+        return None, s_src, s_grp, s_len
+    key = np.repeat(np.arange(len(s_len), dtype=np.int64) * 2, s_len)
+    key += part
+    order = np.argsort(key, kind="stable") if (key[1:] < key[:-1]).any() else None
+    counts = np.bincount(key, minlength=2 * len(s_len))
+    keep = counts > 0
+    return order, np.repeat(s_src, 2)[keep], np.repeat(s_grp, 2)[keep], counts[keep].astype(np.int64)
+
+
 def _pack(nb: np.ndarray, lens: np.ndarray, bucket_bytes: int, alignment: int
           ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """Entry offsets, and buckets as (stream, seq, lo, hi, nbytes) arrays: each stream (`lens[i]`
@@ -655,6 +678,10 @@ def _plan(S0: ShardTable, N0: ShardTable, bucket_bytes: int, alignment: int) -> 
             numel = shp[0].astype(np.int64)
             for k in range(1, D):
                 numel *= shp[k]
+    if P:
+        order, s_src, s_grp, s_len = _whole_first(ten, off, shp, soff, sshp, s_src, s_grp, s_len)
+        if order is not None:
+            ten, off, shp, numel = ten[order], off[:, order], shp[:, order], numel[order]
     nb = numel
     nb *= int(isz[0]) if len(isz) and (isz == isz[0]).all() else isz[ten]
 

@@ -16,7 +16,7 @@ import torch
 
 from .buckets import BucketEntry, dtype_name, itemsize, to_dtype
 
-PLAN_FORMAT = 2  # 2: columnar hash (1 hashed a text rendering of every piece)
+PLAN_FORMAT = 3  # 3: whole source shards in buckets of their own; 2: columnar hash; 1: a text rendering
 
 
 class PlanError(ValueError):

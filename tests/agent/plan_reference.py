@@ -117,14 +117,15 @@ def reference_buckets(
             raise PlanError(f"bucket_bytes={bucket_bytes} is smaller than one element of {name!r} ({m.dtype})")
         for sub in inter.split(max_numel):
             pieces.append(Piece(name, m.dtype, m.global_shape, sub, owner, src_box, tuple(sorted(dl))))
-    pieces.sort(key=lambda p: (p.src, p.dsts, p.name, p.box.offset))
+    # A piece that is its source's whole shard goes first, in buckets of its own (a sub-stream).
+    pieces.sort(key=lambda p: (p.src, p.dsts, p.box != p.src_box, p.name, p.box.offset))
 
-    # Pack each (src, dsts) stream into buckets, then interleave streams round-robin so that
+    # Pack each (src, dsts, part) stream into buckets, then interleave streams round-robin so that
     # consecutive buckets involve different pairs and can move concurrently.
-    streams: dict[tuple[int, tuple[int, ...]], list[list[PlannedEntry]]] = defaultdict(list)
-    cursors: dict[tuple[int, tuple[int, ...]], int] = {}
+    streams: dict[tuple[int, tuple[int, ...], bool], list[list[PlannedEntry]]] = defaultdict(list)
+    cursors: dict[tuple[int, tuple[int, ...], bool], int] = {}
     for p in pieces:
-        key = (p.src, p.dsts)
+        key = (p.src, p.dsts, p.box != p.src_box)
         cur = cursors.get(key)
         off = entry_offset(cur, p.nbytes, alignment) if cur is not None else 0
         if cur is None or off + p.nbytes > bucket_bytes:

@@ -106,7 +106,7 @@ def test_hash_is_stable_across_processes_and_versions() -> None:
     assert plan.hash == GOLDEN
 
 
-GOLDEN = "43bbb15f996d8b6582229ce7044e4987d52a73b11fbb4fdec8c94dd0942aede3"  # PLAN_FORMAT 2 (the columnar hash)
+GOLDEN = "88f279e1c738682ef547b8541013354fbcb046347429f6c38872529db6a2692f"  # PLAN_FORMAT 3 (whole shards first)
 
 
 def test_buckets_respect_the_bound_and_split_big_tensors() -> None:
@@ -160,3 +160,27 @@ def test_arena_makes_whole_tensor_buckets_contiguous() -> None:
             base = where[b.entries[0].piece.name] - b.entries[0].offset
             assert all(where[e.piece.name] == base + e.offset for e in b.entries)
         arena.validate()
+
+
+def test_whole_shards_fill_buckets_of_their_own() -> None:
+    # FSDP 2 -> TP 2: column-parallel shards go whole to one destination, row-parallel ones in pieces; a bucket
+    # mixing both would have to be packed, so the pieces go in buckets of their own, after the whole shards
+    from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
+
+    metas = [TensorMeta(f"l{i}.{k}_proj.weight", "bfloat16", (64, 48)) for i in range(6) for k in ("q", "o")]
+    src = [trainer_layout(metas, fsdp_size=2, fsdp_rank=r) for r in range(2)]
+    plan = build_plan(src, [inference_layout(metas, 2, r) for r in range(2)], 16384)
+    kinds = []
+    for b in plan.buckets:
+        shard = {s.name: s.box for s in plan.sources[b.src]}
+        whole = {e.piece.box == shard[e.piece.name] for e in b.entries}
+        assert len(whole) == 1, f"bucket {b.index} mixes whole shards and pieces"
+        kinds.append((b.src, b.dsts, whole.pop()))
+    assert (0, (0,), True) in kinds and (0, (0,), False) in kinds  # both kinds in one (src, dst) stream
+    for src_rank in range(2):  # and each whole-shard bucket lies in the source arena exactly like the bucket
+        where = {e.name: e.offset for e in plan.arena("src", src_rank).entries}
+        for b in plan.buckets_from(src_rank):
+            shard = {s.name: s.box for s in plan.sources[src_rank]}
+            if all(e.piece.box == shard[e.piece.name] for e in b.entries):
+                base = where[b.entries[0].piece.name] - b.entries[0].offset
+                assert all(where[e.piece.name] == base + e.offset for e in b.entries)
