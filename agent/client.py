@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -259,22 +260,42 @@ def _link_lost(exc: BaseException) -> bool:
         exc, (TimeoutError, local.PeerAnswer))
 
 
-def arena_offsets(shards: Sequence[LocalShard], layout: Any, size: int) -> list[int] | None:
-    """Offsets of `shards` in the staging layout the agent asked for (its plan's buckets, so they are sent
-    straight from staging), or None when that layout does not describe exactly these tensors (first
-    version, changed model): then they are packed in order and the agent packs buckets itself."""
+#: where a shard staged in pieces puts each one: (offset in the shard, shape, byte offset in staging)
+PiecePlaces = list[tuple[tuple[int, ...], tuple[int, ...], int]]
+
+
+def arena_offsets(shards: Sequence[LocalShard], layout: Any, size: int) -> list[int | PiecePlaces] | None:
+    """Where each of `shards` goes in the staging layout the agent asked for (its plan's buckets, so they are
+    sent straight from staging): a byte offset for a shard staged whole, or its pieces' places for a shard
+    that travels in pieces (`layout["pieces"]`: each is copied to its place in its bucket, so this one copy
+    is also the pack). None when the layout does not describe exactly these tensors (first version, changed
+    model): then they are packed in order and the agent packs buckets itself."""
     if not isinstance(layout, dict):
         return None
     try:
         index = {e.name: e for e in buckets.BucketLayout.from_dict(layout).entries}
-    except (KeyError, TypeError, ValueError):
+        pieces: dict[str, PiecePlaces] = {}
+        for p in layout.get("pieces") or ():
+            pieces.setdefault(str(p["name"]), []).append(
+                (tuple(int(x) for x in p["offset"]), tuple(int(x) for x in p["shape"]), int(p["at"])))
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
-    if set(index) != {s.name for s in shards}:
+    if set(index) & set(pieces) or set(index) | set(pieces) != {s.name for s in shards}:
         return None
-    out = []
+    out: list[int | PiecePlaces] = []
     for s in shards:
+        dtype, shape, isz = staging.dtype_name(s.tensor.dtype), tuple(s.tensor.shape), s.tensor.element_size()
+        if s.name in pieces:
+            places = pieces[s.name]
+            if any(len(o) != len(shape) or len(n) != len(shape) or at < 0 or at + math.prod(n) * isz > size
+                   or any(a < 0 or a + b > d for a, b, d in zip(o, n, shape, strict=True)) for o, n, at in places):
+                return None
+            if sum(math.prod(n) for _, n, _ in places) != math.prod(shape):
+                return None
+            out.append(places)
+            continue
         e = index[s.name]
-        if e.dtype != staging.dtype_name(s.tensor.dtype) or e.shape != tuple(s.tensor.shape) or e.offset + e.nbytes > size:
+        if e.dtype != dtype or e.shape != shape or e.offset + e.nbytes > size:
             return None
         out.append(e.offset)
     return out
@@ -366,16 +387,24 @@ class TrainerSession:
         conn = self._connection()
         reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total, "device": device})
         seg = self._segment(reply["segment"])
-        offsets = arena_offsets(shards, reply.get("layout"), seg.size) or offsets
+        places: Sequence[int | PiecePlaces] = arena_offsets(shards, reply.get("layout"), seg.size) or offsets
         metas = []
         with torch.no_grad():
-            for s, off, n in zip(shards, offsets, sizes, strict=True):
-                seg.view(off, s.tensor.dtype, s.tensor.shape).copy_(s.tensor)
-                metas.append({
+            for s, place, n in zip(shards, places, sizes, strict=True):
+                meta: dict[str, Any] = {
                     "name": s.name, "dtype": staging.dtype_name(s.tensor.dtype), "shape": list(s.tensor.shape),
-                    "global_shape": list(s.global_shape), "global_offset": list(s.global_offset),
-                    "offset": off, "nbytes": n,
-                })
+                    "global_shape": list(s.global_shape), "global_offset": list(s.global_offset), "nbytes": n,
+                }
+                if isinstance(place, int):
+                    seg.view(place, s.tensor.dtype, s.tensor.shape).copy_(s.tensor)
+                    meta["offset"] = place
+                else:  # each piece straight to its place in its bucket: a strided copy, the only one
+                    for off, shape, at in place:
+                        region = s.tensor[tuple(slice(o, o + k) for o, k in zip(off, shape, strict=True))]
+                        seg.view(at, s.tensor.dtype, shape).copy_(region)
+                    meta["offset"] = place[0][2]
+                    meta["pieces"] = [{"offset": list(o), "shape": list(k), "at": at} for o, k, at in place]
+                metas.append(meta)
         if seg.tensor.is_cuda:
             torch.cuda.synchronize(seg.tensor.device)
         conn.request({"op": "publish", "version": version, "rank": self.rank, "segment": seg.name,

@@ -38,12 +38,12 @@ import torch
 
 from .buckets import DEFAULT_ALIGNMENT
 from .plan_build import _plan
-from .plan_result import BucketColumns, BucketPlan, TransferPlan
+from .plan_result import ArenaPiece, BucketColumns, BucketPlan, SourceArena, TransferPlan
 from .plan_table import RankShards, ShardTable, coord_dtype, pack_arrays, unpack_arrays
 from .plan_types import PLAN_FORMAT, Box, Piece, PlanError, PlannedEntry, TensorShard, _streamed
 
-__all__ = ["DEFAULT_ALIGNMENT", "PLAN_FORMAT", "Box", "BucketColumns", "BucketPlan", "Piece", "PlanError",
-           "PlanInputs", "PlannedEntry", "RankShards", "ShardTable", "TensorShard", "TransferPlan",
+__all__ = ["DEFAULT_ALIGNMENT", "PLAN_FORMAT", "ArenaPiece", "Box", "BucketColumns", "BucketPlan", "Piece", "PlanError",
+           "PlanInputs", "PlannedEntry", "RankShards", "ShardTable", "SourceArena", "TensorShard", "TransferPlan",
            "build_plan", "coord_dtype", "pack_arrays", "shards_of", "unpack_arrays"]
 
 

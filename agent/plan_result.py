@@ -12,7 +12,7 @@ import numpy as np
 
 from .buckets import BucketEntry, BucketLayout, align_up, entry_offset
 from .plan_table import ShardTable
-from .plan_types import Piece, PlanError, PlannedEntry, TensorShard, _box, _new, _rows, _shard
+from .plan_types import Box, Piece, PlanError, PlannedEntry, TensorShard, _box, _new, _rows, _shard
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,43 @@ class BucketColumns:
     src_offset: np.ndarray
     src_shape: np.ndarray
     entry_offset: np.ndarray
+
+
+@dataclass(frozen=True)
+class ArenaPiece:
+    """A region of a source shard that is staged where its bucket of pieces wants it (`at`, a byte offset
+    in the arena) instead of inside its whole shard: `offset` / `shape` are its box in the shard's own
+    (local) coordinates."""
+
+    name: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    at: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "offset": list(self.offset), "shape": list(self.shape), "at": self.at}
+
+
+@dataclass(frozen=True)
+class SourceArena:
+    """Where a source rank stages its shards (TransferPlan.source_arena): whole shards as `layout`'s
+    entries, shards that only travel in pieces as `pieces`; every bucket laid out here is one contiguous
+    byte range of the arena, exactly like the bucket, so it is sent from staging without a pack."""
+
+    layout: BucketLayout
+    pieces: tuple[ArenaPiece, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The layout a trainer copies its shards in (TrainerSession.publish; `pieces` is read by clients that
+        know it: an older client sees a layout that lacks the pieced tensors and packs in publish order)."""
+        d = self.layout.to_dict()
+        if self.pieces:
+            d["pieces"] = [p.to_dict() for p in self.pieces]
+        return d
 
 
 @dataclass(frozen=True)
@@ -321,6 +358,52 @@ class TransferPlan:
         entries = sorted((BucketEntry(n, shards[n].dtype, shards[n].box.shape, off) for n, off in placed.items()),
                          key=lambda e: e.offset)
         return BucketLayout(tuple(entries), cursor, self.alignment)
+
+    def source_arena(self, rank: int) -> SourceArena:
+        """The staging layout of source rank `rank` in which EVERY bucket it sends is one contiguous range laid
+        out like the bucket (`arena("src")` only places buckets of whole shards): the pieces of a shard that
+        travels in pieces (a row-parallel weight under FSDP -> TP) are staged each at its place in its bucket,
+        so the trainer's one copy into staging (a strided copy per piece) is also the pack. A shard whose
+        planned pieces do not tile it (a region nobody needs, overlapping needs) and buckets that repeat a
+        region fall back to `arena("src")`'s rule: the shard is staged whole after the buckets and those
+        buckets are packed."""
+        shards = {s.name: s for s in self.sources[rank]}
+        whole: dict[str, int] = {}
+        parts: dict[str, list[tuple[Box, int]]] = {}
+        seen: set[tuple[str, Box]] = set()
+        cursor = 0
+        for b in self.buckets_from(rank):
+            if any((e.piece.name, e.piece.box) in seen or e.piece.name in whole
+                   or (e.piece.box == shards[e.piece.name].box and e.piece.name in parts) for e in b.entries):
+                continue
+            base = align_up(cursor, self.alignment)
+            for e in b.entries:
+                name, box = e.piece.name, e.piece.box
+                seen.add((name, box))
+                if box == shards[name].box:
+                    whole[name] = base + e.offset
+                else:
+                    parts.setdefault(name, []).append((box, base + e.offset))
+            cursor = base + b.nbytes
+        pieces: list[ArenaPiece] = []
+        for name, got in parts.items():
+            shard = shards[name].box
+            boxes = [bx for bx, _ in got]
+            tiles = sum(bx.numel for bx in boxes) == shard.numel and all(
+                a.intersect(c) is None for i, a in enumerate(boxes) for c in boxes[i + 1:])
+            if not tiles:
+                continue  # staged whole below; its buckets are packed
+            for bx, at in got:
+                local = tuple(o - so for o, so in zip(bx.offset, shard.offset, strict=True))
+                pieces.append(ArenaPiece(name, local, bx.shape, at))
+        pieced = {p.name for p in pieces}
+        for name in sorted(shards):
+            if name not in whole and name not in pieced:
+                whole[name] = entry_offset(cursor, shards[name].nbytes, self.alignment)
+                cursor = whole[name] + shards[name].nbytes
+        entries = sorted((BucketEntry(n, shards[n].dtype, shards[n].box.shape, off) for n, off in whole.items()),
+                         key=lambda e: e.offset)
+        return SourceArena(BucketLayout(tuple(entries), cursor, self.alignment), tuple(sorted(pieces, key=lambda p: p.at)))
 
     def summary(self) -> dict[str, Any]:
         return {"hash": self.hash, "buckets": len(self.buckets), "bucket_bytes": self.bucket_bytes,

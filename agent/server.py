@@ -26,13 +26,13 @@ from typing import Any
 import torch
 from weightsync.agent import protocol as P
 from weightsync.agent import staging
-from weightsync.agent.buckets import SMALL_ALIGNMENT, BucketLayout
+from weightsync.agent.buckets import SMALL_ALIGNMENT, itemsize
 from weightsync.agent.digest import DigestHooks
 from weightsync.agent.groups import epoch_of
 from weightsync.agent.link import AuthError, FrameError, Link, LinkError, LinkListener, LinkTimeout, Mailbox
 from weightsync.agent.metrics import AgentMetrics
-from weightsync.agent.plan import TensorShard, TransferPlan
-from weightsync.agent.sync import SyncError, WeightSender
+from weightsync.agent.plan import Box, SourceArena, TensorShard, TransferPlan
+from weightsync.agent.sync import ShardPieces, SyncError, WeightSender
 from weightsync.agent.transports.base import Transport, WorldMap
 from weightsync.agent.verify import ChecksumHooks
 from weightsync.crds.topology import InferenceReplicaTopology, Topology
@@ -57,10 +57,19 @@ class RankStage:
         return [TensorShard.of(m["name"], m["dtype"], m["global_shape"], m["global_offset"], m["shape"])
                 for m in self.metas]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self) -> dict[str, torch.Tensor | ShardPieces]:
+        """Each staged shard as a view of staging, or as its pieces where it was staged in pieces."""
         seg = self.slot.segment
-        return {m["name"]: seg.view(int(m["offset"]), staging.dtype_from_name(m["dtype"]), m["shape"])
-                for m in self.metas}
+        out: dict[str, torch.Tensor | ShardPieces] = {}
+        for m in self.metas:
+            dt = staging.dtype_from_name(m["dtype"])
+            if m.get("pieces"):
+                out[m["name"]] = ShardPieces(dt, m["shape"], {
+                    (tuple(p["offset"]), tuple(p["shape"])): seg.view(int(p["at"]), dt, p["shape"])
+                    for p in m["pieces"]})
+            else:
+                out[m["name"]] = seg.view(int(m["offset"]), dt, m["shape"])
+        return out
 
 
 @dataclass
@@ -83,11 +92,12 @@ def validate_metas(metas: Any, segment_size: int) -> list[dict[str, Any]]:
     if not isinstance(metas, list):
         raise StagingError("publish needs a 'tensors' list")
     names: set[str] = set()
-    end = 0
-    for m in sorted(metas, key=lambda m: int(m.get("offset", -1)) if isinstance(m, dict) else -1):
+    regions: list[tuple[int, int, str]] = []  # (offset, nbytes, tensor) of every staged byte range
+    for m in metas:
         try:
             shard = TensorShard.of(m["name"], m["dtype"], m["global_shape"], m["global_offset"], m["shape"])
             off, n = int(m["offset"]), int(m["nbytes"])
+            pieces = _pieces_of(shard, m.get("pieces"))
         except (KeyError, TypeError, ValueError) as exc:
             raise StagingError(f"bad tensor entry {m!r}: {exc}") from None
         if shard.name in names:
@@ -95,11 +105,36 @@ def validate_metas(metas: Any, segment_size: int) -> list[dict[str, Any]]:
         names.add(shard.name)
         if n != shard.nbytes:
             raise StagingError(f"tensor {shard.name!r}: nbytes={n} but its dtype/shape need {shard.nbytes}")
+        regions.extend(pieces if pieces is not None else [(off, n, shard.name)])
+    end = 0
+    for off, n, name in sorted(regions):
         if off < end or off + n > segment_size or off % (staging.ALIGN if n >= staging.ALIGN else SMALL_ALIGNMENT):
-            raise StagingError(f"tensor {shard.name!r}: bytes [{off}, {off + n}) overlap, are unaligned or "
+            raise StagingError(f"tensor {name!r}: bytes [{off}, {off + n}) overlap, are unaligned or "
                                f"leave the {segment_size}-byte segment")
         end = off + n
     return list(metas)
+
+
+def _pieces_of(shard: TensorShard, pieces: Any) -> list[tuple[int, int, str]] | None:
+    """The byte ranges of a shard staged in pieces (TransferPlan.source_arena), after checking that the
+    pieces' boxes tile the shard exactly; None for a shard staged whole. Raises ValueError."""
+    if pieces is None:
+        return None
+    if not isinstance(pieces, list) or not pieces:
+        raise ValueError("'pieces' must be a non-empty list")
+    full = Box.full(shard.box.shape)
+    boxes = []
+    out = []
+    for p in pieces:
+        box = Box(tuple(int(x) for x in p["offset"]), tuple(int(x) for x in p["shape"]))
+        if box.ndim != full.ndim or not full.contains(box) or not box.numel:
+            raise ValueError(f"piece {box} is not a non-empty part of the shard {full}")
+        boxes.append(box)
+        out.append((int(p["at"]), box.numel * itemsize(shard.dtype), shard.name))
+    if sum(b.numel for b in boxes) != full.numel or any(
+            a.intersect(c) is not None for i, a in enumerate(boxes) for c in boxes[i + 1:]):
+        raise ValueError("the pieces do not tile the shard")
+    return out
 
 
 class StagingStore:
@@ -124,7 +159,7 @@ class StagingStore:
         self._retired: list[StagedVersion] = []  # old-epoch versions still being read
         # rank -> (plan hash, arena): where the last plan that read this rank wants each tensor, so the next
         # publish lays its staging out like the buckets and they are sent from staging without a pack
-        self._arenas: dict[int, tuple[str, BucketLayout]] = {}
+        self._arenas: dict[int, tuple[str, SourceArena]] = {}
 
     def prefer_arena(self, rank: int, plan: TransferPlan) -> None:
         """Remember the source arena of `plan` for `rank` (computed once per plan)."""
@@ -132,7 +167,7 @@ class StagingStore:
             known = self._arenas.get(rank)
             if known is not None and known[0] == plan.hash:
                 return
-        arena = plan.arena("src", rank)
+        arena = plan.source_arena(rank)
         with self._lock:
             self._arenas[rank] = (plan.hash, arena)
 
@@ -143,7 +178,7 @@ class StagingStore:
         seg = self.stage(rank, version, max(nbytes, arena.nbytes if arena else 0), device, session=session)
         return {"segment": seg.handle(), **({"layout": arena.to_dict()} if arena else {})}
 
-    def arena(self, rank: int) -> BucketLayout | None:
+    def arena(self, rank: int) -> SourceArena | None:
         """The staging layout the next publish of `rank` should use (None until a plan read the rank)."""
         with self._lock:
             known = self._arenas.get(rank)

@@ -124,6 +124,43 @@ class SyncStats:
         return {k: v for k, v in self.__dict__.items()}
 
 
+class ShardPieces:
+    """A source shard staged as separate pieces, each where its bucket wants it (TransferPlan.source_arena),
+    instead of as one tensor: the sender reads a piece where it lies. `pieces` maps a box in the shard's
+    own coordinates (offset, shape) to its view."""
+
+    def __init__(self, dtype: torch.dtype, shape: Sequence[int],
+                 pieces: Mapping[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor]) -> None:
+        self.dtype = dtype
+        self.shape = tuple(int(d) for d in shape)
+        self.pieces = dict(pieces)
+        self._whole: torch.Tensor | None = None
+        self.copied_bytes = 0  # bytes assembled for a region that is not one staged piece
+
+    def region(self, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+        """The box (shard coordinates) as a tensor: the staged piece itself when the box is one, else a
+        slice of the pieces assembled once (a plan other than the one the staging was laid out for)."""
+        key = (tuple(int(o) for o in offset), tuple(int(n) for n in shape))
+        view = self.pieces.get(key)
+        if view is not None:
+            return view
+        whole = self._whole
+        if whole is None:
+            first = next(iter(self.pieces.values()))
+            whole = self._whole = torch.empty(self.shape, dtype=self.dtype, device=first.device)
+            for (o, n), v in self.pieces.items():
+                whole[tuple(slice(a, a + b) for a, b in zip(o, n, strict=True))].copy_(v)
+                self.copied_bytes += v.numel() * v.element_size()
+        return whole[tuple(slice(a, a + b) for a, b in zip(key[0], key[1], strict=True))]
+
+
+def source_region(t: torch.Tensor | ShardPieces, box: Any, src_box: Any) -> torch.Tensor:
+    """The part `box` (global coordinates) of a source shard `t` whose box is `src_box`."""
+    if isinstance(t, ShardPieces):
+        return t.region([o - so for o, so in zip(box.offset, src_box.offset, strict=True)], box.shape)
+    return t[box.slices_within(src_box)]
+
+
 def in_place(bucket: BucketPlan, regions: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """A uint8 view of the memory the bucket's regions occupy, if they already sit exactly like the
     bucket (contiguous, one storage, at the bucket's relative offsets), else None. Then the bytes can
@@ -246,7 +283,7 @@ class WeightSender(_Endpoint):
             raise SyncError(f"source rank {rank} has no control link to destination ranks {missing}")
         self.shards: dict[str, TensorShard] = {s.name: s for s in plan.sources[rank]} if rank < plan.num_src else {}
 
-    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor | ShardPieces]) -> None:
         """Raise SyncError unless `tensors` has every tensor this rank sends, with its local shape/dtype."""
         problems = []
         for name in sorted({e.piece.name for b in self.buckets for e in b.entries}):
@@ -262,7 +299,7 @@ class WeightSender(_Endpoint):
             raise SyncError(f"source rank {self.rank}: tensors do not match the plan: "
                             f"{'; '.join(problems[:5])}{more}")
 
-    def send_version(self, version: int, tensors: Mapping[str, torch.Tensor]) -> SyncStats:
+    def send_version(self, version: int, tensors: Mapping[str, torch.Tensor | ShardPieces]) -> SyncStats:
         """Send `version`: `tensors` maps each name to this rank's local shard (the plan's box). Returns
         once every destination acknowledged every byte; raises SyncError (after aborting the peers)
         otherwise. The tensors must not change until this returns."""
@@ -277,6 +314,7 @@ class WeightSender(_Endpoint):
             where = "binding the transport"
             self.transport.bind(self._ctx("dst", version))
             self._send_buckets(version, tensors, stats)
+            stats.copied_bytes += sum(t.copied_bytes for t in tensors.values() if isinstance(t, ShardPieces))
             where = "finishing"
             done_meta = self.hooks.on_send_done(version)
             for d in self.dsts:
@@ -315,7 +353,7 @@ class WeightSender(_Endpoint):
         for d in self.dsts:
             self.peers[d].send("sync.go", version=version)
 
-    def _send_buckets(self, version: int, tensors: Mapping[str, torch.Tensor], stats: SyncStats) -> None:
+    def _send_buckets(self, version: int, tensors: Mapping[str, torch.Tensor | ShardPieces], stats: SyncStats) -> None:
         """Issue every bucket in plan order. A bucket whose bytes already sit in place is sent from
         there (no slot, no wait); others are packed into slot buffers, reused round-robin once the
         bucket that last used them completed (double buffering with num_slots=2)."""
@@ -329,7 +367,7 @@ class WeightSender(_Endpoint):
                 if reason is not None:
                     raise RemoteAbort(f"destination rank {d} aborted: {reason}")
             tp = time.perf_counter()
-            regions = [tensors[e.piece.name][e.piece.box.slices_within(e.piece.src_box)] for e in bucket.entries]
+            regions = [source_region(tensors[e.piece.name], e.piece.box, e.piece.src_box) for e in bucket.entries]
             data = in_place(bucket, regions)  # the tensors already sit like the bucket: no pack
             if data is not None and self.transport.supports_direct_send(data):
                 del regions

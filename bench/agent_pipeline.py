@@ -269,6 +269,20 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def settled(urls: list[str], timeout: float = 10.0) -> list[dict[str, float]]:
+    """Scrapes of every agent once their copy counters stopped moving: an agent counts a version's copies
+    after the engine committed it, so a scrape right at the commit can miss the last version's counts."""
+    last = [scrape(u) for u in urls]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        time.sleep(0.3)
+        now = [scrape(u) for u in urls]
+        if copied_bytes(now) == copied_bytes(last):
+            return now
+        last = now
+    return last
+
+
 def copied_bytes(samples: list[dict[str, float]]) -> dict[str, float]:
     by_stage: dict[str, float] = {}
     for s in samples:
@@ -315,8 +329,8 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
             (run_dir / f"go-{v}").touch()
             wait_for(lambda v=v: _committed(run_dir, v, tp), budget, f"version {v} committed by {tp} engine ranks", c)
             if v == 1:  # steady-state counters start after the first version
-                scrapes.append([scrape(p.metrics_url) for p in pods])
-        scrapes.append([scrape(p.metrics_url) for p in pods])
+                scrapes.append(settled([p.metrics_url for p in pods]))
+        scrapes.append(settled([p.metrics_url for p in pods]))
         exact = [json.loads((run_dir / f"exact-{r}.json").read_text()) for r in range(tp)]
         for p in pods:  # the agents are done: the raw transport alone between the same pods
             c.kill(p, "agent")

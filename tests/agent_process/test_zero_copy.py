@@ -5,6 +5,7 @@ agents count every copy they still make (weightsync_agent_copied_bytes_total{sta
 from __future__ import annotations
 
 import gc
+import math
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,20 @@ from staging_agent import serve_staging
 from test_agent_inprocess import _Engine, engine_registry_server
 from test_demo_processes import engine_sums, trainer_sums
 from weightsync.agent import staging
-from weightsync.agent.client import InferenceSession, TrainerSession, arena_offsets, checksums, local_shards
+from weightsync.agent.client import (
+    InferenceSession,
+    TensorShard,
+    TrainerSession,
+    arena_offsets,
+    checksums,
+    local_shards,
+)
 from weightsync.agent.engines.base import load_version
 from weightsync.agent.engines.custom import CustomEngineAdapter
-from weightsync.agent.plan import build_plan, shards_of
+from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
+from weightsync.agent.plan import Box, build_plan, shards_of
 from weightsync.agent.server import StagingStore
-from weightsync.agent.sync import in_place
+from weightsync.agent.sync import ShardPieces, in_place, source_region
 from weightsync.crds import contract
 
 
@@ -103,6 +112,48 @@ def test_trainer_stages_in_the_plan_arena_so_every_bucket_is_sent_in_place(tmp_p
         assert checksums(got.items()) == checksums(weights.items())
         for b in plan.buckets:  # every bucket is one contiguous range of staging: sent without a pack
             assert in_place(b, [got[e.piece.name] for e in b.entries]) is not None, b.index
+    finally:
+        server.close()
+        store.close()
+
+
+def test_a_resharded_trainer_stages_pieces_where_their_buckets_are(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP 2 -> TP 2: row-parallel weights travel in pieces (half the columns of a rank's rows). Once a plan
+    read the rank, the trainer copies each piece straight to its place in its bucket (source_arena), so every
+    bucket, pieces included, is one contiguous range of staging holding the trainer's exact bytes."""
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    metas = [TensorMeta(f"l{i}.{k}_proj.weight", "float32", (24 + 8 * i, 40)) for i in range(4) for k in ("q", "o")]
+    full = {m.name: torch.randn(m.shape) for m in metas}
+    src = [trainer_layout(metas, fsdp_size=2, fsdp_rank=r) for r in range(2)]
+    plan = build_plan(src, [inference_layout(metas, 2, r) for r in range(2)], 8 << 10)
+    store = StagingStore([0], "wstest")
+    server = serve_staging(tmp_path / "agent.sock", store)
+    weights = {s.name: TensorShard(full[s.name][s.box.slices_within(Box.full(s.global_shape))].clone(),
+                                   s.global_shape, s.box.offset) for s in src[0]}
+    try:
+        with TrainerSession(tmp_path / "agent.sock", rank=0) as s:
+            s.publish(weights, version=1)
+            store.prefer_arena(0, plan)
+            arena = store.arena(0)
+            assert arena is not None and arena.pieces and {p.name for p in arena.pieces} == {
+                m.name for m in metas if ".o_proj" in m.name}
+            s.publish(weights, version=2)
+        staged = store.get(2)
+        assert staged is not None
+        got = staged.ranks[0].tensors()
+        assert any(isinstance(t, ShardPieces) for t in got.values())
+        for b in plan.buckets_from(0):
+            regions = [source_region(got[e.piece.name], e.piece.box, e.piece.src_box) for e in b.entries]
+            data = in_place(b, regions)
+            assert data is not None, f"bucket {b.index} would be packed"
+            for e, r in zip(b.entries, regions, strict=True):  # the trainer's bytes, where the bucket wants them
+                want = full[e.piece.name][e.piece.box.slices_within(Box.full(e.piece.global_shape))]
+                assert torch.equal(r, want)
+        # a region that is not one staged piece (another plan) is assembled from the pieces, and counted
+        pieced = next(t for t in got.values() if isinstance(t, ShardPieces))
+        assert torch.equal(pieced.region((0, 0), pieced.shape)[:, :20], next(iter(pieced.pieces.values())))
+        assert pieced.copied_bytes == math.prod(pieced.shape) * 4
     finally:
         server.close()
         store.close()
