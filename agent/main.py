@@ -342,7 +342,8 @@ class Agent:
             self.server.start()
         if self.cfg.kube_enabled:
             self.pod = PodLink(self.cfg.namespace, self.cfg.pod_name, self._on_desired, self.metrics,
-                               token=self.token).start()
+                               token=self.token,
+                               desired_configmap=contract.desired_configmap_name(self.cfg.job)).start()
             self.desired = self.pod.desired
             own = self.pod.own_versions()  # what this pod's agent wrote before a restart (proven)
             if self.store is not None:

@@ -1,8 +1,12 @@
-"""The agent's link to its own Pod object: desired state in (annotations), observed state out.
+"""The agent's link to the API server: desired state in (the job's desired-state ConfigMap), observed state
+out (annotations and the Synced condition on its own Pod).
 
-Why the Pod and not the WeightSyncJob: the per-job Role lets an agent get/watch/patch only its own pod
-(resourceNames + a `metadata.name=<pod>` field selector), and per-pod detail belongs on pods, not in an
-unbounded job status. A watch delivers a new target version within milliseconds, unlike a projected file.
+Desired state comes from one object per job (crds/desired.py): a new version is one write the operator
+makes, seen by every agent's watch at once, instead of one patch per pod. Observed state goes on the Pod:
+the per-job Role lets an agent get/watch/patch only its own pod (resourceNames + a `metadata.name=<pod>`
+field selector), and per-pod detail belongs on pods, not in an unbounded job status. A watch delivers a
+new target version within milliseconds, unlike a projected file. Until the ConfigMap exists (an older
+operator) the desired annotations on the pod itself are read, as before.
 
 Writes are coalesced: the writer thread sends only what changed since the last successful write, so a
 version costs at most one annotation patch and (only when synced flips) one pods/status patch. Everything
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from weightsync.agent.metrics import AgentMetrics
-from weightsync.crds import contract, version_proof
+from weightsync.crds import contract, desired, version_proof
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,16 @@ def desired_from_annotations(annotations: dict[str, str] | None) -> Desired:
                    commit=_key(ann, contract.ANN_COMMIT_VERSION, contract.ANN_COMMIT_EPOCH),
                    committed=_key(ann, contract.ANN_COMMITTED_VERSION, contract.ANN_COMMITTED_EPOCH),
                    inject_fault=ann.get(contract.ANN_INJECT_FAULT) or None)
+
+
+def desired_for(pod: str, pod_annotations: dict[str, str] | None, configmap_data: dict[str, str] | None) -> Desired:
+    """What the operator asks of POD: its entry in the job's desired-state ConfigMap (None: not seen, the
+    pod's own annotations stand), plus what is set on the pod itself (inject-fault)."""
+    ann = dict(pod_annotations or {})
+    if configmap_data is not None:
+        ann = {k: v for k, v in ann.items() if k not in contract.DESIRED_POD_ANNOTATIONS}
+        ann.update(desired.decode_pod(configmap_data, pod) or {})
+    return desired_from_annotations(ann)
 
 
 def _key(ann: dict[str, str], version_key: str, epoch_key: str) -> tuple[int, int] | None:
@@ -164,9 +178,16 @@ class PodLink:
     """Watches this pod's annotations and writes its observed state, each in its own thread."""
 
     def __init__(self, namespace: str, name: str, on_desired: Callable[[Desired], None],
-                 metrics: AgentMetrics | None = None, api: Any = None, token: bytes | None = None) -> None:
+                 metrics: AgentMetrics | None = None, api: Any = None, token: bytes | None = None,
+                 desired_configmap: str | None = None) -> None:
         self.namespace = namespace
         self.name = name
+        # the job's desired-state ConfigMap (contract.desired_configmap_name); None: the pod's annotations only
+        self.desired_configmap = desired_configmap
+        self._pod_ann: dict[str, str] = {}
+        self._cm_data: dict[str, str] | None = None  # None: not seen (yet): the pod's own annotations stand
+        self._cm_rv: str | None = None
+        self._desired_lock = threading.Lock()
         self.on_desired = on_desired
         self.metrics = metrics
         self.api = api
@@ -192,8 +213,13 @@ class PodLink:
         if self.api is None:
             self.api = load_kube_config()
         pod = self.api.read_namespaced_pod(self.name, self.namespace)
+        if self.desired_configmap is not None:
+            self._seed_configmap()
         self._seed(pod)
-        for target, name in ((self._watch_loop, "pod-watch"), (self._write_loop, "pod-write")):
+        loops = [(self._watch_loop, "pod-watch"), (self._write_loop, "pod-write")]
+        if self.desired_configmap is not None:
+            loops.append((self._configmap_loop, "desired-watch"))
+        for target, name in loops:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -226,13 +252,69 @@ class PodLink:
         self._rv = pod.metadata.resource_version
 
     def _apply(self, annotations: dict[str, str] | None) -> None:
-        d = desired_from_annotations(annotations)
+        """The pod's annotations changed (inject-fault lives there; and everything while no ConfigMap)."""
+        with self._desired_lock:
+            self._pod_ann = dict(annotations or {})
+            self._recompute()
+
+    def _apply_configmap(self, data: dict[str, str] | None) -> None:
+        with self._desired_lock:
+            self._cm_data = dict(data or {})
+            self._recompute()
+
+    def _recompute(self) -> None:
+        d = desired_for(self.name, self._pod_ann, self._cm_data)
         if d != self.desired:
             self.desired = d
             try:
                 self.on_desired(d)
             except Exception:
                 log.exception("desired-state callback failed")
+
+    def _seed_configmap(self) -> None:
+        """Read the desired-state ConfigMap once (absent: the operator has not written it yet, or an older
+        operator does not: the pod's annotations stand until the watch sees it)."""
+        from kubernetes.client.exceptions import ApiException
+
+        assert self.desired_configmap is not None
+        try:
+            cm = self.api.read_namespaced_config_map(self.desired_configmap, self.namespace)
+        except ApiException as exc:
+            if exc.status not in (403, 404):
+                raise
+            if exc.status == 403:
+                log.warning("may not read the desired-state ConfigMap %s (an older operator's Role?): "
+                            "reading the desired state from the pod's annotations", self.desired_configmap)
+            self._cm_rv = None
+            return
+        self._cm_rv = cm.metadata.resource_version
+        self._apply_configmap(cm.data)
+
+    def _configmap_loop(self) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        while not self._stop.is_set():
+            w = watch.Watch()
+            try:
+                kwargs: dict[str, Any] = {"resource_version": self._cm_rv} if self._cm_rv else {}
+                for ev in w.stream(self.api.list_namespaced_config_map, self.namespace,
+                                   field_selector=f"metadata.name={self.desired_configmap}",
+                                   timeout_seconds=120, allow_watch_bookmarks=True, **kwargs):
+                    if self._stop.is_set():
+                        return
+                    if ev["type"] in ("ADDED", "MODIFIED"):  # DELETED: keep the last desired state
+                        self._apply_configmap(ev["object"].data)
+                    self._cm_rv = w.resource_version or self._cm_rv
+            except ApiException as exc:
+                if exc.status == 410:  # too old: re-read and start over
+                    self._seed_configmap()
+                else:
+                    log.warning("desired-state watch failed status=%s: %s", exc.status, exc.reason)
+                    self._stop.wait(30.0 if exc.status == 403 else 1.0)
+            except Exception as exc:
+                log.warning("desired-state watch interrupted: %s", exc)
+                self._stop.wait(1.0)
 
     def _watch_loop(self) -> None:
         from kubernetes import watch

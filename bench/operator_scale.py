@@ -18,8 +18,9 @@ Fleet mode: a thousand GPU nodes, thousands of pods, a hundred jobs.
 
 N kwok nodes (8 GPUs each, e2e/kwok.py: one kwok process keeps them Ready and runs their pods), J jobs of
 P/J pods (one 8-GPU trainer pod, the rest one-GPU inference replicas) created at once, the operator as a
-process, and the agents played by one process (FakeAgents: what each agent's PodLink writes, built with
-the agent's own functions; an agent "loads" a version the moment its pod is targeted). It reports:
+process, and the agents played by one process (FakeAgents: what each agent's PodLink reads and writes,
+built with the agent's own functions: the target from the job's desired-state ConfigMap, the report on the
+pod; an agent "loads" a version the moment its pod is targeted). It reports:
 
 * `api_requests_per_version_per_pod`: every request the API server counted (apiserver_request_total, all
   clients, WATCH and kwok's node leases and node status left out) while every job moved through
@@ -58,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from weightsync.agent.podstatus import Observed, annotations_for, condition_for
+from weightsync.agent.podstatus import Observed, annotations_for, condition_for, desired_for
 from weightsync.crds import contract
 from weightsync.e2e.environment import start_environment
 from weightsync.e2e.procs import free_port
@@ -237,10 +238,12 @@ def rss(pid: int) -> tuple[int, int]:
 
 
 class FakeAgents:
-    """The agents of every pod, played by one process: one watch per namespace (as the real agents' own pod
-    watches add up to), and for each pod the writes a real agent's PodLink sends, built by the agent's own
-    code (agent/podstatus.py): the Synced condition once the pod runs, then one annotation patch per version
-    it is targeted at ("loads" instantly)."""
+    """The agents of every pod, played by one process: one pod watch and one ConfigMap watch per namespace
+    (as the real agents' own pod and desired-state watches add up to), the target read as a real agent's
+    PodLink reads it (`desired_for`: the job's desired-state ConfigMap, else the pod's annotations), and
+    for each pod the writes a real agent's PodLink sends, built by the agent's own code
+    (agent/podstatus.py): the Synced condition once the pod runs, then one annotation patch per version it
+    is targeted at ("loads" instantly)."""
 
     def __init__(self, api_factory: Callable[[], Any], namespaces: list[str], workers: int = 16) -> None:
         import kubernetes
@@ -256,29 +259,34 @@ class FakeAgents:
         self.commits: dict[tuple[str, str, int], float] = {}
         self.errors = 0
         self.publish_times: dict[int, float] = {}
+        self.pod_ann: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}  # running inference pods: job, annotations
+        self.desired: dict[tuple[str, str], dict[str, str]] = {}  # (namespace, ConfigMap name) -> data
         self.stop_flag = threading.Event()
-        self.threads = [threading.Thread(target=self._watch, args=(ns, api_factory), daemon=True) for ns in namespaces]
+        self.threads = [threading.Thread(target=self._watch, args=(ns, api_factory, kind), daemon=True)
+                        for ns in namespaces for kind in ("pod", "config_map")]
 
     def start(self) -> FakeAgents:
         for t in self.threads:
             t.start()
         return self
 
-    def _watch(self, ns: str, api_factory: Callable[[], Any]) -> None:
+    def _watch(self, ns: str, api_factory: Callable[[], Any], kind: str) -> None:
         import kubernetes
 
         api = api_factory()
         core: Any = kubernetes.client.CoreV1Api(api)
+        list_fn = getattr(core, f"list_namespaced_{kind}")
+        seen = self._seen if kind == "pod" else self._configmap_seen
         rv = ""
         while not self.stop_flag.is_set():
             try:
                 if not rv:
-                    page = json.loads(core.list_namespaced_pod(ns, _preload_content=False).data)
-                    for pod in page.get("items", []):
-                        self._seen(pod)
+                    page = json.loads(list_fn(ns, _preload_content=False).data)
+                    for obj in page.get("items", []):
+                        seen(obj)
                     rv = page["metadata"]["resourceVersion"]
-                resp = core.list_namespaced_pod(ns, watch=True, resource_version=rv, timeout_seconds=60,
-                                                allow_watch_bookmarks=True, _preload_content=False)
+                resp = list_fn(ns, watch=True, resource_version=rv, timeout_seconds=60,
+                               allow_watch_bookmarks=True, _preload_content=False)
                 buf = b""
                 for chunk in resp.stream(None):  # each chunk as it arrives
                     buf += chunk
@@ -290,7 +298,7 @@ class FakeAgents:
                             break
                         rv = ev["object"]["metadata"].get("resourceVersion") or rv
                         if ev["type"] in ("ADDED", "MODIFIED"):
-                            self._seen(ev["object"])
+                            seen(ev["object"])
                     if self.stop_flag.is_set():
                         return
             except Exception as exc:  # reconnect; a 410 lists again
@@ -305,11 +313,29 @@ class FakeAgents:
             return
         if status.get("phase") != "Running":
             return
-        target = (meta.get("annotations") or {}).get(contract.ANN_TARGET_VERSION)
+        job = (meta.get("labels") or {}).get(contract.LABEL_JOB, "")
         with self.lock:
+            self.pod_ann[key] = (job, dict(meta.get("annotations") or {}))
+        self._consider(key)
+
+    def _configmap_seen(self, cm: dict[str, Any]) -> None:
+        meta = cm["metadata"]
+        key = (meta["namespace"], meta["name"])
+        with self.lock:
+            self.desired[key] = dict(cm.get("data") or {})
+            pods = [k for k, (job, _) in self.pod_ann.items()
+                    if k[0] == key[0] and contract.desired_configmap_name(job) == key[1]]
+        for k in pods:
+            self._consider(k)
+
+    def _consider(self, key: tuple[str, str]) -> None:
+        """What a real agent does with its desired state: report Synced once, load a newer target."""
+        with self.lock:
+            job, ann = self.pod_ann[key]
+            target = desired_for(key[1], ann, self.desired.get((key[0], contract.desired_configmap_name(job))))
             first = key not in self.started
             self.started.add(key)
-            v = int(target) if target not in (None, "") else None
+            v = target.target_version
             load = v is not None and self.served.get(key, 0) < v
             if load:
                 assert v is not None

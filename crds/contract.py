@@ -30,7 +30,8 @@ ROLE_TRAINER: Final = "trainer"
 ROLE_INFERENCE: Final = "inference"
 ROLE_COLOCATED: Final = "colocated"
 
-# --- Annotations: desired state (operator -> agent) ----------------------------------------------------
+# --- Desired state (operator -> agent): these names are kept in the job's desired-state ConfigMap -------
+# (desired_configmap_name; crds/desired.py), one entry per pod, no longer written on the pods themselves.
 ANN_TARGET_VERSION: Final = f"{GROUP}/target-version"   # the version this inference pod should load
 ANN_TARGET_EPOCH: Final = f"{GROUP}/target-epoch"       # ... of this trainer epoch (absent: 0)
 ANN_PAUSED: Final = f"{GROUP}/paused"                   # "true" while spec.paused (engine paused)
@@ -167,6 +168,12 @@ def token_secret_name(job: str) -> str:
 
 def topology_configmap_name(job: str) -> str:
     return f"{job}-topology"
+
+
+def desired_configmap_name(job: str) -> str:
+    """What the operator asks of every pod of the job (target version, pause, membership generation, the
+    Atomic commit): one ConfigMap the agents watch (crds/desired.py), not an annotation patch per pod."""
+    return f"{job}-desired"
 
 
 def service_account_name(job: str) -> str:

@@ -39,6 +39,7 @@ import kubernetes
 import yaml
 from kubernetes.client.exceptions import ApiException
 from weightsync.crds import contract
+from weightsync.crds.desired import overlay
 from weightsync.e2e.environment import Environment, start_environment
 
 log = logging.getLogger("weightsync.e2e.demo")
@@ -268,12 +269,23 @@ def condition(job: Mapping[str, Any], type_: str) -> JSON:
 
 
 def job_pods(api: kubernetes.client.ApiClient, namespace: str, job: str) -> dict[str, JSON]:
-    """The job's live pods as plain JSON (not the typed models: annotations and conditions stay raw)."""
+    """The job's live pods as plain JSON (not the typed models: annotations and conditions stay raw), with
+    what the operator asks of each (its entry in the job's desired-state ConfigMap: target version, pause,
+    Atomic commit) shown as the annotations it replaced, as the operator's own rollout logic sees them."""
     core = kubernetes.client.CoreV1Api(api)
     resp: Any = core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_JOB}={job}",
                                     _preload_content=False)
     items = json.loads(resp.data)["items"]
-    return {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
+    pods = {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
+    try:
+        raw: Any = core.read_namespaced_config_map(contract.desired_configmap_name(job), namespace,
+                                                   _preload_content=False)
+        cm: Any = json.loads(raw.data)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        cm = None
+    return overlay(pods, cm)
 
 
 def pod_condition(pod: Mapping[str, Any], type_: str) -> str | None:

@@ -1,8 +1,8 @@
 """Per-job ServiceAccount, Role and RoleBinding for the agents: least privilege by resourceNames.
 
-An agent watches and patches only its own job's pods (target version and pause come in as annotations;
-the served version and the synced condition go out through the pod and pods/status) and reads only the
-job's topology ConfigMap. A single-object watch is a list/watch with fieldSelector metadata.name=<pod>,
+An agent watches and patches only its own job's pods (the served version and the synced condition go out
+through the pod and pods/status) and reads only the job's topology and desired-state ConfigMaps (target
+version, pause, membership generation and the Atomic commit come in through the latter). A single-object watch is a list/watch with fieldSelector metadata.name=<pod>,
 which the RBAC authorizer matches against resourceNames, so list and watch are granted with names too.
 """
 
@@ -41,7 +41,7 @@ def build_role(job: JobRef, pod_names: Iterable[str]) -> dict[str, Any]:
             {
                 "apiGroups": [""],
                 "resources": ["configmaps"],
-                "resourceNames": [contract.topology_configmap_name(job.name)],
+                "resourceNames": [contract.topology_configmap_name(job.name), contract.desired_configmap_name(job.name)],
                 "verbs": ["get", "list", "watch"],
             },
         ],

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import ValidationError
-from weightsync.crds import contract
+from weightsync.crds import contract, desired
 from weightsync.crds.models import ReplicaCounts, WeightSyncJob, validation_messages
-from weightsync.operator import dra, networkpolicy, podstate, proofs, rbac, secret, service
+from weightsync.operator import desiredstate, dra, networkpolicy, podstate, proofs, rbac, secret, service
 from weightsync.operator import metrics as m
 from weightsync.operator import topology as topo
 from weightsync.operator.common import JobRef, job_selector, stable_hash
@@ -45,6 +45,7 @@ from weightsync.operator.status import (
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 REASON_OBJECT_CONFLICT = "ObjectConflict"
+REASON_DESIRED_STATE_TOO_LARGE = "DesiredStateTooLarge"
 REASON_UNPROVEN_VERSION = "UnprovenVersion"  # Event: a version on a pod without a valid agent proof
 CREATE_CONCURRENCY = 8
 
@@ -202,7 +203,8 @@ class Reconciler:
             first = aggregate(spec, job.generation, plan, {}, None, None)
             self._write_status(job, prev_status, ordered(first), out)
             prev_status = out.status
-        pods = self._owned_pods(job)
+        desired_cm = self._owned(job, contract.desired_configmap_name(job.name))
+        pods = desiredstate.overlay(self._owned_pods(job), desired_cm)
         try:
             # Supporting objects first: the pods' ServiceAccount must exist before a pod can be admitted.
             self._ensure(job, rbac.build_service_account(job), out)
@@ -231,9 +233,17 @@ class Reconciler:
         tv = trainer_version(plan, pods, prev_status.get("trainerVersion"), prev_status.get("trainerEpoch") or 0)
         annotations = desired_annotations(spec, plan, states, tv, generation, pods)
         try:
-            desired_pods = build_pods(job, spec, plan, self.cfg, annotations)
+            desired_pods = build_pods(job, spec, plan, self.cfg)
         except TemplateError as err:
             problem = Problem(REASON_INVALID_TEMPLATE, str(err))
+            self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
+            return out
+        try:
+            # Before any pod is created: a new pod's agent finds its target in it.
+            desired_cm = self._ensure_desired(job, annotations, desired_cm, out)
+        except (desired.DesiredTooLarge, Conflict) as err:
+            reason = REASON_OBJECT_CONFLICT if isinstance(err, Conflict) else REASON_DESIRED_STATE_TOO_LARGE
+            problem = Problem(reason, str(err))
             self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
             return out
 
@@ -242,7 +252,8 @@ class Reconciler:
             self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
             return out
         if out.created or out.deleted:
-            pods = self._believe(job, self._owned_pods(job), prev_status, report=False)
+            pods = self._believe(job, desiredstate.overlay(self._owned_pods(job), desired_cm), prev_status,
+                                 report=False)
             states = replica_states(plan, pods)
 
         built = {p["metadata"]["name"]: p["metadata"]["annotations"].get(contract.ANN_SPEC_HASH) for p in desired_pods}
@@ -263,6 +274,27 @@ class Reconciler:
     def _owned_pods(self, job: JobRef) -> dict[str, Obj]:
         pods = self.reader.pods_of(job)
         return {p["metadata"]["name"]: p for p in pods if _controller_uid(p) == job.uid}
+
+    def _owned(self, job: JobRef, name: str, kind: str = "ConfigMap") -> Obj | None:
+        """The cached object of this job named NAME (None: absent, or a namesake job's leftover)."""
+        obj = self.reader.get(kind, job.namespace, name)
+        return obj if obj is not None and _controller_uid(obj) == job.uid else None
+
+    def _ensure_desired(self, job: JobRef, per_pod: Mapping[str, Mapping[str, str]], current: Obj | None,
+                        out: Outcome) -> Obj:
+        """Write what the pods should do into the job's desired-state ConfigMap: one write per change, however
+        many pods it retargets (a merge patch of the changed pods' keys; null for pods that are gone)."""
+        want = desiredstate.build_desired_configmap(job, per_pod)
+        name = want["metadata"]["name"]
+        if current is None:
+            return self._ensure(job, want, out)  # create (or the ownership check of a namesake)
+        patch = desired.patch_for(want["data"], current.get("data"))
+        if not patch:
+            return current
+        patched = self.kube.patch("ConfigMap", job.namespace, name, {"data": patch})
+        self.reader.assume(patched)
+        out.patched.append(f"ConfigMap/{name}")
+        return patched
 
     def _ensure(self, job: JobRef, desired: Obj, out: Outcome, existing: Obj | None = None) -> Obj:
         kind = desired["kind"]
@@ -372,49 +404,13 @@ class Reconciler:
         problem = self._create_pods(job, missing, out, mode)
         if problem is not None:
             return problem
-        patches: list[tuple[str, Obj]] = []
         for name, pod in observed.items():
-            if podstate.is_terminating(pod):
+            if podstate.is_terminating(pod) or name in wanted:
                 continue
-            if name not in wanted:
-                if self.kube.delete("Pod", job.namespace, name, uid=pod["metadata"].get("uid")):
-                    out.deleted.append(f"Pod/{name}")
-                    _log_change("deleted surplus", "Pod", job, name)
-                continue
-            want = {
-                k: v for k, v in (wanted[name]["metadata"].get("annotations") or {}).items()
-                if k in contract.DESIRED_POD_ANNOTATIONS
-            }
-            have = podstate.pod_annotations(pod)
-            diff = {k: v for k, v in want.items() if have.get(k) != v}
-            if diff:
-                patches.append((name, diff))
-        self._patch_pods(job, patches, out)
+            if self.kube.delete("Pod", job.namespace, name, uid=pod["metadata"].get("uid")):
+                out.deleted.append(f"Pod/{name}")
+                _log_change("deleted surplus", "Pod", job, name)
         return None
-
-    def _patch_pods(self, job: JobRef, patches: list[tuple[str, Obj]], out: Outcome) -> None:
-        """Send the desired-annotation patches concurrently (a new version targets every inference pod at
-        once: 256 sequential round trips would be most of publish -> status); the first error is raised."""
-
-        def patch(item: tuple[str, Obj]) -> Obj | KubeError:
-            name, diff = item
-            try:
-                return self.kube.patch("Pod", job.namespace, name, {"metadata": {"annotations": diff}})
-            except KubeError as err:
-                return err
-
-        if len(patches) <= 1:
-            results = [patch(p) for p in patches]
-        else:
-            with ThreadPoolExecutor(max_workers=min(CREATE_CONCURRENCY, len(patches))) as pool:
-                results = list(pool.map(patch, patches))
-        for (name, _), res in zip(patches, results, strict=True):
-            if isinstance(res, KubeError):
-                if res.not_found:
-                    continue  # deleted meanwhile: its deletion event brings us back
-                raise res
-            self.reader.assume(res)
-            out.patched.append(f"Pod/{name}")
 
     def _create_pods(self, job: JobRef, missing: list[Obj], out: Outcome, mode: str) -> Problem | None:
         """Create pods concurrently (a 64-replica job is 65 POSTs); the first refusal is reported."""

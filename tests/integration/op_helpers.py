@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
-from weightsync.crds import contract
+from weightsync.crds import contract, desired
 from weightsync.e2e.demo import operator_key_file
 from weightsync.e2e.procs import free_port
 
@@ -161,6 +161,12 @@ def pods_of(kube: Any, namespace: str, job: str) -> dict[str, dict[str, Any]]:
     sel = f"{contract.LABEL_JOB}={job}"
     items = raw(kube, f"/api/v1/namespaces/{namespace}/pods?labelSelector={sel}")["items"]
     return {p["metadata"]["name"]: p for p in items}
+
+
+def desired_of(kube: Any, namespace: str, job: str, pod: str) -> dict[str, str] | None:
+    """What the operator asks of POD: its entry in the job's desired-state ConfigMap (None: not named)."""
+    cm = raw(kube, f"/api/v1/namespaces/{namespace}/configmaps/{contract.desired_configmap_name(job)}")
+    return desired.decode_pod(cm.get("data"), pod)
 
 
 def live_pods(kube: Any, namespace: str, job: str) -> dict[str, dict[str, Any]]:

@@ -16,6 +16,7 @@ from op_helpers import (
     REPO,
     condition,
     create_job,
+    desired_of,
     force_delete_pods,
     free_port,
     get_job,
@@ -72,8 +73,10 @@ def _kubelet_ready(cluster: Any, namespace: str, pod: str) -> None:
 
 
 def _targets(kube: Any, ns: str, job: str) -> dict[str, str | None]:
-    return {n: (p["metadata"].get("annotations") or {}).get(contract.ANN_TARGET_VERSION)
-            for n, p in live_pods(kube, ns, job).items() if "inference" in n}
+    """The target of each inference pod, from the job's desired-state ConfigMap; none is on the pods."""
+    pods = {n: p for n, p in live_pods(kube, ns, job).items() if "inference" in n}
+    assert not any(contract.ANN_TARGET_VERSION in (p["metadata"].get("annotations") or {}) for p in pods.values())
+    return {n: (desired_of(kube, ns, job, n) or {}).get(contract.ANN_TARGET_VERSION) for n in pods}
 
 
 def test_versions_flow_from_agents_to_status_and_rollout_respects_max_unavailable(cluster, kube, namespace,
@@ -130,12 +133,21 @@ def test_versions_flow_from_agents_to_status_and_rollout_respects_max_unavailabl
                         "--type=merge", "-p", '{"spec":{"paused":true}}', check=False)
     assert r.returncode != 0 and "forbidden" in r.stderr.lower()
 
-    # spec.paused flows to the pods as an annotation and to the Paused condition.
+    # The agent reads the job's desired-state ConfigMap (as its watch does) but cannot change it.
+    cm_name = contract.desired_configmap_name("loop")
+    r = cluster.kubectl(f"--kubeconfig={agent.kubeconfig}", "-n", namespace, "get", "configmap", cm_name,
+                        "-o", "json", check=False)
+    assert r.returncode == 0, r.stderr
+    r = cluster.kubectl(f"--kubeconfig={agent.kubeconfig}", "-n", namespace, "patch", "configmap", cm_name,
+                        "--type=merge", "-p", json.dumps({"data": {inf[0]: '{"target-version":"99"}'}}), check=False)
+    assert r.returncode != 0 and "forbidden" in r.stderr.lower()
+
+    # spec.paused flows to the inference pods' entries of the desired-state ConfigMap and to the Paused condition.
     kube.custom.patch_namespaced_custom_object(contract.GROUP, contract.VERSION, namespace, contract.PLURAL, "loop",
                                                {"spec": {"paused": True}})
-    wait_until(lambda: all((p["metadata"].get("annotations") or {}).get(contract.ANN_PAUSED) == "true"
-                           for n, p in live_pods(kube, namespace, "loop").items() if "inference" in n),
-               what="paused annotations")
+    wait_until(lambda: all((desired_of(kube, namespace, "loop", n) or {}).get(contract.ANN_PAUSED) == "true"
+                           for n in live_pods(kube, namespace, "loop") if "inference" in n),
+               what="paused in the desired state")
     c = wait_until(lambda: (x := condition(get_job(kube, namespace, "loop"), "Paused")) and x["reason"] == "Pausing"
                    and x, what="Paused=False/Pausing until the engines confirm")
     assert c["status"] == "False" and "0/2" in c["message"]

@@ -66,7 +66,7 @@ def test_role_is_scoped_by_resource_names(job):
     assert by_res[("pods",)]["resourceNames"] == ["demo-trainer-0", "demo-trainer-1"]
     assert set(by_res[("pods",)]["verbs"]) == {"get", "list", "watch", "patch"}
     assert by_res[("pods/status",)]["verbs"] == ["get", "patch"]
-    assert by_res[("configmaps",)]["resourceNames"] == ["demo-topology"]
+    assert by_res[("configmaps",)]["resourceNames"] == ["demo-topology", "demo-desired"]
     assert "patch" not in by_res[("configmaps",)]["verbs"]
     assert all(r["resourceNames"] for r in role["rules"])  # nothing unscoped
     assert not any("secrets" in r["resources"] for r in role["rules"])
