@@ -464,6 +464,8 @@ class TrainerSession:
 
 
 BucketCallback = Callable[[int, list[tuple[str, torch.Tensor]]], None]
+#: (version, [(name, index, piece)]): load `piece` into `tensor[index]` of the engine's tensor `name`
+PiecesCallback = Callable[[int, list[tuple[str, tuple[slice, ...], torch.Tensor]]], None]
 
 
 class InferenceSession:
@@ -472,7 +474,11 @@ class InferenceSession:
     `on_bucket(version, [(name, tensor), ...])` must copy what it keeps: the tensors alias a staging segment
     that the agent reuses for the next bucket. `on_commit(version)` is called once per version, only after
     every bucket arrived; `on_abort(version, reason)` when a partial load is dropped. Pause and resume
-    callbacks are optional (the demo engine refuses predictions while paused). `layout` (agent/engine_layout.py:
+    callbacks are optional (the demo engine refuses predictions while paused). `on_pieces(version, [(name, index,
+    piece), ...])` (optional): a tensor that arrives in pieces (a resharded layout: trainer FSDP, engine TP) is
+    handed over piece by piece, each to be loaded into `tensor[index]` of the engine's own tensor, in place of
+    the agent assembling it first (a copy per byte of such tensors); the same rule as `on_bucket` applies (the
+    pieces alias reused memory). `layout` (agent/engine_layout.py:
     head counts, experts, expert parallelism) makes the agent send each rank its head-wise boxes instead of the
     default row split; every rank passes the same one.
     """
@@ -490,8 +496,10 @@ class InferenceSession:
         rank: int | None = None,
         served_version: int | None = None,
         layout: Mapping[str, Any] | None = None,
+        on_pieces: PiecesCallback | None = None,
     ) -> None:
         self.on_bucket = on_bucket
+        self.on_pieces = on_pieces
         if layout is not None:  # refused here, by field, rather than by the agent at every reconnect
             from weightsync.agent.engine_layout import EngineLayout
 
@@ -558,7 +566,11 @@ class InferenceSession:
             if layout.nbytes > seg.size:
                 raise ValueError(f"bucket of {layout.nbytes} B does not fit segment {seg.name} ({seg.size} B)")
             pairs = buckets.unpack(seg.tensor, layout)
-            self.on_bucket(int(h["version"]), pairs)
+            places = h.get("places")
+            if places is None:
+                self.on_bucket(int(h["version"]), pairs)
+            else:
+                self._load_pieces(int(h["version"]), pairs, places)
             if seg.tensor.is_cuda:
                 torch.cuda.synchronize(seg.tensor.device)  # the agent reuses the buffer after our reply
         elif op == "begin":
@@ -585,7 +597,29 @@ class InferenceSession:
             self._release(str(h.get("name", "")))
         elif op != "served":
             raise ValueError(f"unknown op {op!r}")
-        return {"version": self.served_version}
+        return {"version": self.served_version, **({"pieces": True} if self.on_pieces is not None else {})}
+
+    def _load_pieces(self, version: int, pairs: list[tuple[str, torch.Tensor]], places: Any) -> None:
+        """A bucket with pieces: whole tensors to on_bucket, pieces to on_pieces with their index."""
+        if self.on_pieces is None:
+            raise ValueError("the agent sent pieces of tensors to an engine that passed no on_pieces")
+        if not isinstance(places, list) or len(places) != len(pairs):
+            raise ValueError(f"a bucket of {len(pairs)} tensors with {len(places) if isinstance(places, list) else places!r} places")
+        whole = []
+        parts = []
+        for (name, t), place in zip(pairs, places, strict=True):
+            if place is None:
+                whole.append((name, t))
+                continue
+            offset, shape = [int(x) for x in place["offset"]], [int(x) for x in place["shape"]]
+            if len(offset) != t.dim() or len(shape) != t.dim() or any(
+                    o < 0 or o + n > s for o, n, s in zip(offset, t.shape, shape, strict=True)):
+                raise ValueError(f"piece of {name!r} {list(t.shape)} at {offset} does not fit its tensor {shape}")
+            parts.append((name, tuple(slice(o, o + n) for o, n in zip(offset, t.shape, strict=True)), t))
+        if whole:
+            self.on_bucket(version, whole)
+        if parts:
+            self.on_pieces(version, parts)
 
     def _drop_partial(self, reason: str) -> None:
         """A load the agent began but never finished is aborted here, so the engine never keeps half of it

@@ -30,7 +30,7 @@ from weightsync.agent.link import Link, LinkError, LinkTimeout, Mailbox, connect
 from weightsync.agent.plan import ShardTable, TensorShard, TransferPlan
 from weightsync.agent.plan_cache import PLANS
 from weightsync.agent.staging import ReceiveSlots, SharedSlotAllocator
-from weightsync.agent.sync import SyncStats, WeightReceiver
+from weightsync.agent.sync import PlacedTensors, SyncStats, WeightReceiver
 from weightsync.agent.transports.base import Transport, WorldMap
 from weightsync.agent.verify import ChecksumHooks
 from weightsync.crds.topology import PodMember, Topology
@@ -237,13 +237,33 @@ class TrainerPeers:
                     p.link.close()
 
 
-class RankedBucket(list[tuple[str, torch.Tensor]]):
+class RankedBucket(PlacedTensors):
     """One bucket's (name, tensor) pairs plus the destination rank they belong to (several inference
-    ranks can share one agent; adapters that care read `.rank`)."""
+    ranks can share one agent; adapters that care read `.rank`) and, for an engine that loads pieces,
+    where each piece goes (`.places`, see PlacedTensors)."""
 
     def __init__(self, tensors: NamedTensors, rank: int) -> None:
-        super().__init__(tensors)
+        super().__init__(tensors, getattr(tensors, "places", None))
         self.rank = rank
+
+
+def loads_pieces(adapter: EngineAdapter) -> bool:
+    """Whether the engine loads a tensor's pieces into place itself (a Custom engine whose every rank passed
+    `on_pieces`): then nothing is assembled in the agent."""
+    ask = getattr(adapter, "loads_pieces", None)
+    return bool(ask()) if callable(ask) else False
+
+
+def with_aliases(tensors: NamedTensors, alias_of: dict[str, list[str]]) -> PlacedTensors:
+    """The pairs plus every alias of their tensors (a piece's alias is the same piece, in the same place)."""
+    places = getattr(tensors, "places", {})
+    out = PlacedTensors(tensors, places)
+    for i, (n, t) in enumerate(tensors):
+        for a in alias_of.get(n, []):
+            if i in places:
+                out.places[len(out)] = places[i]
+            out.append((a, t))
+    return out
 
 
 class _BucketPipe:
@@ -420,6 +440,7 @@ def fetch_version(
     checks = {r: ChecksumHooks() if verify else None for r in my_ranks}
     hooks = {r: DigestHooks(inner=checks[r], digest=digest) for r in my_ranks}
     receivers: dict[int, WeightReceiver] = {}
+    hand_pieces = loads_pieces(adapter)
     try:
         for r in my_ranks:
             for s in plan.srcs_of(r):
@@ -447,7 +468,7 @@ def fetch_version(
             if check is not None and transport.can_refetch:
                 check.refetch = transport.refetch  # a checksum mismatch reads the bucket again before failing
             receivers[r] = WeightReceiver(plan, r, transport, links[r], timeout=timeout, device=device,
-                                          hooks=hooks[r])
+                                          hooks=hooks[r], hand_pieces=hand_pieces)
     except (LinkError, OSError) as exc:
         P.SENT_INPUTS.forget(inputs.key)  # a trainer agent may lack them (restarted, evicted): send them again
         for mb in all_links:
@@ -480,7 +501,7 @@ def fetch_version(
     def run(r: int, receiver: WeightReceiver) -> None:
         def on_bucket(tensors: NamedTensors) -> None:
             if expand_aliases and alias_of:
-                tensors = list(tensors) + [(a, t) for n, t in tensors for a in alias_of.get(n, [])]
+                tensors = with_aliases(tensors, alias_of)
             pipe.push(tensors, r)
 
         try:

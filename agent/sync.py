@@ -59,6 +59,19 @@ MAX_DIRECT_INFLIGHT = 16
 #: Receives complete (name, tensor) pairs of one bucket. The tensors are views into reusable buffers:
 #: copy (load) them before returning; they are invalid afterwards.
 OnBucket = Callable[[NamedTensors], None]
+#: Where a piece goes in the tensor its engine loads: (offset of the piece in it, the tensor's shape).
+Place = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class PlacedTensors(list[tuple[str, torch.Tensor]]):
+    """A bucket's (name, tensor) pairs where some pairs may be PIECES of the named tensor (a receiver with
+    `hand_pieces`): `places[i]` says where pair i goes in it. The engine loads each piece into its place
+    itself (its own load), instead of the agent assembling the tensor first and the engine copying that."""
+
+    def __init__(self, items: Iterable[tuple[str, torch.Tensor]] = (), places: Mapping[int, Place] | None = None
+                 ) -> None:
+        super().__init__(items)
+        self.places: dict[int, Place] = dict(places or {})
 
 
 class SyncError(RuntimeError):
@@ -434,9 +447,13 @@ class WeightReceiver(_Endpoint):
         timeout: float = 600.0,
         hooks: SyncHooks | None = None,
         world: WorldMap | None = None,
+        hand_pieces: bool = False,
     ) -> None:
         super().__init__(plan, dst(rank), transport, _mailboxes(peers), device, timeout, hooks, world)
         self.rank = rank
+        #: hand the pieces of a tensor that arrives in pieces on where they landed (PlacedTensors), for an
+        #: engine that loads them into place itself, instead of assembling it here (a copy, `unpack`)
+        self.hand_pieces = hand_pieces
         self.buckets = plan.buckets_to(rank)
         self.srcs = plan.srcs_of(rank)
         missing = [s for s in self.srcs if s not in self.peers]
@@ -651,7 +668,7 @@ class WeightReceiver(_Endpoint):
             target.copy_(data)  # one memcpy for the whole bucket instead of one per tensor
             copied += bucket.nbytes
             direct = True
-        ready: NamedTensors = []
+        ready = PlacedTensors()
         for e in bucket.entries:
             p = e.piece
             need = self.needs[p.name]
@@ -666,6 +683,11 @@ class WeightReceiver(_Endpoint):
             view = entry_view(data, e.bucket_entry)
             if p.box == need.box:
                 ready.append((p.name, view))  # the whole tensor in one piece: hand the view itself
+                continue
+            if self.hand_pieces:  # the piece where it landed, and where it goes: the engine loads it there
+                ready.places[len(ready)] = (tuple(o - n for o, n in zip(p.box.offset, need.box.offset, strict=True)),
+                                            need.box.shape)
+                ready.append((p.name, view))
                 continue
             asm = self._assembly_buffer(p.name)
             asm[p.box.slices_within(need.box)].copy_(view)

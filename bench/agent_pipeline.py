@@ -120,6 +120,10 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int) -> No
         for n, t in tensors:
             params[n].copy_(t)  # the engine's own load
 
+    def on_pieces(version: int, pieces: list[tuple[str, tuple[slice, ...], torch.Tensor]]) -> None:
+        for n, index, t in pieces:
+            params[n][index].copy_(t)  # the engine's own load, of a tensor that arrives in pieces
+
     def on_commit(version: int) -> None:
         t = time.time()
         if version == versions:  # checked before the commit line the parent waits for
@@ -135,7 +139,7 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int) -> No
         with (run / "commits.jsonl").open("a") as fh:
             fh.write(json.dumps({"rank": rank, "version": version, "t": t}) + "\n")
 
-    InferenceSession(on_bucket, on_commit, rank=rank).start()
+    InferenceSession(on_bucket, on_commit, rank=rank, on_pieces=on_pieces).start()
     threading.Event().wait()
 
 

@@ -6,7 +6,10 @@ trip per bucket); its bytes are in shared memory the app maps:
 * zero copy: the agent's transports receive into shared segments (`receive_allocator`), so tensors that
   arrived whole are handed over where they landed, as (segment, offsets), one request per segment;
 * the rest (tensors assembled from pieces, aliases) is packed into one reusable segment: one copy,
-  counted in `copied_bytes`.
+  counted in `copied_bytes`;
+* an app that loads pieces itself (`InferenceSession(on_pieces=...)`, said in its replies) gets the pieces of a
+  tensor that arrives in pieces where they landed, with their place in the tensor (`places` of the bucket
+  request): the agent then assembles nothing (fetcher.loads_pieces) and packs nothing.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class CustomEngineAdapter:
         self.receive_allocator = staging.SharedSlotAllocator(f"{prefix}-recv")
         self.copied_bytes = 0  # bytes packed into the engine segment (not handed over in place)
         self.shared_bytes = 0  # bytes handed over where the transport received them
+        self._pieces: dict[int, tuple[local.LocalConn, bool]] = {}  # rank -> (its session, loads pieces)
 
     def _request(self, rank: int, header: dict[str, Any]) -> dict[str, Any]:
         conn = self.registry.wait(rank, self.connect_timeout)
@@ -104,6 +108,20 @@ class CustomEngineAdapter:
         except (ConnectionError, OSError) as exc:
             self.registry.remove(conn)
             raise EngineError(f"Custom engine rank {rank} disconnected during {header['op']}: {exc}") from None
+
+    def loads_pieces(self) -> bool:
+        """Whether every rank's app loads pieces into place itself (asked once per app session)."""
+        for r in self.ranks:
+            if r not in self.registry.ranks():
+                return False  # not connected yet: whole tensors are safe for any app
+            conn = self.registry.wait(r, self.connect_timeout)
+            known = self._pieces.get(r)
+            if known is None or known[0] is not conn:
+                reply = self._request(r, {"op": "served"})
+                known = self._pieces[r] = (conn, reply.get("pieces") is True)
+            if not known[1]:
+                return False
+        return True
 
     def _all(self, header: dict[str, Any]) -> None:
         for r in self.ranks:
@@ -150,48 +168,61 @@ class CustomEngineAdapter:
         """Split a bucket into what already lies in shared segments the app can map, as (segment, index at
         the tensors' own offsets) per segment, and the rest (private memory, such as tensors assembled
         from pieces, and aliases that overlap another entry), which is packed."""
-        groups: dict[str, tuple[staging.Segment | staging.MappedFile, list[buckets.BucketEntry]]] = {}
-        rest: NamedTensors = []
-        for name, t in tensors:
+        shared, rest = CustomEngineAdapter._split(tensors)
+        return [(seg, layout) for seg, layout, _ in shared], [tensors[i] for i in rest]
+
+    @staticmethod
+    def _split(tensors: NamedTensors) -> tuple[list[tuple[staging.Segment | staging.MappedFile, buckets.BucketLayout,
+                                                           list[int]]], list[int]]:
+        """in_place, by index into `tensors`: (segment, layout, the pair each entry is) per segment, and the
+        indices of the pairs to pack."""
+        groups: dict[str, tuple[staging.Segment | staging.MappedFile, list[tuple[buckets.BucketEntry, int]]]] = {}
+        rest: list[int] = []
+        for i, (name, t) in enumerate(tensors):
             found = staging.SHARED.locate(t)
             if found is None:
-                rest.append((name, t))
+                rest.append(i)
                 continue
             seg, off = found
             groups.setdefault(seg.name, (seg, []))[1].append(
-                buckets.BucketEntry(name, buckets.dtype_name(t.dtype), tuple(t.shape), off))
+                (buckets.BucketEntry(name, buckets.dtype_name(t.dtype), tuple(t.shape), off), i))
         shared = []
-        by_name = dict(tensors)
-        for seg, entries in groups.values():
-            entries.sort(key=lambda e: e.offset)
-            layout = buckets.BucketLayout(tuple(entries), max(e.offset + e.nbytes for e in entries), 1)
+        for seg, items in groups.values():
+            items.sort(key=lambda x: x[0].offset)
+            entries = tuple(e for e, _ in items)
+            layout = buckets.BucketLayout(entries, max(e.offset + e.nbytes for e in entries), 1)
             try:
                 layout.validate()
             except buckets.BucketError:  # one tensor under two names overlaps itself: pack this group
-                rest.extend((e.name, by_name[e.name]) for e in entries)
+                rest.extend(i for _, i in items)
                 continue
-            shared.append((seg, layout))
-        return shared, rest
+            shared.append((seg, layout, [i for _, i in items]))
+        return shared, sorted(rest)
 
     def load_bucket(self, tensors: NamedTensors) -> None:
         if self._version is None:
             raise EngineError("load_bucket called before begin_update")
         self._release_dead_segments()
-        shared, rest = self.in_place(tensors)
-        parts: list[tuple[staging.Segment | staging.MappedFile, buckets.BucketLayout]] = list(shared)
-        self.shared_bytes += sum(e.nbytes for _, layout in shared for e in layout.entries)
+        places = getattr(tensors, "places", None) or {}
+        shared, rest = self._split(tensors)
+        parts = list(shared)
+        self.shared_bytes += sum(e.nbytes for _, layout, _ in shared for e in layout.entries)
         if rest:
-            layout = buckets.BucketLayout.build((n, t.dtype, t.shape) for n, t in rest)
+            layout = buckets.BucketLayout.build((tensors[i][0], tensors[i][1].dtype, tensors[i][1].shape) for i in rest)
             seg = self._ensure_segment(layout.nbytes)
             with torch.no_grad():
-                buckets.pack(seg.tensor, layout, [t for _, t in rest])
+                buckets.pack(seg.tensor, layout, [tensors[i][1] for i in rest])
             self.copied_bytes += sum(e.nbytes for e in layout.entries)
-            parts.append((seg, layout))
-        for seg, layout in parts:
+            parts.append((seg, layout, rest))
+        for seg, layout, index in parts:
             if seg.tensor.is_cuda:
                 torch.cuda.synchronize(seg.tensor.device)
-            self._request(self.rank, {"op": "bucket", "version": self._version, "segment": seg.handle(),
-                                      "layout": layout.to_dict()})
+            header: dict[str, Any] = {"op": "bucket", "version": self._version, "segment": seg.handle(),
+                                      "layout": layout.to_dict()}
+            if any(i in places for i in index):  # pieces: where each goes in its tensor (the app loads them there)
+                header["places"] = [None if i not in places else {"offset": list(places[i][0]),
+                                                                  "shape": list(places[i][1])} for i in index]
+            self._request(self.rank, header)
 
     def commit(self, version: int) -> None:
         self._all({"op": "commit", "version": version})

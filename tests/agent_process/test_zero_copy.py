@@ -5,7 +5,10 @@ agents count every copy they still make (weightsync_agent_copied_bytes_total{sta
 from __future__ import annotations
 
 import gc
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +31,7 @@ from weightsync.agent.engines.custom import CustomEngineAdapter
 from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import Box, build_plan, shards_of
 from weightsync.agent.server import StagingStore
-from weightsync.agent.sync import ShardPieces, in_place, source_region
+from weightsync.agent.sync import PlacedTensors, ShardPieces, in_place, source_region
 from weightsync.crds import contract
 
 
@@ -86,6 +89,65 @@ def test_custom_engine_loads_shared_slots_in_place_and_packs_the_rest(tmp_path: 
         adapter.close()
         sess.close()
         server.close()
+
+
+def test_an_engine_that_loads_pieces_gets_them_where_they_landed(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor that arrives in pieces (two sources' halves of a row-parallel weight) is not assembled: each
+    piece goes to the app where the transport put it, with its place, and the app loads it there itself."""
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    registry, server = engine_registry_server(tmp_path / "agent.sock")
+    params = {"w": torch.zeros(6, 4), "n": torch.zeros(3)}
+    got: list[tuple[str, tuple[slice, ...]]] = []
+
+    def on_bucket(version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        for n, t in tensors:
+            params[n].copy_(t)
+
+    def on_pieces(version: int, pieces: list[tuple[str, tuple[slice, ...], torch.Tensor]]) -> None:
+        for n, index, t in pieces:
+            got.append((n, index))
+            params[n][index].copy_(t)
+
+    plain = InferenceSession(on_bucket, lambda v: None, socket_path=tmp_path / "agent.sock", rank=1).start()
+    sess = InferenceSession(on_bucket, lambda v: None, socket_path=tmp_path / "agent.sock", rank=0,
+                            on_pieces=on_pieces).start()
+    adapter = CustomEngineAdapter(registry, [0], prefix="wstest", connect_timeout=10)
+    try:
+        wait_for(lambda: registry.ranks() == [0, 1], 10, "both engine ranks connected")
+        assert adapter.loads_pieces()
+        assert not CustomEngineAdapter(registry, [0, 1], prefix="wstest2", connect_timeout=10).loads_pieces()
+        w, n = torch.randn(6, 4), torch.randn(3)
+        slot = adapter.receive_allocator(1 << 16, torch.device("cpu"))
+        top, norm, bottom = _bucket_in(slot, {"top": w[:3], "n": n, "bottom": w[3:]})
+        buckets = [PlacedTensors([("w", top[1]), ("n", norm[1])], {0: ((0, 0), (6, 4))}),
+                   PlacedTensors([("w", bottom[1])], {0: ((3, 0), (6, 4))})]
+        load_version(adapter, 1, buckets, pause_generation=False)
+        assert torch.equal(params["w"], w) and torch.equal(params["n"], n)
+        assert got == [("w", (slice(0, 3), slice(0, 4))), ("w", (slice(3, 6), slice(0, 4)))]
+        assert adapter.copied_bytes == 0  # handed over in place, nothing packed
+    finally:
+        adapter.close()
+        sess.close()
+        plain.close()
+        server.close()
+
+
+def test_a_resharded_layout_copies_each_byte_once_through_real_agents() -> None:
+    """FSDP 2 -> TP 2 through real agent, trainer and Custom engine processes (bench/agent_pipeline.py, small):
+    after the first version the trainer's publish is the only copy (no pack, unpack or engine pack), and
+    the engines hold the trainer's exact bytes."""
+    bench = Path(__file__).resolve().parents[2] / "bench" / "agent_pipeline.py"
+    out = subprocess.run([sys.executable, str(bench), "--mode", "nccl", "--size-mb", "16", "--fsdp", "2",
+                          "--inference-tp", "2", "--bucket-mb", "2", "--versions", "3", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["bit_exact"] is True
+    stages = result["copies_per_byte_by_stage"]
+    assert stages["publish"] == pytest.approx(1.0, abs=0.01)
+    assert stages.get("pack", 0.0) == 0.0 and stages.get("unpack", 0.0) == 0.0
+    assert stages.get("engine_pack", 0.0) == 0.0
 
 
 def test_trainer_stages_in_the_plan_arena_so_every_bucket_is_sent_in_place(tmp_path: Path,
