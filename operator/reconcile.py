@@ -261,6 +261,7 @@ class Reconciler:
             n for n, p in pods.items()
             if podstate.is_live(p) and n in built and podstate.pod_annotations(p).get(contract.ANN_SPEC_HASH) != built[n]
         ]
+        self._patch_outdated_pods(job, outdated, annotations, out)
         status = aggregate(spec, job.generation, plan, pods, prev_status, generation, states=states, outdated=outdated)
         self._write_status(job, prev_status, ordered(status), out)
         m.record_job_status(job.namespace, job.name, out.status)
@@ -411,6 +412,34 @@ class Reconciler:
                 out.deleted.append(f"Pod/{name}")
                 _log_change("deleted surplus", "Pod", job, name)
         return None
+
+    def _patch_outdated_pods(self, job: JobRef, outdated: list[str], per_pod: Mapping[str, Mapping[str, str]],
+                             out: Outcome) -> None:
+        """Pods built from an older spec (an operator upgrade: their agent may predate `<job>-desired` and read
+        only its pod's annotations) also get their desired state as annotations, so an upgrade strands no
+        agent. Pods built by this operator never do: for them a version costs no pod write."""
+        raw = self.reader.pods_of(job)
+        have = {p["metadata"]["name"]: podstate.pod_annotations(p) for p in raw}
+        patches = [(n, diff) for n in outdated
+                   if (diff := {k: v for k, v in (per_pod.get(n) or {}).items() if have.get(n, {}).get(k) != v})]
+        if not patches:
+            return
+
+        def patch(item: tuple[str, Obj]) -> Obj | KubeError:
+            try:
+                return self.kube.patch("Pod", job.namespace, item[0], {"metadata": {"annotations": item[1]}})
+            except KubeError as err:
+                return err
+
+        with ThreadPoolExecutor(max_workers=max(1, min(CREATE_CONCURRENCY, len(patches)))) as pool:
+            results = list(pool.map(patch, patches))
+        for (name, _), res in zip(patches, results, strict=True):
+            if isinstance(res, KubeError):
+                if res.not_found:
+                    continue  # deleted meanwhile: its deletion event brings us back
+                raise res
+            self.reader.assume(res)
+            out.patched.append(f"Pod/{name}")
 
     def _create_pods(self, job: JobRef, missing: list[Obj], out: Outcome, mode: str) -> Problem | None:
         """Create pods concurrently (a 64-replica job is 65 POSTs); the first refusal is reported."""

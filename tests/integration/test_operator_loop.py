@@ -159,6 +159,29 @@ def test_versions_flow_from_agents_to_status_and_rollout_respects_max_unavailabl
                what="Paused=True once every engine confirmed")
 
 
+
+def test_pods_of_an_older_operator_also_get_their_desired_state_as_annotations(cluster, kube, namespace, operator,
+                                                                              tmp_path):
+    """An operator upgrade strands no agent: a pod built from an older spec (its agent may read only its pod's
+    annotations) gets its target on the pod too; a pod this operator built gets it only in `<job>-desired`."""
+    operator()
+    spec = separated_spec(trainer_pods=1, trainer_gpus=1, replicas=2, gpus_per_replica=1)
+    create_job(kube, namespace, "upg", spec)
+    wait_until(lambda: len(live_pods(kube, namespace, "upg")) == 3, what="pods")
+    agent = AgentKubectl(cluster, namespace, "upg-agent", tmp_path)
+    old, new = "upg-inference-0-0", "upg-inference-1-0"
+    for pod in ["upg-trainer-0", old, new]:
+        _kubelet_ready(cluster, namespace, pod)
+    cluster.kubectl("annotate", "pod", old, "-n", namespace, "--overwrite", f"{contract.ANN_SPEC_HASH}=older-operator")
+
+    agent.annotate("upg-trainer-0", contract.ANN_PUBLISHED_VERSION, "3")
+    pods = wait_until(lambda: (p := live_pods(kube, namespace, "upg"))
+                      and (p[old]["metadata"].get("annotations") or {}).get(contract.ANN_TARGET_VERSION) == "3" and p,
+                      what="the old pod's target annotation")
+    assert (desired_of(kube, namespace, "upg", old) or {}).get(contract.ANN_TARGET_VERSION) == "3"
+    assert (desired_of(kube, namespace, "upg", new) or {}).get(contract.ANN_TARGET_VERSION) == "3"
+    assert contract.ANN_TARGET_VERSION not in (pods[new]["metadata"].get("annotations") or {})
+
 def test_metrics_and_health_endpoints(kube, namespace, operator):
     port = free_port()
     op = operator(metrics_port=port)
