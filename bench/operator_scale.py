@@ -256,7 +256,8 @@ class FakeAgents:
         self.lock = threading.Lock()
         self.started: set[tuple[str, str]] = set()
         self.served: dict[tuple[str, str], int] = {}
-        self.commits: dict[tuple[str, str, int], float] = {}
+        self.commits: dict[tuple[str, str, int], float] = {}  # (namespace, pod, version) -> target seen
+        self.reported: dict[tuple[str, str, int], float] = {}  # ... -> the agent's report written
         self.errors = 0
         self.publish_times: dict[int, float] = {}
         self.pod_ann: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}  # running inference pods: job, annotations
@@ -355,6 +356,9 @@ class FakeAgents:
         try:
             self.core.patch_namespaced_pod(key[1], key[0], {"metadata": {"annotations": annotations_for(obs)}},
                                            _content_type="application/merge-patch+json", _preload_content=False)
+            if obs.served_version is not None:
+                with self.lock:
+                    self.reported[(key[0], key[1], obs.served_version)] = time.monotonic()
             cond = condition_for(obs, dt.datetime.now(dt.timezone.utc))
             if condition and cond is not None:
                 self.core.patch_namespaced_pod_status(
@@ -366,19 +370,26 @@ class FakeAgents:
             log.warning("fake agent write failed pod=%s/%s: %r", key[0], key[1], exc)
 
     def target_seen(self, namespace: str, versions: range) -> dict[str, float]:
-        """p50 over VERSIONS of publish -> the first and the last pod of NAMESPACE seeing its target: how
-        long the operator took to target the pods (the rest of publish -> status is agents and status)."""
-        first, last = [], []
+        """p50 over VERSIONS of publish -> the first and the last pod of NAMESPACE seeing its target (how
+        long the operator took to target the pods), and -> the last agent's report written (the rest of
+        publish -> status is the operator reading the reports and writing the status)."""
+        first, last, reported = [], [], []
         with self.lock:
             for v in versions:
                 seen = [t for (ns, _, ver), t in self.commits.items() if ns == namespace and ver == v]
+                done = [t for (ns, _, ver), t in self.reported.items() if ns == namespace and ver == v]
                 if seen and v in self.publish_times:
                     first.append(min(seen) - self.publish_times[v])
                     last.append(max(seen) - self.publish_times[v])
+                if done and v in self.publish_times:
+                    reported.append(max(done) - self.publish_times[v])
         if not first:
             return {}
-        return {"publish_to_first_target_p50_s": round(statistics.median(first), 3),
-                "publish_to_last_target_p50_s": round(statistics.median(last), 3)}
+        out = {"publish_to_first_target_p50_s": round(statistics.median(first), 3),
+               "publish_to_last_target_p50_s": round(statistics.median(last), 3)}
+        if reported:
+            out["publish_to_last_report_p50_s"] = round(statistics.median(reported), 3)
+        return out
 
     def close(self) -> None:
         self.stop_flag.set()
@@ -566,7 +577,7 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
             for ns in (FLEET_NS, BIG_NS):
                 core.create_namespace({"metadata": {"name": ns}})
                 wait_for(lambda ns=ns: bool(core.list_namespaced_service_account(ns).items), 60, "default SA", 0.2)
-            agents = FakeAgents(cluster.api_client, [FLEET_NS, BIG_NS]).start()
+            agents = FakeAgents(cluster.api_client, [FLEET_NS, BIG_NS], workers=args.agent_writers).start()
             watch = JobWatch(cluster.api_client, [FLEET_NS, BIG_NS])
             op.start()
 
@@ -626,8 +637,16 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
             cycle(core, watch, big, range(1, 3), pool, args.timeout)  # warm-up
             time.sleep(2.0)
             a0, o0 = apiserver_requests(api), operator_requests(op.port)
+            r0 = metrics(op.port)
             lat = cycle(core, watch, big, range(3, 3 + args.big_versions), pool, args.timeout, agents)
+            r1 = metrics(op.port)
             out["big_breakdown"] = agents.target_seen(BIG_NS, range(3, 3 + args.big_versions))
+            passes = total(r1, "weightsync_operator_reconcile_duration_seconds_count") - total(
+                r0, "weightsync_operator_reconcile_duration_seconds_count")
+            busy = total(r1, "weightsync_operator_reconcile_duration_seconds_sum") - total(
+                r0, "weightsync_operator_reconcile_duration_seconds_sum")
+            out["big_breakdown"]["operator_passes_per_version"] = round(passes / args.big_versions, 2)
+            out["big_breakdown"]["operator_pass_mean_s"] = round(busy / passes, 3) if passes else None
             time.sleep(2.0)
             a1, o1 = apiserver_requests(api), operator_requests(op.port)
             n = args.big_versions * (args.big_pods + 1)
@@ -700,6 +719,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big-pods", type=int, default=256, help="fleet mode: inference pods of the one big job")
     ap.add_argument("--big-versions", type=int, default=20, help="fleet mode: versions measured on the big job")
     ap.add_argument("--timeout", type=float, default=900.0, help="fleet mode: bound on each wait (s)")
+    ap.add_argument("--agent-writers", type=int, default=16,
+                    help="fleet mode: concurrent writes of the simulated agents (real agents write from one "
+                         "process each)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (the replica mode always does)")
     ap.add_argument("--resync", type=float, default=None,
                     help="operator resync period (default: 1 s in replica mode, for its no-op window; 30 s in fleet mode)")

@@ -11,6 +11,7 @@ pod and `tensor / podsPerReplica` inference ranks per pod).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from weightsync.crds import contract
 from weightsync.crds.models import WeightSyncJobSpec, effective_transfer_mode
@@ -93,7 +94,16 @@ class Plan:
         return {p.name: p for p in self.pods}
 
     def replica_pods(self, replica: int) -> list[PodPlan]:
-        return [p for p in self.pods if any(s.replica == replica for s in p.slots)]
+        return list(self._replica_index.get(replica, ()))
+
+    @cached_property
+    def _replica_index(self) -> dict[int, list[PodPlan]]:
+        """Replica -> its pods in plan order, built once (a scan per replica was O(pods x replicas) a pass)."""
+        out: dict[int, list[PodPlan]] = {}
+        for p in self.pods:
+            for r in dict.fromkeys(s.replica for s in p.slots):
+                out.setdefault(r, []).append(p)
+        return out
 
 
 def _trainer_pods(job: str, spec: WeightSyncJobSpec, role: str) -> list[PodPlan]:
