@@ -254,6 +254,11 @@ class MappedFile:
     def handle(self) -> dict[str, Any]:
         return {"kind": "shm", "name": self.name, "size": self.size, "dir": str(self.path.parent)}
 
+    def holds(self, holder: Any) -> bool:
+        """Whether this is the mapping held by `holder` (or one whose holder is gone)."""
+        mine = self._holder()
+        return mine is None or mine is holder
+
 
 class SharedSegments:
     """Memory of this process that another local process can map (segments it created, files a transport
@@ -267,18 +272,36 @@ class SharedSegments:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._segs: dict[str, Segment | MappedFile] = {}
+        # one file may be mapped more than once (an IPC transport per local destination rank maps the same
+        # staging file): every mapping is kept, so a tensor in any of them is found
+        self._segs: dict[str, list[Segment | MappedFile]] = {}
         self._gone: list[str] = []
 
     def add(self, seg: Segment | MappedFile) -> None:
         with self._lock:
-            self._segs[seg.name] = seg
+            maps = self._segs.setdefault(seg.name, [])
+            if not any(m is seg for m in maps):
+                maps.append(seg)
 
-    def forget(self, seg: Segment | MappedFile | str) -> None:
+    def forget(self, seg: Segment | MappedFile | str, holder: Any = None) -> None:
+        """Drop `seg` (every mapping of a name given as a string, or only the MappedFile whose mapping is
+        `holder`); the name counts as gone once no mapping of it is left."""
         name = seg if isinstance(seg, str) else seg.name
         with self._lock:
-            if self._segs.pop(name, None) is not None:
-                self._gone = [*self._gone[-(self.GONE_MAX - 1):], name]
+            maps = self._segs.get(name)
+            if not maps:
+                return
+            if not isinstance(seg, str):
+                left = [m for m in maps if m is not seg]
+            elif holder is not None:
+                left = [m for m in maps if not (isinstance(m, MappedFile) and m.holds(holder))]
+            else:
+                left = []
+            if left:
+                self._segs[name] = left
+                return
+            del self._segs[name]
+            self._gone = [*self._gone[-(self.GONE_MAX - 1):], name]
 
     def take_gone(self) -> list[str]:
         """Names that left the registry since the last call."""
@@ -293,7 +316,7 @@ class SharedSegments:
         lo = t.data_ptr()
         hi = lo + t.numel() * t.element_size()
         with self._lock:
-            segs = list(self._segs.values())
+            segs = [m for maps in self._segs.values() for m in maps]
         for seg in segs:
             base = seg.tensor
             if not base.numel() or base.device != t.device:

@@ -389,7 +389,7 @@ class IpcTransport(Transport):
 
     def _close_map(self, mapped: _ShmSegment | torch.Tensor) -> None:
         if isinstance(mapped, _ShmSegment):
-            SHARED.forget(os.path.basename(mapped.path))
+            SHARED.forget(os.path.basename(mapped.path), holder=mapped)  # this mapping only
             with contextlib.suppress(TransportError):
                 mapped.close()
 

@@ -85,3 +85,28 @@ def test_without_shared_slots_each_source_uses_its_own() -> None:
     for k, b in enumerate(plan.buckets_to(0)):
         rt.start_recv(b, k % 2).wait(1.0)
     assert all(t.own_slot_used and not t.into for t in inner.values())
+
+
+class _Mapping:
+    """What an IPC reader holds: one mapping of a shared-memory file (`.tensor`)."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.tensor = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+
+
+def test_a_file_mapped_twice_is_found_in_both_mappings_until_the_last_goes(tmp_path: Path) -> None:
+    # two local destination ranks each map the same trainer staging file (IPC, FSDP 2 -> TP 2 in one pod):
+    # a tensor in either mapping is handed to the engine in place, and dropping one keeps the other
+    path = tmp_path / "wsipc-stage-x"
+    path.write_bytes(bytes(4096))
+    first, second = _Mapping(path, 4096), _Mapping(path, 4096)
+    shared = staging.SharedSegments()
+    shared.add(staging.MappedFile(str(path), first))
+    shared.add(staging.MappedFile(str(path), second))
+    a, b = first.tensor[256:512], second.tensor[1024:2048]
+    assert [(s.name, off) for s, off in (shared.locate(a), shared.locate(b)) if s] == [(path.name, 256),
+                                                                                      (path.name, 1024)]
+    shared.forget(path.name, holder=second)
+    assert shared.locate(b) is None and shared.locate(a) is not None and shared.take_gone() == []
+    shared.forget(path.name, holder=first)
+    assert shared.locate(a) is None and shared.take_gone() == [path.name]

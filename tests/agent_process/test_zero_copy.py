@@ -133,12 +133,14 @@ def test_an_engine_that_loads_pieces_gets_them_where_they_landed(tmp_path: Path,
         server.close()
 
 
-def test_a_resharded_layout_copies_each_byte_once_through_real_agents() -> None:
-    """FSDP 2 -> TP 2 through real agent, trainer and Custom engine processes (bench/agent_pipeline.py, small):
-    after the first version the trainer's publish is the only copy (no pack, unpack or engine pack), and
-    the engines hold the trainer's exact bytes."""
+@pytest.mark.parametrize("mode", ["nccl", "ipc"])
+def test_a_resharded_layout_copies_each_byte_once_through_real_agents(mode: str) -> None:
+    """FSDP 2 -> TP 2 through real agent, trainer and Custom engine processes (bench/agent_pipeline.py, small;
+    ipc: one colocated pod, whose agent maps each trainer rank's staging once per engine rank): after the
+    first version the trainer's publish is the only copy (no pack, unpack or engine pack), and the engines
+    hold the trainer's exact bytes."""
     bench = Path(__file__).resolve().parents[2] / "bench" / "agent_pipeline.py"
-    out = subprocess.run([sys.executable, str(bench), "--mode", "nccl", "--size-mb", "16", "--fsdp", "2",
+    out = subprocess.run([sys.executable, str(bench), "--mode", mode, "--size-mb", "16", "--fsdp", "2",
                           "--inference-tp", "2", "--bucket-mb", "2", "--versions", "3", "--json"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
