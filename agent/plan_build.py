@@ -281,19 +281,22 @@ def _split(t: np.ndarray, off: np.ndarray, shp: np.ndarray, big: np.ndarray, mx:
     return t2, off2, shp2, counts
 
 
-def _whole_first(ten: np.ndarray, off: np.ndarray, shp: np.ndarray, soff: np.ndarray, sshp: np.ndarray,
-                 s_src: np.ndarray, s_grp: np.ndarray, s_len: np.ndarray
-                 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
+def _whole_first(ten: np.ndarray, numel: np.ndarray, sshp: np.ndarray, s_src: np.ndarray, s_grp: np.ndarray,
+                 s_len: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
     """Split every (source, group) stream in two: the pieces that are their source rank's whole shard,
     then the others (pieces of a shard: strided in the source's memory). Each part is packed into
     buckets of its own, so a bucket of whole shards lies in the source's staging exactly like the bucket
     (TransferPlan.arena) and is sent from there, instead of being packed because one piece in it is not.
+    A piece lies within its source's box, so it is the whole shard when it has as many elements.
     Returns (piece order or None when unchanged, stream sources, groups, lengths)."""
-    p_src = np.repeat(s_src.astype(np.int64), s_len)
-    part = np.zeros(len(ten), dtype=bool)  # True: not the source's whole shard
-    for k in range(len(off)):
-        part |= (off[k] != soff[k, p_src, ten]) | (shp[k] != sshp[k, p_src, ten])
-    del p_src
+    R, Ts = sshp.shape[1], sshp.shape[2]
+    src_numel = sshp[0].astype(np.int64)
+    for k in range(1, len(sshp)):
+        src_numel *= sshp[k]
+    flat = np.repeat(s_src.astype(np.int64) * Ts, s_len)
+    flat += ten
+    part = src_numel.reshape(R * Ts).take(flat) != numel  # True: not the source's whole shard
+    del flat, src_numel
     if not part.any() or part.all():
         return None, s_src, s_grp, s_len
     key = np.repeat(np.arange(len(s_len), dtype=np.int64) * 2, s_len)
@@ -679,7 +682,7 @@ def _plan(S0: ShardTable, N0: ShardTable, bucket_bytes: int, alignment: int) -> 
             for k in range(1, D):
                 numel *= shp[k]
     if P:
-        order, s_src, s_grp, s_len = _whole_first(ten, off, shp, soff, sshp, s_src, s_grp, s_len)
+        order, s_src, s_grp, s_len = _whole_first(ten, numel, sshp, s_src, s_grp, s_len)
         if order is not None:
             ten, off, shp, numel = ten[order], off[:, order], shp[:, order], numel[order]
     nb = numel
