@@ -21,6 +21,11 @@ A round whose prepare failed on a replica (its agent reports `sync-error`, e.g. 
 timeout of spec.transfer.timeoutSeconds) does not commit: every replica keeps serving C. The agents retry
 with back-off; once the trainer publishes a newer version the round moves to it (retry with the next
 version). Once the drain started a round is never aborted (it only waits for pods to leave the Service).
+
+A replica whose agent says nothing (hung, or cut off from the API server) would hold a round in prepare
+for ever: the operator also keeps a clock (`PrepareClock`). A round that has prepared the same version
+for longer than spec.transfer.timeoutSeconds + PREPARE_GRACE_S (the agent's own deadline fires first
+when the agent works) fails like any other prepare, naming the first replica that did not report.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from weightsync.operator.replicas import ReplicaState, VersionKey
 REASON_PREPARE_FAILED = "AtomicPrepareFailed"
 REASON_PREPARING = "AtomicPreparing"
 REASON_SWITCHING = "AtomicSwitching"
+PREPARE_GRACE_S = 60.0  # beyond the agents' own transfer deadline, before the operator calls a prepare overdue
 
 
 @dataclass(frozen=True)
@@ -109,9 +115,10 @@ def _failure(s: ReplicaState, pods: Mapping[str, Mapping[str, Any]], version: Ve
 
 
 def decide(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]],
-           trainer: VersionKey | None) -> AtomicRound:
+           trainer: VersionKey | None, overdue: OverduePrepare | None = None) -> AtomicRound:
     """The round's state from the observed pods (level-triggered: the operator's own commit annotations on
-    the pods are its memory, so a restarted operator carries on)."""
+    the pods are its memory, so a restarted operator carries on). OVERDUE: the version whose prepare the
+    operator's clock says took too long (see PrepareClock)."""
     live = [pods[n] for s in states for n in s.pod_names if podstate.is_live(pods.get(n))]
     committed = _max(annotation_key(p, contract.ANN_COMMITTED_VERSION, contract.ANN_COMMITTED_EPOCH) for p in live)
     commit = _max(annotation_key(p, contract.ANN_COMMIT_VERSION, contract.ANN_COMMIT_EPOCH) for p in live)
@@ -140,6 +147,9 @@ def decide(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]],
     if version is not None:
         failure = next((f for s in members if _replica_prepared(s, pods) != version
                         and (f := _failure(s, pods, version)) is not None), None)
+    if failure is None and version is not None and overdue is not None and overdue.version == version:
+        failure = next((PrepareFailure(version, s.replica, s.pod_names[0], overdue.message)
+                        for s in members if _replica_prepared(s, pods) != version), None)
     if version is None or (failure is not None and newer is not None and newer > version):
         version = newer  # a new round, or a failed one retried with the trainer's newer version
         failure = None if version is None else next(
@@ -152,6 +162,40 @@ def decide(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]],
         failure = None
     targets = {s.replica: version if s.replica in commit_set else committed for s in states}
     return AtomicRound(committed, commit, targets, commit_set, version, failure)
+
+
+@dataclass(frozen=True)
+class OverduePrepare:
+    version: VersionKey
+    message: str
+
+
+class PrepareClock:
+    """When this operator process first saw each job's round prepare its version (in memory: after a restart
+    the clock starts again, which only delays the verdict)."""
+
+    def __init__(self) -> None:
+        self._since: dict[tuple[str, str], tuple[VersionKey, float]] = {}
+
+    def overdue(self, job: tuple[str, str], preparing: VersionKey | None, now: float,
+                deadline_s: float) -> OverduePrepare | None:
+        """Note that JOB's round prepares PREPARING (None: no prepare under way) at NOW; the prepare if it
+        has lasted longer than DEADLINE_S."""
+        if preparing is None:
+            self._since.pop(job, None)
+            return None
+        seen = self._since.get(job)
+        if seen is None or seen[0] != preparing:
+            self._since[job] = (preparing, now)
+            return None
+        if now - seen[1] <= deadline_s:
+            return None
+        return OverduePrepare(preparing, f"did not report version {preparing[1]} prepared within {deadline_s:.0f} s "
+                                         "(spec.transfer.timeoutSeconds + 60 s): its agent is hung or cannot "
+                                         "reach the API server; check its log")
+
+    def forget(self, job: tuple[str, str]) -> None:
+        self._since.pop(job, None)
 
 
 def pod_annotations(r: AtomicRound) -> dict[str, str]:

@@ -20,7 +20,17 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 from weightsync.crds import contract, desired
 from weightsync.crds.models import ReplicaCounts, WeightSyncJob, validation_messages
-from weightsync.operator import desiredstate, dra, networkpolicy, podstate, proofs, rbac, secret, service
+from weightsync.operator import (
+    atomic,
+    desiredstate,
+    dra,
+    networkpolicy,
+    podstate,
+    proofs,
+    rbac,
+    secret,
+    service,
+)
 from weightsync.operator import metrics as m
 from weightsync.operator import topology as topo
 from weightsync.operator.common import JobRef, job_selector, stable_hash
@@ -161,6 +171,7 @@ class Reconciler:
         self._unchecked_warned: set[tuple[str, str, str]] = set()
         # per job: what was built from its spec last time, and from what (see _memo)
         self._built: dict[tuple[str, str], dict[str, tuple[Any, Any]]] = {}
+        self._prepare_clock = atomic.PrepareClock()  # Atomic rounds: since when each job prepares its version
 
     # --- entry points ----------------------------------------------------------------------------------
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
@@ -169,6 +180,7 @@ class Reconciler:
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             m.forget_job(namespace, name)
             self._built.pop((namespace, name), None)
+            self._prepare_clock.forget((namespace, name))
             return None
         start = self.clock()
         try:
@@ -237,7 +249,12 @@ class Reconciler:
 
         states = replica_states(plan, pods)
         tv = trainer_version(plan, pods, prev_status.get("trainerVersion"), prev_status.get("trainerEpoch") or 0)
-        annotations = desired_annotations(spec, plan, states, tv, generation, pods)
+        overdue = None
+        if spec.update_policy.strategy == "Atomic":
+            overdue = self._prepare_clock.overdue(
+                (job.namespace, job.name), atomic.decide(states, pods, tv).preparing, self.clock(),
+                spec.transfer.timeout_seconds + atomic.PREPARE_GRACE_S)
+        annotations = desired_annotations(spec, plan, states, tv, generation, pods, overdue)
         try:
             desired_pods = self._memo(job, "pods", None, lambda: build_pods(job, spec, plan, self.cfg))
         except TemplateError as err:
@@ -268,7 +285,8 @@ class Reconciler:
             if podstate.is_live(p) and n in built and podstate.pod_annotations(p).get(contract.ANN_SPEC_HASH) != built[n]
         ]
         self._patch_outdated_pods(job, outdated, annotations, out)
-        status = aggregate(spec, job.generation, plan, pods, prev_status, generation, states=states, outdated=outdated)
+        status = aggregate(spec, job.generation, plan, pods, prev_status, generation, states=states, outdated=outdated,
+                           atomic_overdue=overdue)
         self._write_status(job, prev_status, ordered(status), out)
         m.record_job_status(job.namespace, job.name, out.status)
         if out.status_written:

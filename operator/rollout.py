@@ -71,13 +71,14 @@ def desired_annotations(
     trainer_version: VersionKey | None,
     membership_generation: int,
     pods: Mapping[str, Mapping[str, Any]] | None = None,
+    atomic_overdue: atomic.OverduePrepare | None = None,
 ) -> dict[str, dict[str, str]]:
     """Pod name -> the operator-owned annotations it should carry (`pods`: the observed pods, for sync errors).
     strategy Atomic: the targets and commit annotations of operator/atomic.py instead of waves."""
     pods = pods or {}
     commit_ann: dict[str, str] = {}
     if spec.update_policy.strategy == "Atomic":
-        round_ = atomic.decide(states, pods, trainer_version)
+        round_ = atomic.decide(states, pods, trainer_version, atomic_overdue)
         targets = round_.targets
         commit_ann = atomic.pod_annotations(round_)
     else:

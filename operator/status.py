@@ -89,6 +89,7 @@ def aggregate(
     now: datetime | None = None,
     states: list[ReplicaState] | None = None,
     outdated: Sequence[str] = (),
+    atomic_overdue: atomic.OverduePrepare | None = None,
 ) -> WeightSyncJobStatus:
     """`outdated`: live pods built from an older spec (a mutable field such as bucketSizeMB changed). They
     are not recreated behind the user's back (a trainer restart loses progress); the condition says so."""
@@ -167,7 +168,7 @@ def aggregate(
             "inference replicas are Ready",
         )
 
-    round_ = atomic.decide(states, pods, tv_key) if spec.update_policy.strategy == "Atomic" else None
+    round_ = atomic.decide(states, pods, tv_key, atomic_overdue) if spec.update_policy.strategy == "Atomic" else None
     # Synced: every replica serves the newest published version.
     if round_ is not None and round_.failure is not None:
         put(contract.COND_SYNCED, "False", atomic.REASON_PREPARE_FAILED, round_.failure.message(round_.committed))

@@ -118,6 +118,39 @@ def test_a_failed_prepare_keeps_every_replica_on_the_committed_version(separated
     assert r.preparing == (0, 3) and _ann(ann, contract.ANN_TARGET_VERSION) == ["3"] * N
 
 
+def test_a_replica_that_never_reports_fails_the_round_once_the_operators_clock_runs_out(separated):
+    spec = _spec(separated)
+    p = plan("demo", spec)
+    silent = _inf(2, target=2)  # targeted, no prepared-version and no sync-error: a hung agent
+    pods = _pods(p, r0=_inf(0, target=2, prepared=2), r1=_inf(1, target=2, prepared=2), r2=silent,
+                 r3=_inf(3, target=2, prepared=2))
+    states = replica_states(p, pods)
+    clock, deadline = atomic.PrepareClock(), spec.transfer.timeout_seconds + atomic.PREPARE_GRACE_S
+    preparing = atomic.decide(states, pods, (0, 2)).preparing
+    assert preparing == (0, 2)
+    assert clock.overdue(("ns", "demo"), preparing, 100.0, deadline) is None  # first seen: the clock starts
+    assert clock.overdue(("ns", "demo"), preparing, 100.0 + deadline, deadline) is None  # not yet
+    assert clock.overdue(("ns", "other"), preparing, 100.0 + deadline + 1, deadline) is None  # per job
+    overdue = clock.overdue(("ns", "demo"), preparing, 100.0 + deadline + 1, deadline)
+    assert overdue is not None and overdue.version == (0, 2)
+
+    r = atomic.decide(states, pods, (0, 2), overdue)
+    assert r.commit == (0, 1) and r.failure is not None and r.failure.replica == 2 and r.failure.pod == _name(2)
+    st = aggregate(spec, 1, p, pods, None, 1, now=T0, atomic_overdue=overdue)
+    synced = cond(st, contract.COND_SYNCED)
+    assert synced.reason == atomic.REASON_PREPARE_FAILED and "did not report version 2 prepared" in synced.message
+    assert "stays on version 1" in synced.message and st.committed_version == 1
+    ann = desired_annotations(spec, p, states, (0, 2), 1, pods, overdue)
+    assert _ann(ann, contract.ANN_COMMITTED_VERSION) == ["1"] * N  # nothing committed
+    # the trainer publishes 3: the round retries with it, and the clock starts again for version 3
+    r = atomic.decide(states, pods, (0, 3), overdue)
+    assert r.preparing == (0, 3) and r.failure is None
+    assert clock.overdue(("ns", "demo"), r.preparing, 100.0 + deadline + 2, deadline) is None
+    # once every replica prepared, an old overdue verdict does not stop the drain
+    pods = {**pods, _name(2): _inf(2, target=2, prepared=2)}
+    assert atomic.decide(replica_states(p, pods), pods, (0, 2), overdue).commit == (0, 2)
+
+
 def test_a_joining_replica_is_not_waited_for(separated):
     spec = _spec(separated)
     p = plan("demo", spec)
