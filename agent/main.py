@@ -196,6 +196,10 @@ MEMBERSHIP_WAIT = 180.0  # a new pod can start before the topology ConfigMap upd
 # Degraded reason): long enough for a small engine to start, short enough that a wrong engine.port shows
 # within a minute. A large model may take longer to start; the message says so.
 PROGRESS_INTERVAL = 1.0  # seconds between two progress writes on the pod (API load)
+# A load shows progress on the pod only once it has lasted this long: a load done sooner costs one pod write
+# per version (its report), not three (first bucket, last bucket, report), which at hundreds of pods is
+# most of the API server's work per version.
+PROGRESS_AFTER = float(os.environ.get("WEIGHTSYNC_PROGRESS_AFTER_SECONDS", str(PROGRESS_INTERVAL)))
 ENGINE_UNREACHABLE_AFTER = float(os.environ.get("WEIGHTSYNC_ENGINE_UNREACHABLE_SECONDS", "30"))
 
 
@@ -918,14 +922,16 @@ class Agent:
 
     def _progress_reporter(self, version: int) -> Callable[[int, int, int, int], None]:
         """Report a load's progress on the pod (annotation weightsync.io/sync-progress, then
-        status.inferenceReplicas[].progress) at most once a second, and count it in the metrics."""
-        last = [0.0]
+        status.inferenceReplicas[].progress) once it has lasted PROGRESS_AFTER, then at most once a second
+        (the version's report follows the last bucket at once), and count it in the metrics."""
+        start = time.monotonic()
+        last = [start - PROGRESS_INTERVAL]
 
         def report(bucket: int, buckets: int, nbytes: int, total: int) -> None:
             self.metrics.sync_progress_buckets.set(bucket)
             self.metrics.sync_progress_bytes.set(nbytes)
             now = time.monotonic()
-            if self.pod is None or (now - last[0] < PROGRESS_INTERVAL and bucket < buckets):
+            if self.pod is None or bucket >= buckets or now - start < PROGRESS_AFTER or now - last[0] < PROGRESS_INTERVAL:
                 return
             last[0] = now
             self.pod.update(sync_progress={"version": version, "bucket": bucket, "buckets": buckets,

@@ -103,7 +103,8 @@ def test_a_load_reports_its_progress_on_the_pod_and_removes_it_when_done(cluster
     watcher.start()
     c.start_agent(t)
     c.start_agent(i, **{contract.ENV_KUBE_ENABLED: "true", "KUBECONFIG": str(cluster.kubeconfig),
-                        contract.ENV_NAMESPACE: namespace})
+                        contract.ENV_NAMESPACE: namespace,
+                        "WEIGHTSYNC_PROGRESS_AFTER_SECONDS": "0"})  # these loads are short: show them anyway
     c.start_engine(i)
     c.start_trainer(t, "--versions", "2", "--interval", "0.5")
     wait_for(lambda: engine_version(i) == 2, 120, "engine at v2", c)
@@ -113,6 +114,39 @@ def test_a_load_reports_its_progress_on_the_pod_and_removes_it_when_done(cluster
     assert seen, "no progress was reported during the loads"
     for p in seen:
         assert 1 <= p["bucket"] <= p["buckets"] and 0 < p["bytes"] <= p["totalBytes"], p
-    finals = [p for p in seen if p["bucket"] == p["buckets"]]
-    assert finals and finals[-1]["bytes"] == finals[-1]["totalBytes"] >= 16 << 20, seen
+    assert all(p["bucket"] < p["buckets"] and p["totalBytes"] >= 16 << 20 for p in seen), seen  # the last
+    # bucket writes no progress: the version's report (which removes it) follows at once
     assert {p["version"] for p in seen} <= {1, 2}
+
+
+def test_a_short_load_costs_one_pod_write_per_version(cluster: Any, kube: Any, namespace: str, tmp_path: Path,
+                                                      clusters: list[Cluster]) -> None:
+    """At hundreds of pods the agents' writes are most of the API server's work per version: a load done
+    within WEIGHTSYNC_PROGRESS_AFTER_SECONDS (1 s) writes no progress, only the version's report."""
+    import urllib.request
+
+    c = Cluster(tmp_path, mode="NCCL")
+    clusters.append(c)
+    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
+    c.write_topology()
+    kube.core.create_namespaced_pod(namespace, _gated_pod(i.name))
+    c.start_agent(t)
+    c.start_agent(i, **{contract.ENV_KUBE_ENABLED: "true", "KUBECONFIG": str(cluster.kubeconfig),
+                        contract.ENV_NAMESPACE: namespace})
+    c.start_engine(i)
+
+    def writes() -> float:
+        text = urllib.request.urlopen(f"{i.metrics_url}/metrics", timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith('weightsync_agent_api_writes_total{kind="annotations"}'))
+
+    c.start_trainer(t, "--versions", "6", "--interval", "1.5")
+    wait_for(lambda: engine_version(i) == 2, 120, "engine at v2", c)
+    wait_for(lambda: (kube.core.read_namespaced_pod(i.name, namespace).metadata.annotations or {})
+             .get(contract.ANN_SERVED_VERSION) == "2", 30, "v2 reported", c)
+    before = writes()
+    wait_for(lambda: engine_version(i) == 6, 120, "engine at v6", c)
+    wait_for(lambda: (kube.core.read_namespaced_pod(i.name, namespace).metadata.annotations or {})
+             .get(contract.ANN_SERVED_VERSION) == "6", 30, "v6 reported", c)
+    assert writes() - before == 4  # versions 3, 4, 5, 6: one annotation patch each
