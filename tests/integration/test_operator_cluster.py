@@ -287,7 +287,8 @@ def test_restarting_the_operator_changes_nothing(kube, namespace, operator):
     create_job(kube, namespace, "calm", separated_spec(trainer_pods=1, trainer_gpus=2, replicas=1, gpus_per_replica=2))
     _wait_scheduled(kube, namespace, "calm", 2)
     before = _stable(kube, namespace, "calm")
-    assert len(before) == 11  # job, 2 pods, 2 services (peer, routing), configmap, secret, SA, role, binding, netpol
+    # job, 2 pods, 2 services (peer, routing), 2 configmaps (topology, desired state), secret, SA, role, binding, netpol
+    assert len(before) == 12
     secret_before = token_of(kube.core.read_namespaced_secret("calm-token", namespace).to_dict())
     assert op.stop() == 0
     op2 = operator()
@@ -302,7 +303,7 @@ def test_deleting_the_job_garbage_collects_everything(kube, namespace, operator)
     operator()
     create_job(kube, namespace, "gone", separated_spec(trainer_pods=1, trainer_gpus=1, replicas=1, gpus_per_replica=1))
     _wait_scheduled(kube, namespace, "gone", 2)
-    wait_until(lambda: len(_owned_objects(kube, namespace, "gone")) == 11, what="all owned objects")
+    wait_until(lambda: len(_owned_objects(kube, namespace, "gone")) == 12, what="all owned objects")
     kube.custom.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, namespace, contract.PLURAL, "gone")
 
     def collected() -> bool:
@@ -326,6 +327,7 @@ def _owned_objects_after_delete(kube: Any, ns: str, job: str) -> set[str]:
         "Service": f"/api/v1/namespaces/{ns}/services/{job}",
         "RoutingService": f"/api/v1/namespaces/{ns}/services/{job}-inference",
         "ConfigMap": f"/api/v1/namespaces/{ns}/configmaps/{job}-topology",
+        "DesiredConfigMap": f"/api/v1/namespaces/{ns}/configmaps/{job}-desired",
         "Secret": f"/api/v1/namespaces/{ns}/secrets/{job}-token",
         "ServiceAccount": f"/api/v1/namespaces/{ns}/serviceaccounts/{job}-agent",
         "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles/{job}-agent",
