@@ -18,18 +18,25 @@ def _gated_pod(name: str) -> dict[str, Any]:
                      "containers": [{"name": "engine", "image": "example.invalid/engine:1"}]}}
 
 
-def test_agent_reports_on_its_pod_and_follows_pause(cluster: Any, kube: Any, namespace: str, tmp_path: Path,
-                                                     clusters: list[Cluster]) -> None:
-    c = Cluster(tmp_path, mode="NCCL")
-    clusters.append(c)
+def _kube_pair(c: Cluster, cluster: Any, kube: Any, namespace: str, **env: str) -> tuple[Any, Any]:
+    """A trainer pod and an inference pod whose agent talks to the API server (ENV on it), both started with
+    the engine; the trainer is started by the test."""
     t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
     i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
     c.write_topology()
     kube.core.create_namespaced_pod(namespace, _gated_pod(i.name))
     c.start_agent(t)
     c.start_agent(i, **{contract.ENV_KUBE_ENABLED: "true", "KUBECONFIG": str(cluster.kubeconfig),
-                        contract.ENV_NAMESPACE: namespace, contract.ENV_MAX_STALENESS: "0"})
+                        contract.ENV_NAMESPACE: namespace, **env})
     c.start_engine(i)
+    return t, i
+
+
+def test_agent_reports_on_its_pod_and_follows_pause(cluster: Any, kube: Any, namespace: str, tmp_path: Path,
+                                                     clusters: list[Cluster]) -> None:
+    c = Cluster(tmp_path, mode="NCCL")
+    clusters.append(c)
+    t, i = _kube_pair(c, cluster, kube, namespace, **{contract.ENV_MAX_STALENESS: "0"})
     c.start_trainer(t, "--versions", "3", "--interval", "0.5")
 
     def pod() -> Any:
@@ -82,10 +89,8 @@ def test_a_load_reports_its_progress_on_the_pod_and_removes_it_when_done(cluster
     c = Cluster(tmp_path, mode="NCCL")
     clusters.append(c)
     c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = "2048"  # fc2 is 16 MiB: a load spans many 1 MiB buckets
-    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
-    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
-    c.write_topology()
-    kube.core.create_namespaced_pod(namespace, _gated_pod(i.name))
+    # these loads are short: show their progress anyway
+    t, i = _kube_pair(c, cluster, kube, namespace, WEIGHTSYNC_PROGRESS_AFTER_SECONDS="0")
     seen: list[dict[str, Any]] = []
     stop = threading.Event()
 
@@ -101,11 +106,6 @@ def test_a_load_reports_its_progress_on_the_pod_and_removes_it_when_done(cluster
 
     watcher = threading.Thread(target=record, daemon=True)
     watcher.start()
-    c.start_agent(t)
-    c.start_agent(i, **{contract.ENV_KUBE_ENABLED: "true", "KUBECONFIG": str(cluster.kubeconfig),
-                        contract.ENV_NAMESPACE: namespace,
-                        "WEIGHTSYNC_PROGRESS_AFTER_SECONDS": "0"})  # these loads are short: show them anyway
-    c.start_engine(i)
     c.start_trainer(t, "--versions", "2", "--interval", "0.5")
     wait_for(lambda: engine_version(i) == 2, 120, "engine at v2", c)
     wait_for(lambda: contract.ANN_SYNC_PROGRESS not in (kube.core.read_namespaced_pod(i.name, namespace)
@@ -127,14 +127,7 @@ def test_a_short_load_costs_one_pod_write_per_version(cluster: Any, kube: Any, n
 
     c = Cluster(tmp_path, mode="NCCL")
     clusters.append(c)
-    t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
-    i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
-    c.write_topology()
-    kube.core.create_namespaced_pod(namespace, _gated_pod(i.name))
-    c.start_agent(t)
-    c.start_agent(i, **{contract.ENV_KUBE_ENABLED: "true", "KUBECONFIG": str(cluster.kubeconfig),
-                        contract.ENV_NAMESPACE: namespace})
-    c.start_engine(i)
+    t, i = _kube_pair(c, cluster, kube, namespace)
 
     def writes() -> float:
         text = urllib.request.urlopen(f"{i.metrics_url}/metrics", timeout=5).read().decode()
