@@ -455,6 +455,8 @@ class Reconciler:
         """Pods built from an older spec (an operator upgrade: their agent may predate `<job>-desired` and read
         only its pod's annotations) also get their desired state as annotations, so an upgrade strands no
         agent. Pods built by this operator never do: for them a version costs no pod write."""
+        if not outdated:
+            return
         raw = self.reader.pods_of(job)
         have = {p["metadata"]["name"]: podstate.pod_annotations(p) for p in raw}
         patches = [(n, diff) for n in outdated
