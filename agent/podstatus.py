@@ -308,7 +308,7 @@ class PodLink:
                     self._cm_rv = w.resource_version or self._cm_rv
             except ApiException as exc:
                 if exc.status == 410:  # too old: re-read and start over
-                    self._seed_configmap()
+                    self._cm_rv = None  # a watch without one starts with the object as it is now
                 else:
                     log.warning("desired-state watch failed status=%s: %s", exc.status, exc.reason)
                     self._stop.wait(30.0 if exc.status == 403 else 1.0)
