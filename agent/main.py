@@ -40,6 +40,7 @@ from weightsync.agent.layout import LayoutError
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.plan import TensorShard, TransferPlan
 from weightsync.agent.podstatus import Desired, PodLink, synced_state
+from weightsync.agent.ring import RingStaging, staging_mode_from_env
 from weightsync.agent.server import StagedVersion, StagingError, StagingStore, WeightServer
 from weightsync.agent.staging import cleanup_stale, shm_dir
 from weightsync.crds import contract
@@ -320,7 +321,8 @@ class Agent:
         self.server: WeightServer | None = None
         if self.tmember is not None:
             self.store = StagingStore(self.tmember.ranks, self.prefix, on_complete=self._on_complete,
-                                      keep=staged_versions_to_keep(cfg.engine_type))
+                                      keep=staged_versions_to_keep(cfg.engine_type), ring=self._ring(cfg))
+            self.metrics.snapshot_bytes.set_function(self.store.snapshot_bytes)
             self.server = WeightServer(
                 host=cfg.pod_ip, port=cfg.control_port, token=self.token, pod=cfg.pod_name, store=self.store,
                 transport_for=lambda g, p, role: self.cache.get(g, p, role=role), metrics=self.metrics, mode=self.mode,
@@ -338,6 +340,22 @@ class Agent:
         self.local = local.LocalServer(cfg.socket_path, self._local)
         self.health = HealthServer(cfg.pod_ip, cfg.metrics_port, self.metrics.registry, self._health)
 
+    def _ring(self, cfg: AgentConfig) -> RingStaging | None:
+        """Ring staging (agent/ring.py) when WEIGHTSYNC_STAGING=ring and the transfer can send from it; else
+        None (whole-version staging), with the reason logged."""
+        try:
+            mode, depth = staging_mode_from_env()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if mode != "ring":
+            return None
+        if self.delta is not None:
+            log.warning("WEIGHTSYNC_STAGING=ring ignored: delta sync encodes each bucket against the previous "
+                        "version's, which needs send slots of its own; whole versions are staged")
+            return None
+        log.info("staging: ring of %s bucket slots per transfer on %s", depth, cfg.device)
+        return RingStaging(self.prefix, depth, cfg.device)
+
     # --- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> Agent:
         self.local.start()
@@ -347,7 +365,8 @@ class Agent:
         if self.cfg.kube_enabled:
             self.pod = PodLink(self.cfg.namespace, self.cfg.pod_name, self._on_desired, self.metrics,
                                token=self.token,
-                               desired_configmap=contract.desired_configmap_name(self.cfg.job)).start()
+                               desired_configmap=contract.desired_configmap_name(self.cfg.job),
+                               job=self.cfg.job).start()
             self.desired = self.pod.desired
             own = self.pod.own_versions()  # what this pod's agent wrote before a restart (proven)
             if self.store is not None:
@@ -392,6 +411,20 @@ class Agent:
                 return
             conn.reply_ok(pod=self.cfg.pod_name, role=self.cfg.role, job=self.cfg.job)
             self._trainer_conn(conn, str(hello.get("session") or ""))
+        elif kind == "trainer_stream":  # ring staging: the agent asks this trainer rank to fill ring slots
+            ring = self.store.ring if self.store is not None else None
+            if ring is None:
+                conn.reply_error("this agent does not stream versions (WEIGHTSYNC_STAGING is not ring)")
+                return
+            conn.reply_ok(pod=self.cfg.pod_name)
+            ring.attach(rank, conn)
+            try:
+                while not self._stop.is_set() and ring.holds(rank, conn):
+                    if local.peer_closed(conn.sock, 1.0):
+                        log.info("trainer rank %s closed its stream connection", rank)
+                        break
+            finally:
+                ring.detach(rank, conn)
         elif kind == "inference":
             if self.islot is None:
                 conn.reply_error(f"this agent's role is {self.cfg.role}: it has no engine side")
@@ -480,9 +513,19 @@ class Agent:
                 if op == "stage":
                     t0 = time.perf_counter()
                     reply = self.store.stage_request(int(h["rank"]), int(h["version"]), int(h["nbytes"]),
-                                                     str(h.get("device", "cpu")), session=session)
+                                                     str(h.get("device", "cpu")), session=session,
+                                                     stream=h.get("stream") is True)
                     self._stage_t0 = t0
                     conn.reply_ok(**reply)
+                elif op == "publish_stream":  # ring staging: metadata only, the trainer keeps the bytes
+                    snap = int(h.get("snapshot_bytes") or 0)
+                    sv = self.store.publish_stream(int(h["rank"]), int(h["version"]), h.get("tensors"),
+                                                   dict(h.get("aliases") or {}), snapshot_bytes=snap)
+                    self.metrics.copied_bytes.labels("snapshot").inc(snap)
+                    self.metrics.publish_seconds.observe(time.perf_counter() - getattr(self, "_stage_t0", 0.0))
+                    conn.reply_ok(version=sv.version, complete=sv.complete)
+                elif op == "release":  # a held streamed version: its trainer returned from publish
+                    conn.reply_ok(withdrawn=self.store.withdraw(int(h["version"])))
                 elif op == "publish":
                     sv = self.store.publish(int(h["rank"]), int(h["version"]), str(h["segment"]), h.get("tensors"),
                                             dict(h.get("aliases") or {}))
@@ -509,7 +552,8 @@ class Agent:
         self.published_epoch = self.store.trainer_epoch
         self.metrics.published_version.set(sv.version)
         self.metrics.staged_bytes.inc(sv.nbytes)
-        self.metrics.copied_bytes.labels("publish").inc(sv.nbytes)
+        if not sv.streamed:  # a streamed version is copied by each transfer's fills (WeightServer counts them)
+            self.metrics.copied_bytes.labels("publish").inc(sv.nbytes)
         log.info("version staged version=%s bytes=%s ranks=%s", sv.version, sv.nbytes, sorted(sv.ranks))
         if self.server is not None:
             self.server.announce(sv.version, self.published_epoch)

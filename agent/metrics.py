@@ -52,6 +52,9 @@ class AgentMetrics:
             "weightsync_agent_staging_peak_bytes", "Most staging memory this agent held at once since it started",
             registry=r)
         self.staging_peak_bytes.set_function(lambda: STAGING.peak)
+        self.snapshot_bytes = Gauge(
+            "weightsync_agent_trainer_snapshot_bytes", "Ring staging: memory the local trainer processes hold as "
+            "snapshots of the versions this agent streams (device memory for CUDA tensors; 0 when held)", registry=r)
         self.sync_seconds = Histogram(
             "weightsync_agent_sync_seconds", "Seconds to fetch, load and commit one version (inference)",
             ["mode"], buckets=_SECONDS, registry=r)
@@ -85,6 +88,12 @@ class AgentMetrics:
             registry=r)
         self.api_writes = Counter(
             "weightsync_agent_api_writes_total", "Writes to the Kubernetes API, by kind", ["kind"], registry=r)
+        self.reports_pushed = Counter(
+            "weightsync_agent_reports_pushed_total", "Reports pushed to the operator, by result (taken; refused "
+            "or failed: the pod is written at once instead)", ["result"], registry=r)
+        self.report_push_seconds = Histogram(
+            "weightsync_agent_report_push_seconds", "Seconds per report pushed to the operator",
+            buckets=_SECONDS, registry=r)
         self.api_write_seconds = Histogram(
             "weightsync_agent_api_write_seconds", "Seconds per Kubernetes API write", ["kind"],
             buckets=_SECONDS, registry=r)

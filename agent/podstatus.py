@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from weightsync.agent.metrics import AgentMetrics
-from weightsync.crds import contract, desired, version_proof
+from weightsync.crds import contract, desired, report_push, version_proof
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,40 @@ def condition_for(obs: Observed, now: dt.datetime) -> dict[str, Any] | None:
     }
 
 
+def report_write_delay(env: dict[str, str] | None = None) -> float:
+    """contract.ENV_REPORT_WRITE_DELAY: seconds (>= 0; default 5)."""
+    raw = (os.environ if env is None else env).get(contract.ENV_REPORT_WRITE_DELAY, "")
+    try:
+        value = float(raw) if raw else 5.0
+    except ValueError:
+        log.warning("ignoring %s=%r: not a number of seconds", contract.ENV_REPORT_WRITE_DELAY, raw)
+        return 5.0
+    return max(0.0, min(value, 60.0))
+
+
+def push_report(url: str, body: bytes, timeout: float = 1.0) -> tuple[int, str]:
+    """POST one report to the operator: (HTTP status, message); (0, why) when there was no answer."""
+    import http.client
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    try:
+        conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout)
+        try:
+            conn.request("POST", parts.path, body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            raw = resp.read(4096)
+        finally:
+            conn.close()
+    except (OSError, http.client.HTTPException, ValueError) as err:
+        return 0, str(err)
+    try:
+        message = str(json.loads(raw).get("message", ""))
+    except (ValueError, AttributeError):
+        message = raw[:200].decode(errors="replace")
+    return resp.status, message
+
+
 def load_kube_config() -> Any:
     """A CoreV1Api from KUBECONFIG when set, else the in-cluster config (the pod's projected token)."""
     from kubernetes import client, config
@@ -179,9 +213,19 @@ class PodLink:
 
     def __init__(self, namespace: str, name: str, on_desired: Callable[[Desired], None],
                  metrics: AgentMetrics | None = None, api: Any = None, token: bytes | None = None,
-                 desired_configmap: str | None = None) -> None:
+                 desired_configmap: str | None = None, job: str | None = None,
+                 write_delay: float | None = None) -> None:
         self.namespace = namespace
         self.name = name
+        # Reports pushed to the operator first (crds/report_push.py): where (the ConfigMap's report-to), for
+        # which job, and how long an acknowledged report may wait for its (coalesced) pod write.
+        self.job = job
+        self.report_to: str | None = None
+        self.write_delay = report_write_delay() if write_delay is None else write_delay
+        self._seq = 0
+        self._pushed: dict[str, str | None] | None = None  # the reported annotations the operator last took
+        self._deferred_at: float | None = None  # since when a taken report waits for its pod write
+        self._forced = 0  # flush() under way: nothing waits
         # the job's desired-state ConfigMap (contract.desired_configmap_name); None: the pod's annotations only
         self.desired_configmap = desired_configmap
         self._pod_ann: dict[str, str] = {}
@@ -260,6 +304,7 @@ class PodLink:
     def _apply_configmap(self, data: dict[str, str] | None) -> None:
         with self._desired_lock:
             self._cm_data = dict(data or {})
+            self.report_to = desired.report_to(self._cm_data)
             self._recompute()
 
     def _recompute(self) -> None:
@@ -393,7 +438,9 @@ class PodLink:
     def _write_loop(self) -> None:
         while not self._stop.is_set():
             with self._cond:
-                self._cond.wait_for(lambda: self._dirty or self._stop.is_set())
+                wait = None if self._deferred_at is None else max(
+                    0.0, self._deferred_at + self.write_delay - time.monotonic())
+                self._cond.wait_for(lambda: self._dirty or self._stop.is_set(), wait)
                 if self._stop.is_set():
                     return
                 self._dirty = False
@@ -429,13 +476,46 @@ class PodLink:
                                             if any(proven.values()) else None)
         return want
 
+    def _push(self, reported: dict[str, str | None]) -> bool:
+        """Send the reported annotations to the operator (True: it took them). One POST, short deadline;
+        anything but 200 and the pod is written at once instead."""
+        url, token, job = self.report_to, self.token, self.job
+        if url is None or token is None or job is None or not self.uid:
+            return False
+        if reported == self._pushed:
+            return True
+        self._seq = max(self._seq + 1, time.time_ns())
+        body = report_push.build(token, self.namespace, job, self.name, self.uid, self._seq, reported)
+        t0 = time.perf_counter()
+        code, message = push_report(url, body)
+        result = "taken" if code == 200 else "failed" if code == 0 else "refused"
+        if self.metrics:
+            self.metrics.reports_pushed.labels(result).inc()
+            self.metrics.report_push_seconds.observe(time.perf_counter() - t0)
+        if code != 200:
+            log.info("report not taken by the operator (%s %s): writing the pod", code or "no answer", message,
+                     extra={"status": code})
+            return False
+        self._pushed = reported
+        return True
+
     def _write(self, obs: Observed) -> None:
         want = self._wanted(obs)
         patch = annotation_patch(want, self._written_ann)
+        rewrite = False
         with self._cond:
             if self._rewrite_versions:
-                self._rewrite_versions = False
+                self._rewrite_versions, rewrite = False, True
                 patch.update({k: want.get(k) for k in (*contract.VERSION_PROOF_KEYS, contract.ANN_VERSION_PROOF)})
+        if patch and not rewrite and any(k in contract.REPORTED_POD_ANNOTATIONS for k in patch):
+            full = {**self._written_ann, **patch}
+            reported = {k: full.get(k) for k in contract.REPORTED_POD_ANNOTATIONS}
+            if self._push(reported):
+                now = time.monotonic()
+                if self._deferred_at is None:
+                    self._deferred_at = now
+                if not self._forced and now < self._deferred_at + self.write_delay:
+                    patch = {}  # the operator has it; the pod follows within write_delay, coalesced
         if patch:
             body = {"metadata": {"annotations": patch}}
             written: list[Any] = []
@@ -446,6 +526,8 @@ class PodLink:
                     self.name, self.namespace, body, _content_type="application/merge-patch+json")))
                 with self._cond:
                     self._written_ann.update(patch)
+                    if not annotation_patch(want, self._written_ann):
+                        self._deferred_at = None
                     rv = getattr(getattr(written[0], "metadata", None), "resource_version", None)
                     with contextlib.suppress(TypeError, ValueError):
                         self._write_rv = max(self._write_rv, int(str(rv)))
@@ -460,18 +542,29 @@ class PodLink:
             self._written_cond = (cond["status"], cond["reason"])
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until everything reported so far was written (tests, shutdown)."""
+        """Wait until everything reported so far was written on the pod, a report the operator took
+        included (tests, shutdown)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        with self._cond:
+            self._forced += 1
+            self._dirty = True
+            self._cond.notify_all()
+        try:
+            while time.monotonic() < deadline:
+                with self._cond:
+                    if not self._dirty:
+                        obs = self._want
+                        if not annotation_patch(self._wanted(obs), self._written_ann):
+                            return True
+                time.sleep(0.02)
+            return False
+        finally:
             with self._cond:
-                if not self._dirty:
-                    obs = self._want
-                    if not annotation_patch(self._wanted(obs), self._written_ann):
-                        return True
-            time.sleep(0.02)
-        return False
+                self._forced -= 1
 
     def close(self) -> None:
+        if self._deferred_at is not None and self._threads and not self._stop.is_set():
+            self.flush(timeout=2.0)  # a report only the operator has: write it before going
         self._stop.set()
         with self._cond:
             self._cond.notify_all()

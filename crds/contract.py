@@ -74,6 +74,17 @@ ANN_PREPARED_EPOCH: Final = f"{GROUP}/prepared-epoch"
 ANN_SERVED_DIGEST: Final = f"{GROUP}/served-digest"
 VERSION_PROOF_KEYS: Final = (ANN_PUBLISHED_VERSION, ANN_PUBLISHED_EPOCH, ANN_SERVED_VERSION, ANN_SERVED_EPOCH,
                              ANN_PREPARED_VERSION, ANN_PREPARED_EPOCH, ANN_SERVED_DIGEST)
+# Everything an agent reports on its own pod (its observed state): what a report pushed to the operator may
+# carry (crds/report_push.py). The version keys among them are believed only under ANN_VERSION_PROOF.
+REPORTED_POD_ANNOTATIONS: Final = (*VERSION_PROOF_KEYS, ANN_VERSION_PROOF, ANN_ENGINE_PAUSED, ANN_LAST_SYNC,
+                                   ANN_SYNC_ERROR, ANN_SYNC_PROGRESS)
+# In the job's desired-state ConfigMap: where the active operator takes agents' reports
+# (http://<address>:<port>/v1/reports). A data key no pod name can be (pod names have no "_").
+DESIRED_REPORT_TO_KEY: Final = "_report-to"
+REPORT_PATH: Final = "/v1/reports"
+# Agent: how long after the operator acknowledged a pushed report its pod is written anyway (the durable
+# record; later reports of that interval go in the same write). Default 5 s.
+ENV_REPORT_WRITE_DELAY: Final = "WEIGHTSYNC_REPORT_WRITE_DELAY_SECONDS"
 # The job's Degraded reason when replicas serving the same version hold different content digests.
 REASON_DIGEST_MISMATCH: Final = "DigestMismatch"
 # On the WeightSyncJob (operator-written): the id of the operator key its token was derived from. Version

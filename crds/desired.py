@@ -36,14 +36,26 @@ def encode_pod(annotations: Mapping[str, str]) -> str:
     return json.dumps(short, separators=(",", ":"), sort_keys=True)
 
 
-def encode(per_pod: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
-    """Pod name -> desired annotations, as the ConfigMap's data (bounded: see MAX_DATA_BYTES)."""
+def encode(per_pod: Mapping[str, Mapping[str, str]], report_to: str | None = None) -> dict[str, str]:
+    """Pod name -> desired annotations, as the ConfigMap's data (bounded: see MAX_DATA_BYTES); REPORT_TO:
+    where the active operator takes the agents' reports (contract.DESIRED_REPORT_TO_KEY; None: nowhere,
+    agents write their pods only)."""
     data = {name: encode_pod(ann) for name, ann in sorted(per_pod.items())}
+    if report_to:
+        data[contract.DESIRED_REPORT_TO_KEY] = report_to
     size = sum(len(k) + len(v) for k, v in data.items())
     if size > MAX_DATA_BYTES:
         raise DesiredTooLarge(f"the desired state of {len(data)} pods takes {size} bytes, over the "
                               f"{MAX_DATA_BYTES} a ConfigMap can hold: split the job")
     return data
+
+
+def report_to(data: Mapping[str, str] | None) -> str | None:
+    """Where to push reports, when the ConfigMap names a place that looks like one (http://host:port/path)."""
+    raw = (data or {}).get(contract.DESIRED_REPORT_TO_KEY)
+    if not raw or len(raw) > 512 or not raw.startswith("http://") or not raw.endswith(contract.REPORT_PATH):
+        return None
+    return raw
 
 
 def decode_pod(data: Mapping[str, str] | None, pod: str) -> dict[str, str] | None:

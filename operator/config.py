@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from weightsync.crds import contract
 from weightsync.crds.models import DEFAULT_RDMA_RESOURCE, RDMA_RESOURCE_PATTERN
 from weightsync.crds.version_proof import MIN_KEY_BYTES
 
@@ -153,6 +154,11 @@ class OperatorConfig:
     # Ports of the operator process itself.
     metrics_port: int = 8080
     health_port: int = 8081
+    # Where agents push their reports (operator/reports.py): the listener's port (0: off) and the address
+    # agents reach this replica at (the chart passes the pod IP). Off without an operator key (nothing
+    # pushed could be checked) or without an address.
+    report_port: int = 8082
+    report_address: str = ""
     # Server-side dry-run of the user's templates before pods are created.
     dry_run_templates: bool = True
     # NetworkPolicy peers (namespaceSelector / podSelector) that may reach the agents' metrics port (a
@@ -165,6 +171,14 @@ class OperatorConfig:
     # operator can check the agents' version proofs without reading Secrets. None: random tokens, versions
     # on pods believed unchecked (development only; the operator warns at start).
     operator_key: bytes | None = field(default=None, repr=False)
+
+    @property
+    def report_url(self) -> str | None:
+        """What agents are told to push their reports to (None: the listener is off)."""
+        if not self.report_port or not self.report_address or self.operator_key is None:
+            return None
+        host = f"[{self.report_address}]" if ":" in self.report_address else self.report_address
+        return f"http://{host}:{self.report_port}{contract.REPORT_PATH}"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> OperatorConfig:
@@ -184,6 +198,8 @@ class OperatorConfig:
             batch_seconds=float(e.get("WEIGHTSYNC_BATCH_SECONDS") or 0.05),
             metrics_port=_int(e, "WEIGHTSYNC_METRICS_PORT", 8080),
             health_port=_int(e, "WEIGHTSYNC_HEALTH_PORT", 8081),
+            report_port=_int(e, "WEIGHTSYNC_REPORT_PORT", 8082),
+            report_address=(e.get("WEIGHTSYNC_REPORT_ADDRESS") or e.get("POD_IP") or "").strip(),
             dry_run_templates=_bool(e.get("WEIGHTSYNC_DRY_RUN_TEMPLATES"), True),
             agent_metrics_allow_from=_metrics_peers(e.get(ENV_AGENT_METRICS_ALLOW_FROM, "")),
             host_access_namespaces=frozenset(

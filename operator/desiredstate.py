@@ -20,11 +20,13 @@ from weightsync.operator.common import JobRef, metadata
 __all__ = ["build_desired_configmap", "overlay"]
 
 
-def build_desired_configmap(job: JobRef, per_pod: Mapping[str, Mapping[str, str]]) -> dict[str, Any]:
-    """The ConfigMap for pod name -> desired annotations (raises desired.DesiredTooLarge)."""
+def build_desired_configmap(job: JobRef, per_pod: Mapping[str, Mapping[str, str]],
+                            report_to: str | None = None) -> dict[str, Any]:
+    """The ConfigMap for pod name -> desired annotations, and where agents push their reports (raises
+    desired.DesiredTooLarge)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(job, contract.desired_configmap_name(job.name)),
-        "data": desired.encode(per_pod),
+        "data": desired.encode(per_pod, report_to),
     }

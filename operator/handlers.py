@@ -20,13 +20,15 @@ from typing import Any
 
 import kopf
 from weightsync.crds import contract
-from weightsync.operator import metrics
+from weightsync.operator import metrics, proofs
+from weightsync.operator.common import JobRef
 from weightsync.operator.config import OperatorConfig
 from weightsync.operator.events import EventRecorder
 from weightsync.operator.informers import OWNED_KINDS, Informers
 from weightsync.operator.kube import Kube
 from weightsync.operator.leadership import PEERING_LIFETIME_S, REFRESH_SECONDS, PeeringGuard
 from weightsync.operator.reconcile import CachedReader, Reconciler
+from weightsync.operator.reports import ReportBox, ReportIntake, ReportServer
 from weightsync.operator.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class OperatorState:
     guard: PeeringGuard
     informers: Informers
     loop: asyncio.AbstractEventLoop
+    report_server: ReportServer | None = None
     ready: bool = False  # the caches are synced: reconciles may start
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
@@ -151,20 +154,41 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     guard = PeeringGuard(kube, opts.identity, opts.standalone, opts.peering_name, opts.peering_namespace, opts.priority)
     await asyncio.to_thread(guard.ensure_object)
     informers = Informers(kube, opts.namespaces, kinds=kinds)
-    reconciler = Reconciler(kube, cfg, EventRecorder(kube), reader=CachedReader(kube, informers))
+    reports = ReportBox()
+    reconciler = Reconciler(kube, cfg, EventRecorder(kube), reader=CachedReader(kube, informers), reports=reports)
     queue = WorkQueue(reconciler.reconcile, batch_seconds=cfg.batch_seconds)
     STATE = OperatorState(cfg=cfg, kube=kube, reconciler=reconciler, queue=queue, guard=guard, informers=informers,
                           loop=asyncio.get_running_loop())
     informers.on_change = STATE.on_change
     metrics.serve(cfg.metrics_port)
+    if cfg.report_url is not None:
+        STATE.report_server = ReportServer(_intake(STATE, reports).take, port=cfg.report_port)
+        await STATE.report_server.start()
+    else:
+        log.info("report listener off (%s): agents write their pods only",
+                 "no operator key" if cfg.operator_key is None else
+                 "no --report-address / POD_IP" if not cfg.report_address else "--report-port 0")
     loop = asyncio.get_running_loop()
     STATE.tasks.append(loop.create_task(_leadership_loop(STATE), name="leadership"))
     STATE.tasks.append(loop.create_task(_start_caches(STATE), name="caches"))
     STATE.tasks.append(loop.create_task(_resync_loop(STATE), name="resync"))
     log.info(
-        "operator started agent_image=%s node_gpu_count=%d resync_seconds=%s standalone=%s",
-        cfg.agent_image, cfg.node_gpu_count, cfg.resync_seconds, opts.standalone,
+        "operator started report_url=%s agent_image=%s node_gpu_count=%d resync_seconds=%s standalone=%s",
+        cfg.report_url, cfg.agent_image, cfg.node_gpu_count, cfg.resync_seconds, opts.standalone,
     )
+
+
+def _intake(state: OperatorState, box: ReportBox) -> ReportIntake:
+    """Pushed reports checked against the caches and the job's token (derived from the operator key), taken
+    only by the active replica once its caches hold the whole picture."""
+    def token_for(job: dict[str, Any]) -> str | None:
+        ref = JobRef.from_body(job)
+        if not state.reconciler.checks_versions(ref, job.get("status") or {}):
+            return None  # a token from before this operator's key: the agent's MAC could not match
+        return proofs.token_for(state.cfg.operator_key, ref)
+
+    return ReportIntake(box, state.informers.get, token_for,
+                        is_active=lambda: state.ready and state.guard.is_active, request=state.queue.request)
 
 
 @kopf.on.cleanup()
@@ -172,6 +196,8 @@ async def cleanup(**_: Any) -> None:
     global STATE
     if STATE is None:
         return
+    if STATE.report_server is not None:
+        await STATE.report_server.stop()
     for t in STATE.tasks:
         t.cancel()
     STATE.informers.stop()

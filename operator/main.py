@@ -38,6 +38,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="Peering priority; give each replica a distinct one (e.g. random).")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: off). Default 8080.")
     p.add_argument("--health-port", type=int, default=None, help="Liveness /healthz port (0: off). Default 8081.")
+    p.add_argument("--report-port", type=int, default=None,
+                   help="Port agents push their reports to (0: off, agents write their pods only). Default 8082.")
+    p.add_argument("--report-address", default=None,
+                   help="Address agents reach this replica at (default $WEIGHTSYNC_REPORT_ADDRESS, else $POD_IP; "
+                        "none: the report listener is off).")
     p.add_argument("--resync-seconds", type=float, default=None, help="Periodic resync interval. Default 30.")
     p.add_argument("--agent-image", default=None, help="Agent sidecar image (default $WEIGHTSYNC_AGENT_IMAGE).")
     p.add_argument("--log-format", choices=["json", "plain", "full"],
@@ -53,6 +58,10 @@ def build_config(args: argparse.Namespace) -> OperatorConfig:
         overrides["metrics_port"] = args.metrics_port
     if args.health_port is not None:
         overrides["health_port"] = args.health_port
+    if args.report_port is not None:
+        overrides["report_port"] = args.report_port
+    if args.report_address is not None:
+        overrides["report_address"] = args.report_address
     if args.resync_seconds is not None:
         overrides["resync_seconds"] = args.resync_seconds
     if args.agent_image:

@@ -36,6 +36,14 @@ CACHED_OBJECTS = Gauge("weightsync_operator_cached_objects", "Objects held in th
 RELISTS = Counter("weightsync_operator_informer_relists_total",
                   "Full LISTs by the watch caches, by kind (1 per kind and namespace at start; more after 410 Gone "
                   "or a broken watch).", ["kind"])
+REPORTS = Counter(
+    "weightsync_operator_reports_total",
+    "Reports pushed by agents to this replica, by result (taken; standby, unchecked, unknown_pod, bad_signature, "
+    "stale, bad_request, too_large, timeout, busy: refused, the agent writes its pod instead).",
+    ["result"],
+)
+REPORTS_HELD = Gauge("weightsync_operator_reports_held",
+                     "Pushed reports laid over pods whose own annotations have not caught up yet.")
 LEADER = Gauge("weightsync_operator_leader", "1 while this replica is the active one (always 1 without peering).")
 
 # --- per-job series, set from each aggregated status (what `kubectl get wsj` shows, as time series) ------

@@ -41,6 +41,7 @@ from weightsync.operator.kube import Kube, KubeError
 from weightsync.operator.placement import plan as make_plan
 from weightsync.operator.pods import TemplateError, build_pods
 from weightsync.operator.replicas import replica_states, trainer_version
+from weightsync.operator.reports import ReportBox
 from weightsync.operator.rollout import desired_annotations
 from weightsync.operator.status import (
     REASON_INVALID_SPEC,
@@ -158,8 +159,10 @@ class CachedReader:
 
 class Reconciler:
     def __init__(self, kube: Kube, cfg: OperatorConfig, events: EventRecorder | None = None,
-                 clock: Callable[[], float] = time.monotonic, reader: Reader | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, reader: Reader | None = None,
+                 reports: ReportBox | None = None) -> None:
         self.kube = kube
+        self.reports = reports or ReportBox()  # agents' pushed reports, laid over their pods (operator/reports.py)
         self.reader: Reader = reader or DirectReader(kube)
         self.cfg = cfg
         self.events = events or EventRecorder(kube)
@@ -181,6 +184,7 @@ class Reconciler:
             m.forget_job(namespace, name)
             self._built.pop((namespace, name), None)
             self._prepare_clock.forget((namespace, name))
+            self.reports.forget(namespace, name)
             return None
         start = self.clock()
         try:
@@ -220,7 +224,7 @@ class Reconciler:
             self._write_status(job, prev_status, ordered(first), out)
             prev_status = out.status
         desired_cm = self._owned(job, contract.desired_configmap_name(job.name))
-        pods = desiredstate.overlay(self._owned_pods(job), desired_cm)
+        pods = self._observed_pods(job, desired_cm)
         try:
             # Supporting objects first: the pods' ServiceAccount must exist before a pod can be admitted.
             self._ensure(job, rbac.build_service_account(job), out)
@@ -275,8 +279,7 @@ class Reconciler:
             self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
             return out
         if out.created or out.deleted:
-            pods = self._believe(job, desiredstate.overlay(self._owned_pods(job), desired_cm), prev_status,
-                                 report=False)
+            pods = self._believe(job, self._observed_pods(job, desired_cm), prev_status, report=False)
             states = replica_states(plan, pods)
 
         built = {p["metadata"]["name"]: p["metadata"]["annotations"].get(contract.ANN_SPEC_HASH) for p in desired_pods}
@@ -300,6 +303,12 @@ class Reconciler:
         pods = self.reader.pods_of(job)
         return {p["metadata"]["name"]: p for p in pods if _controller_uid(p) == job.uid}
 
+    def _observed_pods(self, job: JobRef, desired_cm: Obj | None) -> dict[str, Obj]:
+        """The job's cached pods as the rollout reads them: the desired annotations from the job's ConfigMap,
+        the reported ones from a report the pod's agent pushed when its pod has not caught up yet."""
+        pods = desiredstate.overlay(self._owned_pods(job), desired_cm)
+        return self.reports.overlay(job.namespace, job.name, pods)
+
     def _memo(self, job: JobRef, what: str, inputs: Any, build: Callable[[], Any]) -> Any:
         """BUILD() for this job's uid and spec generation and INPUTS, reused while they stay the same: a pass
         over a 256-pod job rebuilt every pod manifest and the topology (most of its 0.4-0.6 s) though
@@ -322,7 +331,7 @@ class Reconciler:
                         out: Outcome) -> Obj:
         """Write what the pods should do into the job's desired-state ConfigMap: one write per change, however
         many pods it retargets (a merge patch of the changed pods' keys; null for pods that are gone)."""
-        want = desiredstate.build_desired_configmap(job, per_pod)
+        want = desiredstate.build_desired_configmap(job, per_pod, self.cfg.report_url)
         name = want["metadata"]["name"]
         if current is None:
             return self._ensure(job, want, out)  # create (or the ownership check of a namesake)
@@ -405,6 +414,10 @@ class Reconciler:
         """The operator key id the job's versions are checked under (None: not checked)."""
         key = (job.namespace, job.name, job.uid)
         return proofs.enforced_key(self.cfg.operator_key, status, key in self._tokens_derived)
+
+    def checks_versions(self, job: JobRef, status: Mapping[str, Any]) -> bool:
+        """The job's versions are checked under this operator's key (so are the reports its agents push)."""
+        return self._proof_key(job, status) is not None
 
     def _believe(self, job: JobRef, pods: dict[str, Obj], status: Mapping[str, Any], report: bool = True) -> dict[str, Obj]:
         """Drop versions on pods that carry no valid proof (a forged annotation moves nothing) and say so
