@@ -59,8 +59,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from weightsync.agent.podstatus import Observed, annotations_for, condition_for, desired_for
-from weightsync.crds import contract
+from weightsync.agent.podstatus import Observed, annotations_for, condition_for, desired_for, push_report
+from weightsync.crds import contract, desired, report_push, version_proof
 from weightsync.e2e.environment import start_environment
 from weightsync.e2e.procs import free_port
 
@@ -245,8 +245,21 @@ class FakeAgents:
     (agent/podstatus.py): the Synced condition once the pod runs, then one annotation patch per version it
     is targeted at ("loads" instantly)."""
 
-    def __init__(self, api_factory: Callable[[], Any], namespaces: list[str], workers: int = 16) -> None:
+    def __init__(self, api_factory: Callable[[], Any], namespaces: list[str], workers: int = 16,
+                 operator_key: bytes | None = None, push: bool = True, write_delay: float = 5.0) -> None:
         import kubernetes
+
+        # As the real agents: versions carry the proof made with the job's token (derived here from the
+        # operator key, as the operator derives it), and with `push` a report goes to the operator first
+        # (crds/report_push.py, the agent's own push_report) and the pod write follows write_delay later,
+        # coalesced (PodLink); refused or unanswered: the pod is written at once.
+        self.operator_key = operator_key
+        self.push = push
+        self.write_delay = write_delay
+        self.pods: dict[tuple[str, str], tuple[str, str]] = {}  # (namespace, pod) -> (pod uid, job uid)
+        self.pending: dict[tuple[str, str], tuple[float, dict[str, str | None]]] = {}  # deferred pod writes
+        self.seq = 0
+        self.pushes = {"taken": 0, "not_taken": 0}
 
         self.api = api_factory()
         self.api.configuration.connection_pool_maxsize = workers + 4
@@ -265,6 +278,7 @@ class FakeAgents:
         self.stop_flag = threading.Event()
         self.threads = [threading.Thread(target=self._watch, args=(ns, api_factory, kind), daemon=True)
                         for ns in namespaces for kind in ("pod", "config_map")]
+        self.threads.append(threading.Thread(target=self._deferred_writes, daemon=True))
 
     def start(self) -> FakeAgents:
         for t in self.threads:
@@ -310,6 +324,9 @@ class FakeAgents:
     def _seen(self, pod: dict[str, Any]) -> None:
         meta, status = pod["metadata"], pod.get("status") or {}
         key = (meta["namespace"], meta["name"])
+        owner: dict[str, Any] = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), {})
+        with self.lock:
+            self.pods[key] = (str(meta.get("uid") or ""), str(owner.get("uid") or ""))
         if (meta.get("labels") or {}).get(contract.LABEL_ROLE) != contract.ROLE_INFERENCE or meta.get("deletionTimestamp"):
             return
         if status.get("phase") != "Running":
@@ -343,19 +360,57 @@ class FakeAgents:
                 self.served[key] = v
                 self.commits[(key[0], key[1], v)] = time.monotonic()
         if first:
-            self.pool.submit(self._write, key, Observed(engine_paused=False, synced=True,
-                                                         synced_reason="NoVersionPublished"), True)
+            self.pool.submit(self._report, key, job, Observed(engine_paused=False, synced=True,
+                                                               synced_reason="NoVersionPublished"), True)
         if load:
             assert v is not None
-            self.pool.submit(self._write, key, Observed(
+            self.pool.submit(self._report, key, job, Observed(
                 served_version=v, synced=True, synced_reason="UpToDate",
                 last_sync={"version": v, "durationSeconds": 0.0, "bytes": 1, "mode": "NCCL"}), v == 1)
 
-    def _write(self, key: tuple[str, str], obs: Observed, condition: bool) -> None:
-        """What PodLink._write sends: the annotations, and the Synced condition only when it changed."""
+    def publish(self, jobs: list[tuple[str, str]], version: int) -> None:
+        """What each trainer agent sends when its trainer published VERSION (trainer pod 0 of each job)."""
+        obs = Observed(published_version=version)
+        list(self.pool.map(lambda k: self._report((k[0], contract.trainer_pod_name(k[1], 0)), k[1], obs, False),
+                           jobs))
+
+    def _signed(self, key: tuple[str, str], job: str, obs: Observed) -> dict[str, str | None]:
+        ann = annotations_for(obs)
+        with self.lock:
+            uid, job_uid = self.pods.get(key, ("", ""))
+        if self.operator_key is not None and any(ann.get(k) for k in contract.VERSION_PROOF_KEYS):
+            token = version_proof.job_token(self.operator_key, key[0], job, job_uid)
+            ann[contract.ANN_VERSION_PROOF] = version_proof.version_proof(token, uid, ann)
+        return ann
+
+    def _push(self, key: tuple[str, str], job: str, ann: dict[str, str | None]) -> bool:
+        with self.lock:
+            url = desired.report_to(self.desired.get((key[0], contract.desired_configmap_name(job))))
+            uid, job_uid = self.pods.get(key, ("", ""))
+            self.seq += 1
+            seq = time.time_ns() + self.seq
+        if not self.push or url is None or self.operator_key is None or not uid:
+            return False
+        token = version_proof.job_token(self.operator_key, key[0], job, job_uid)
+        code, _ = push_report(url, report_push.build(token, key[0], job, key[1], uid, seq, ann))
+        with self.lock:
+            self.pushes["taken" if code == 200 else "not_taken"] += 1
+        return code == 200
+
+    def _report(self, key: tuple[str, str], job: str, obs: Observed, condition: bool) -> None:
+        """What PodLink._write sends: the report to the operator, else (or write_delay later, coalesced) the
+        annotations on the pod; the Synced condition only when it changed, at once."""
         try:
-            self.core.patch_namespaced_pod(key[1], key[0], {"metadata": {"annotations": annotations_for(obs)}},
-                                           _content_type="application/merge-patch+json", _preload_content=False)
+            ann = self._signed(key, job, obs)
+            taken = any(k in contract.REPORTED_POD_ANNOTATIONS for k in ann) and self._push(key, job, ann)
+            now = time.monotonic()
+            if taken:
+                with self.lock:
+                    due = self.pending.get(key, (now + self.write_delay, {}))[0]
+                    self.pending[key] = (due, ann)
+            else:
+                self.core.patch_namespaced_pod(key[1], key[0], {"metadata": {"annotations": ann}},
+                                               _content_type="application/merge-patch+json", _preload_content=False)
             if obs.served_version is not None:
                 with self.lock:
                     self.reported[(key[0], key[1], obs.served_version)] = time.monotonic()
@@ -368,6 +423,25 @@ class FakeAgents:
             with self.lock:
                 self.errors += 1
             log.warning("fake agent write failed pod=%s/%s: %r", key[0], key[1], exc)
+
+    def _deferred_writes(self) -> None:
+        while not self.stop_flag.wait(0.05):
+            now = time.monotonic()
+            with self.lock:
+                due = [(k, ann) for k, (t, ann) in self.pending.items() if t <= now]
+                for k, _ in due:
+                    del self.pending[k]
+            for k, ann in due:
+                self.pool.submit(self._write_pod, k, ann)
+
+    def _write_pod(self, key: tuple[str, str], ann: dict[str, str | None]) -> None:
+        try:
+            self.core.patch_namespaced_pod(key[1], key[0], {"metadata": {"annotations": ann}},
+                                           _content_type="application/merge-patch+json", _preload_content=False)
+        except Exception as exc:
+            with self.lock:
+                self.errors += 1
+            log.warning("fake agent deferred write failed pod=%s/%s: %r", key[0], key[1], exc)
 
     def target_seen(self, namespace: str, versions: range) -> dict[str, float]:
         """p50 over VERSIONS of publish -> the first and the last pod of NAMESPACE seeing its target (how
@@ -457,8 +531,11 @@ class Operator:
     """The operator as a process serving NAMESPACES (PYTHONPATH passes through: point it at an older tree
     to measure that one)."""
 
-    def __init__(self, kubeconfig: Path, namespaces: list[str], work: Path, resync: float) -> None:
+    def __init__(self, kubeconfig: Path, namespaces: list[str], work: Path, resync: float,
+                 key_file: Path | None = None, report_push: bool = True) -> None:
         self.kubeconfig, self.namespaces, self.work, self.resync = kubeconfig, namespaces, work, resync
+        self.key_file = key_file
+        self.report_port = free_port() if report_push else 0
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.runs = 0
@@ -467,7 +544,11 @@ class Operator:
         """Start; returns the monotonic time of the spawn."""
         self.runs += 1
         log_path = self.work / f"operator-{self.runs}.log"
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "WEIGHTSYNC_RESYNC_SECONDS": str(self.resync)}
+        # Settings as environment variables: an older operator (PYTHONPATH) ignores the ones it lacks.
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "WEIGHTSYNC_RESYNC_SECONDS": str(self.resync),
+               "WEIGHTSYNC_REPORT_PORT": str(self.report_port), "WEIGHTSYNC_REPORT_ADDRESS": "127.0.0.1"}
+        if self.key_file is not None:
+            env["WEIGHTSYNC_OPERATOR_KEY_FILE"] = str(self.key_file)
         scope = [a for ns in self.namespaces for a in ("--namespace", ns)]
         t0 = time.monotonic()
         with log_path.open("wb") as out:
@@ -496,25 +577,17 @@ class Operator:
                 self.proc.wait()
 
 
-def publish(core: Any, jobs: list[tuple[str, str]], version: int, pool: ThreadPoolExecutor) -> None:
-    """What each trainer agent writes when its trainer published VERSION."""
-    body = {"metadata": {"annotations": annotations_for(Observed(published_version=version))}}
-    list(pool.map(lambda k: core.patch_namespaced_pod(contract.trainer_pod_name(k[1], 0), k[0], body,
-                                                      _content_type="application/merge-patch+json",
-                                                      _preload_content=False), jobs))
-
-
-def cycle(core: Any, watch: JobWatch, jobs: list[tuple[str, str]], versions: range, pool: ThreadPoolExecutor,
-          timeout: float, agents: FakeAgents | None = None) -> list[float]:
+def cycle(watch: JobWatch, jobs: list[tuple[str, str]], versions: range, timeout: float, agents: FakeAgents,
+          note: bool = False) -> list[float]:
     """Publish each version on every job's trainer and wait until every job's status serves it; returns each
-    job's publish -> status latency for every version (and, with AGENTS, notes when the agents saw their
-    targets in `agents.phases`)."""
+    job's publish -> status latency for every version (and, with NOTE, notes when the agents saw their
+    targets, for `agents.target_seen`)."""
     latencies: list[float] = []
     for v in versions:
         t_publish = time.monotonic()
-        if agents is not None:
+        if note:
             agents.publish_times[v] = t_publish
-        publish(core, jobs, v, pool)
+        agents.publish(jobs, v)
         def served(st: dict[str, Any], v: int = v) -> bool:
             return int(st.get("servedVersion") or 0) >= v
 
@@ -566,10 +639,12 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
         api.configuration.connection_pool_maxsize = 24
         core: Any = kubernetes.client.CoreV1Api(api)
         custom: Any = kubernetes.client.CustomObjectsApi(api)
-        pool = ThreadPoolExecutor(max_workers=16)
         agents: FakeAgents | None = None
         watch: JobWatch | None = None
-        op = Operator(cluster.kubeconfig, [FLEET_NS, BIG_NS], work, args.resync)
+        key = os.urandom(32).hex().encode()
+        key_file = work / "operator.key"
+        key_file.write_bytes(key)
+        op = Operator(cluster.kubeconfig, [FLEET_NS, BIG_NS], work, args.resync, key_file, args.report_push == "on")
         try:
             timings["nodes_created_s"] = create_nodes(api, kwok_fleet(args.nodes))
             timings["nodes_ready_s"] = wait_for(lambda: ready_node_count(api) == args.nodes, timeout=900,
@@ -577,7 +652,9 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
             for ns in (FLEET_NS, BIG_NS):
                 core.create_namespace({"metadata": {"name": ns}})
                 wait_for(lambda ns=ns: bool(core.list_namespaced_service_account(ns).items), 60, "default SA", 0.2)
-            agents = FakeAgents(cluster.api_client, [FLEET_NS, BIG_NS], workers=args.agent_writers).start()
+            agents = FakeAgents(cluster.api_client, [FLEET_NS, BIG_NS], workers=args.agent_writers,
+                                operator_key=key, push=args.report_push == "on",
+                                write_delay=args.report_write_delay).start()
             watch = JobWatch(cluster.api_client, [FLEET_NS, BIG_NS])
             op.start()
 
@@ -595,11 +672,11 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
             timings["all_jobs_ready_s"] = time.monotonic() - t0
 
             # 2. Versions on every job at once: requests per version and pod, publish -> status per job.
-            cycle(core, watch, jobs, range(1, 2), pool, args.timeout)  # warm-up (first condition change)
+            cycle(watch, jobs, range(1, 2), args.timeout, agents)  # warm-up (first condition change)
             time.sleep(2.0)
             a0, o0 = apiserver_requests(api), operator_requests(op.port)
             t1 = time.monotonic()
-            lat = cycle(core, watch, jobs, range(2, 2 + args.versions), pool, args.timeout)
+            lat = cycle(watch, jobs, range(2, 2 + args.versions), args.timeout, agents)
             time.sleep(2.0)  # the last status writes land
             a1, o1 = apiserver_requests(api), operator_requests(op.port)
             n = args.versions * per_job * args.jobs
@@ -618,7 +695,7 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
 
             # 3. Restart with everything running; a version published while it was down.
             op.stop()
-            publish(core, jobs, last + 1, pool)
+            agents.publish(jobs, last + 1)
             t_start = op.start()
             watch.wait(all_jobs(jobs, lambda st: st.get("trainerVersion") == last + 1), args.timeout,
                        "every job's status shows the version published while the operator was down")
@@ -634,11 +711,11 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
                 "spec": kwok_job_spec(args.big_pods)})
             wait_pods_running(core, BIG_NS, args.big_pods + 1, args.timeout)
             watch.wait(all_jobs(big, ready), args.timeout, "the big job Ready")
-            cycle(core, watch, big, range(1, 3), pool, args.timeout)  # warm-up
+            cycle(watch, big, range(1, 3), args.timeout, agents)  # warm-up
             time.sleep(2.0)
             a0, o0 = apiserver_requests(api), operator_requests(op.port)
             r0 = metrics(op.port)
-            lat = cycle(core, watch, big, range(3, 3 + args.big_versions), pool, args.timeout, agents)
+            lat = cycle(watch, big, range(3, 3 + args.big_versions), args.timeout, agents, note=True)
             r1 = metrics(op.port)
             out["big_breakdown"] = agents.target_seen(BIG_NS, range(3, 3 + args.big_versions))
             passes = total(r1, "weightsync_operator_reconcile_duration_seconds_count") - total(
@@ -660,6 +737,8 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
             cur, peak = rss(op.pid)
             out["operator_rss_bytes_end"], out["operator_peak_rss_bytes_end"] = cur, peak
             out["fake_agent_write_errors"] = agents.errors
+            out["report_push"] = {"enabled": args.report_push == "on", "write_delay_s": args.report_write_delay,
+                                  **agents.pushes}
         finally:
             out["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
             op.stop()
@@ -667,7 +746,6 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
                 agents.close()
             if watch is not None:
                 watch.close()
-            pool.shutdown(wait=False, cancel_futures=True)
             kwok.stop()
     out["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                       "load_average_1m_at_end": round(os.getloadavg()[0], 2)}
@@ -722,6 +800,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agent-writers", type=int, default=16,
                     help="fleet mode: concurrent writes of the simulated agents (real agents write from one "
                          "process each)")
+    ap.add_argument("--report-push", choices=["on", "off"], default="on",
+                    help="fleet mode: agents push their reports to the operator before their pod write (on, as "
+                         "the agent does when the operator advertises a report address) or write their pods only")
+    ap.add_argument("--report-write-delay", type=float, default=5.0,
+                    help="fleet mode: seconds a pushed report waits for its (coalesced) pod write, as "
+                         "WEIGHTSYNC_REPORT_WRITE_DELAY_SECONDS")
     ap.add_argument("--json", action="store_true", help="print one JSON object (the replica mode always does)")
     ap.add_argument("--resync", type=float, default=None,
                     help="operator resync period (default: 1 s in replica mode, for its no-op window; 30 s in fleet mode)")

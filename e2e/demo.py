@@ -41,6 +41,7 @@ from kubernetes.client.exceptions import ApiException
 from weightsync.crds import contract
 from weightsync.crds.desired import overlay
 from weightsync.e2e.environment import Environment, start_environment
+from weightsync.e2e.procs import free_port
 
 log = logging.getLogger("weightsync.e2e.demo")
 
@@ -129,8 +130,11 @@ def operator_key_file(kubeconfig: Path) -> Path:
 
 
 def start_operator(kubeconfig: Path, namespace: str | None, log_dir: Path, *, resync_seconds: float = 5.0,
-                   agent_image: str = "ghcr.io/weightsync/weightsync-agent:0.1.0") -> OperatorProcess:
-    """Start the operator for NAMESPACE (None: all namespaces); metrics and health ports off (parallel runs)."""
+                   agent_image: str = "ghcr.io/weightsync/weightsync-agent:0.1.0",
+                   report_address: str | None = "127.0.0.1") -> OperatorProcess:
+    """Start the operator for NAMESPACE (None: all namespaces); metrics and health ports off (parallel runs).
+    The agents push their reports to REPORT_ADDRESS on a free port (the process runtime's pods share the
+    host's network; None: the listener is off, agents write their pods only)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"operator-{namespace or 'all'}-{time.strftime('%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}.log"
     scope = ["--namespace", namespace] if namespace else ["--all-namespaces"]
@@ -141,7 +145,10 @@ def start_operator(kubeconfig: Path, namespace: str | None, log_dir: Path, *, re
         raise DemoError(f"{OPERATOR_BIN} not found: install the repository into the venv "
                         "(`make setup` or `.venv/bin/pip install -e '.[agent,gdr,dev]'`)")
     with log_path.open("wb") as out:
-        proc = subprocess.Popen([str(OPERATOR_BIN), *scope, "--metrics-port", "0", "--health-port", "0", "--verbose"],
+        report = ["--report-address", report_address, "--report-port", str(free_port())] if report_address else [
+            "--report-port", "0"]
+        proc = subprocess.Popen([str(OPERATOR_BIN), *scope, "--metrics-port", "0", "--health-port", "0", "--verbose",
+                                 *report],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
     log.info("operator started pid=%s namespace=%s log=%s", proc.pid, namespace or "*", log_path)
     return OperatorProcess(proc, log_path, namespace)

@@ -10,7 +10,8 @@ pod is a new incarnation, or after HOLD_SECONDS, and a restarted operator starts
 
 The listener (`ReportServer`) takes one POST per connection, with limits everywhere: a head of at most
 MAX_HEAD_BYTES, a body of at most report_push.MAX_BODY_BYTES, DEADLINE_SECONDS for the whole request, and
-at most MAX_CONNECTIONS at once (more are answered 503 at once). Only the active replica takes reports
+at most MAX_CONNECTIONS at once and MAX_CONNECTIONS_PER_ADDRESS from one client address (more are
+answered 503 at once). Only the active replica takes reports
 (a standby answers 503: the agent writes its pod instead).
 """
 
@@ -37,6 +38,7 @@ HOLD_SECONDS = 30.0  # a held report stands this long at most without its pod ca
 MAX_HEAD_BYTES = 8 * 1024
 DEADLINE_SECONDS = 5.0
 MAX_CONNECTIONS = 512
+MAX_CONNECTIONS_PER_ADDRESS = 64  # one client address (a pod) cannot take the others' slots
 
 
 @dataclass(frozen=True)
@@ -167,13 +169,16 @@ class ReportServer:
     connection, answered and closed."""
 
     def __init__(self, take: Callable[[bytes], tuple[int, str]], host: str = "0.0.0.0", port: int = 0,
-                 max_connections: int = MAX_CONNECTIONS, deadline_seconds: float = DEADLINE_SECONDS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, deadline_seconds: float = DEADLINE_SECONDS,
+                 max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS) -> None:
         self.take = take
         self.host = host
         self.port = port
         self.max_connections = max_connections
+        self.max_per_address = max_per_address
         self.deadline_seconds = deadline_seconds
         self._open = 0
+        self._by_address: dict[str, int] = {}
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> int:
@@ -190,12 +195,15 @@ class ReportServer:
             self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._open >= self.max_connections:
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if self._open >= self.max_connections or self._by_address.get(address, 0) >= self.max_per_address:
             m.REPORTS.labels("busy").inc()
             await self._answer(writer, 503, "busy")
             writer.close()
             return
         self._open += 1
+        self._by_address[address] = self._by_address.get(address, 0) + 1
         try:
             try:
                 code, msg = await asyncio.wait_for(self._request(reader), self.deadline_seconds)
@@ -210,6 +218,9 @@ class ReportServer:
             await self._answer(writer, code, msg)
         finally:
             self._open -= 1
+            self._by_address[address] -= 1
+            if not self._by_address[address]:
+                del self._by_address[address]
             writer.close()
 
     async def _request(self, reader: asyncio.StreamReader) -> tuple[int, str]:

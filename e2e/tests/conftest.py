@@ -51,7 +51,9 @@ def operator(cluster: Environment, namespace: str, wsj_crd: str, process_runtime
     started: list[demo.OperatorProcess] = []
 
     def start() -> demo.OperatorProcess:
-        op = demo.start_operator(cluster.kubeconfig, namespace, tmp_path / "operator", resync_seconds=5.0)
+        # The process runtime's agents reach the operator's report listener on the host; kind's cannot.
+        op = demo.start_operator(cluster.kubeconfig, namespace, tmp_path / "operator", resync_seconds=5.0,
+                                 report_address="127.0.0.1" if process_runtime is not None else None)
         started.append(op)
         return op
 

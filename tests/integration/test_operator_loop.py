@@ -6,6 +6,7 @@ the shipped examples under the running operator."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,8 @@ from op_helpers import (
     separated_spec,
     token_kubeconfig,
 )
-from weightsync.crds import contract, version_proof
+from weightsync.agent.podstatus import Observed, PodLink, push_report
+from weightsync.crds import contract, report_push, version_proof
 from weightsync.e2e.demo import operator_key_file
 from weightsync.e2e.pytest_plugin import wait_until
 
@@ -158,6 +160,65 @@ def test_versions_flow_from_agents_to_status_and_rollout_respects_max_unavailabl
     wait_until(lambda: (condition(get_job(kube, namespace, "loop"), "Paused") or {}).get("status") == "True",
                what="Paused=True once every engine confirmed")
 
+
+
+def test_agents_push_their_reports_and_the_status_does_not_wait_for_their_pod_writes(cluster, kube, namespace,
+                                                                                     operator, tmp_path):
+    """The real PodLink of each agent pushes to the operator's report listener (advertised in the job's
+    desired-state ConfigMap): the status moves while no pod carries the version yet, a report signed with
+    another token moves nothing, and the pod write that follows is the durable record."""
+    port = free_port()
+    operator("--report-address", "127.0.0.1", "--report-port", str(port))
+    create_job(kube, namespace, "push", separated_spec(trainer_pods=1, trainer_gpus=1, replicas=2, gpus_per_replica=1))
+    wait_until(lambda: len(live_pods(kube, namespace, "push")) == 3, what="pods")
+    trainer, inf = "push-trainer-0", ["push-inference-0-0", "push-inference-1-0"]
+    for pod in [trainer, *inf]:
+        _kubelet_ready(cluster, namespace, pod)
+    url = f"http://127.0.0.1:{port}{contract.REPORT_PATH}"
+    cm_name = contract.desired_configmap_name("push")
+    wait_until(lambda: raw(kube, f"/api/v1/namespaces/{namespace}/configmaps/{cm_name}").get("data", {}).get(
+        contract.DESIRED_REPORT_TO_KEY) == url, what="the report address in the desired state")
+    job_uid = get_job(kube, namespace, "push")["metadata"]["uid"]
+    token = version_proof.job_token(operator_key_file(Path(cluster.kubeconfig)).read_bytes().strip(), namespace,
+                                    "push", job_uid).encode()
+    links = {pod: PodLink(namespace, pod, lambda d: None, api=kube.core, token=token, desired_configmap=cm_name,
+                          job="push", write_delay=120.0).start() for pod in [trainer, *inf]}
+    try:
+        wait_until(lambda: all(link.report_to == url for link in links.values()), what="agents see the address")
+        links[trainer].report(Observed(published_version=3))
+        wait_until(lambda: _targets(kube, namespace, "push") == {inf[0]: "3", inf[1]: "3"}, what="targets 3")
+        for pod in inf:
+            links[pod].report(Observed(served_version=3, synced=True, synced_reason="UpToDate",
+                                       last_sync={"version": 3, "durationSeconds": 0.1, "bytes": 1, "mode": "NCCL"}))
+        job = wait_until(lambda: (j := get_job(kube, namespace, "push"))["status"].get("servedVersion") == 3 and j,
+                         what="served 3 from the pushed reports")
+        assert job["status"]["trainerVersion"] == 3
+        pods = live_pods(kube, namespace, "push")
+        for pod in [trainer, *inf]:
+            ann = pods[pod]["metadata"].get("annotations") or {}
+            assert contract.ANN_SERVED_VERSION not in ann and contract.ANN_PUBLISHED_VERSION not in ann, (
+                f"{pod} was written: the status did not come from the push")
+        assert all(link.stats.counts["annotations"] == 0 for link in links.values())
+
+        # A report signed with another token is refused and moves nothing.
+        forged = report_push.build("0" * 64, namespace, "push", inf[0], pods[inf[0]]["metadata"]["uid"],
+                                   time.time_ns(), {contract.ANN_SERVED_VERSION: "9"})
+        code, message = push_report(url, forged)
+        assert code == 403, message
+        time.sleep(1.0)
+        assert get_job(kube, namespace, "push")["status"]["servedVersion"] == 3
+
+        # The durable record: the pod writes land, the status stays.
+        for link in links.values():
+            assert link.flush(10)
+        pods = live_pods(kube, namespace, "push")
+        assert all(pods[p]["metadata"]["annotations"].get(contract.ANN_SERVED_VERSION) == "3" for p in inf)
+        assert pods[trainer]["metadata"]["annotations"].get(contract.ANN_PUBLISHED_VERSION) == "3"
+        time.sleep(1.0)
+        assert get_job(kube, namespace, "push")["status"]["servedVersion"] == 3
+    finally:
+        for link in links.values():
+            link.close()
 
 
 def test_pods_of_an_older_operator_also_get_their_desired_state_as_annotations(cluster, kube, namespace, operator,

@@ -173,7 +173,8 @@ def test_the_intake_takes_only_signed_reports_of_the_jobs_own_pods_on_the_active
 @pytest.fixture
 def server() -> Iterator[tuple[ReportServer, Intake]]:
     it = Intake()
-    srv = ReportServer(it.intake.take, host="127.0.0.1", port=0, max_connections=4, deadline_seconds=0.5)
+    srv = ReportServer(it.intake.take, host="127.0.0.1", port=0, max_connections=4, deadline_seconds=0.5,
+                       max_per_address=3)
     loop = asyncio.new_event_loop()
     started = threading.Event()
 
@@ -224,11 +225,19 @@ def test_the_listener_has_a_deadline_and_a_bound_on_connections(server: Any) -> 
     # a client that never finishes its body is cut off at the deadline
     answer = _raw(srv.port, b"POST /v1/reports HTTP/1.1\r\nContent-Length: 100\r\n\r\n{", wait=5)
     assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 3
-    # slow clients beyond max_connections are turned away at once, not queued
-    held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(4)]
+    # slow clients beyond the bound of one address are turned away at once, not queued; another address
+    # still gets through, until the bound of all connections
+    held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(3)]
     try:
         time.sleep(0.1)
         assert _raw(srv.port, b"").startswith(b"HTTP/1.1 503")
+        other = socket.create_connection(("127.0.0.1", srv.port), source_address=("127.0.0.2", 0))
+        held.append(other)
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=2, source_address=("127.0.0.3", 0)) as s:
+            assert s.recv(4096).startswith(b"HTTP/1.1 503"), "all 4 connections are taken"
+        other.sendall(b"GET /v1/reports HTTP/1.1\r\n\r\n")
+        assert other.recv(4096).startswith(b"HTTP/1.1 405"), "the other address was served"
     finally:
         for s in held:
             s.close()
