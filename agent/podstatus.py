@@ -510,7 +510,10 @@ class PodLink:
         if patch and not rewrite and any(k in contract.REPORTED_POD_ANNOTATIONS for k in patch):
             full = {**self._written_ann, **patch}
             reported = {k: full.get(k) for k in contract.REPORTED_POD_ANNOTATIONS}
-            if self._push(reported):
+            # Atomic (the desired state carries commit keys): a pod's served version switches together with
+            # its readiness, so its pod is written at once as well; Rolling: within write_delay, coalesced.
+            atomic = self.desired.commit is not None or self.desired.committed is not None
+            if self._push(reported) and not atomic:
                 now = time.monotonic()
                 if self._deferred_at is None:
                     self._deferred_at = now
