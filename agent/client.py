@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from weightsync.agent import buckets, local, staging
+from weightsync.agent import buckets, local, ring, staging
 from weightsync.agent import protocol as P
 from weightsync.crds import contract
 
@@ -188,6 +188,11 @@ class PublishResult:
     tensors: int
     bytes: int
     seconds: float
+    #: ring staging (agent/ring.py): "snapshot" (returned after a snapshot of `snapshot_bytes`), "held" (returned
+    #: once the fleet served the version, or after hold_timeout: then `served` is False); "" otherwise
+    streamed: str = ""
+    snapshot_bytes: int = 0
+    served: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -311,7 +316,17 @@ class TrainerSession:
     """
 
     def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, rank: int | None = None,
-                 timeout: float = 120.0, reconnect_timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, reconnect_timeout: float = 120.0, ring_snapshot: str = "auto",
+                 hold_timeout: float = 600.0) -> None:
+        """`ring_snapshot` and `hold_timeout` apply when the agent streams versions (ring staging,
+        agent/ring.py): `auto` snapshots CUDA tensors on their device and holds CPU tensors (publish returns
+        once every inference replica serves the version, at most `hold_timeout` s); `copy` snapshots every
+        tensor on its device; `none` holds every tensor."""
+        if ring_snapshot not in ring.SNAPSHOT_MODES:
+            raise ValueError(f"ring_snapshot must be one of {', '.join(ring.SNAPSHOT_MODES)}, got {ring_snapshot!r}")
+        self.ring_snapshot = ring_snapshot
+        self.hold_timeout = hold_timeout
+        self._streamer: ring.Streamer | None = None
         self.socket_path = Path(socket_path) if socket_path else default_socket_path()
         self.rank = int(os.environ.get(contract.ENV_RANK, "0")) if rank is None else rank
         self.timeout = timeout
@@ -328,6 +343,9 @@ class TrainerSession:
         for seg in self._segments.values():
             seg.close()
         self._segments.clear()
+        if self._streamer is not None:
+            self._streamer.close()
+            self._streamer = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -385,7 +403,10 @@ class TrainerSession:
         devices = {s.tensor.device.type for s in shards}
         device = "cpu" if devices <= {"cpu"} else str(next(s.tensor.device for s in shards if s.tensor.is_cuda))
         conn = self._connection()
-        reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total, "device": device})
+        reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total, "device": device,
+                              "stream": True})
+        if "ring" in reply:
+            return self._publish_streamed(conn, version, shards, aliases, sizes, t0)
         seg = self._segment(reply["segment"])
         places: Sequence[int | PiecePlaces] = arena_offsets(shards, reply.get("layout"), seg.size) or offsets
         metas = []
@@ -410,6 +431,48 @@ class TrainerSession:
         conn.request({"op": "publish", "version": version, "rank": self.rank, "segment": seg.name,
                       "tensors": metas, "aliases": aliases})
         return PublishResult(version, len(metas), sum(sizes), time.perf_counter() - t0)
+
+    def _stream(self) -> ring.Streamer:
+        if self._streamer is None or not self._streamer.alive:
+            if self._streamer is not None:
+                self._streamer.close()
+            self._streamer = ring.Streamer(self.socket_path, self.rank, self.session_id,
+                                           min(self.timeout, self.reconnect_timeout))
+        return self._streamer
+
+    def _publish_streamed(self, conn: local.LocalConn, version: int, shards: list[LocalShard],
+                          aliases: dict[str, str], sizes: list[int], t0: float) -> PublishResult:
+        """Ring staging (agent/ring.py): nothing is copied into staging here. The shards (or a snapshot of
+        them) stay in this process and each transfer has the stream thread copy them, bucket by bucket,
+        into its ring."""
+        streamer = self._stream()
+        source, snap, hold = ring.snapshot_of({s.name: s.tensor for s in shards}, self.ring_snapshot)
+        streamer.add(version, source)
+        metas = [{"name": s.name, "dtype": staging.dtype_name(s.tensor.dtype), "shape": list(s.tensor.shape),
+                  "global_shape": list(s.global_shape), "global_offset": list(s.global_offset), "nbytes": n}
+                 for s, n in zip(shards, sizes, strict=True)]
+        try:
+            conn.request({"op": "publish_stream", "version": version, "rank": self.rank, "tensors": metas,
+                          "aliases": aliases, "snapshot_bytes": snap, "hold": hold})
+        except BaseException:
+            streamer.drop(version)
+            raise
+        served: bool | None = None
+        if hold:  # the stream reads our own tensors: held until every replica serves the version
+            try:
+                reply = conn.request({"op": "wait_served", "version": version, "timeout": self.hold_timeout},
+                                     timeout=self.hold_timeout + 30.0)
+                served = bool(reply.get("reached"))
+            finally:
+                streamer.drop(version)
+                with contextlib.suppress(OSError, local.LocalProtocolError):
+                    conn.request({"op": "release", "version": version, "rank": self.rank})
+            if not served:
+                log.warning("publish(%s): not every inference replica loaded the version within hold_timeout=%gs "
+                            "while the trainer was held (ring staging without a snapshot); it is withdrawn, "
+                            "the replicas catch up with a later version", version, self.hold_timeout)
+        return PublishResult(version, len(metas), sum(sizes), time.perf_counter() - t0,
+                             streamed="held" if hold else "snapshot", snapshot_bytes=snap, served=served)
 
     def served(self) -> ServedState:
         """What every inference replica serves now (see ServedState for where it comes from)."""
@@ -454,6 +517,8 @@ class TrainerSession:
         return state
 
     def close(self) -> None:
+        """Disconnect. With ring staging the versions this process streams are withdrawn (it holds their
+        bytes): keep the session open while the last version should still be served."""
         self._drop_connection()
 
     def __enter__(self) -> TrainerSession:

@@ -425,6 +425,8 @@ class Agent:
                         break
             finally:
                 ring.detach(rank, conn)
+                if self.store is not None:  # its versions can no longer be streamed: not offered any more
+                    self.store.withdraw_rank(rank)
         elif kind == "inference":
             if self.islot is None:
                 conn.reply_error(f"this agent's role is {self.cfg.role}: it has no engine side")

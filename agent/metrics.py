@@ -41,7 +41,8 @@ class AgentMetrics:
             "weightsync_agent_staged_bytes_total", "Bytes the local trainer published into staging", registry=r)
         self.copied_bytes = Counter(
             "weightsync_agent_copied_bytes_total", "Weight bytes copied in memory besides the wire and the engine's "
-            "own load, by stage: publish (trainer into staging), pack (staging into a send buffer), unpack "
+            "own load, by stage: publish (trainer into staging; ring staging: into each transfer's ring slots), "
+            "snapshot (ring staging: the trainer's snapshot of its shards), pack (staging into a send buffer), unpack "
             "(receive buffer into assembled tensors), engine_pack (into the Custom engine's segment)",
             ["stage"], registry=r)
         self.staging_bytes = Gauge(

@@ -32,6 +32,7 @@ from weightsync.agent.groups import epoch_of
 from weightsync.agent.link import AuthError, FrameError, Link, LinkError, LinkListener, LinkTimeout, Mailbox
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.plan import Box, SourceArena, TensorShard, TransferPlan
+from weightsync.agent.ring import RingError, RingStaging
 from weightsync.agent.sync import ShardPieces, SyncError, WeightSender
 from weightsync.agent.transports.base import Transport, WorldMap
 from weightsync.agent.verify import ChecksumHooks
@@ -50,8 +51,13 @@ class StagingError(ValueError):
 @dataclass
 class RankStage:
     rank: int
-    slot: staging.Slot
+    slot: staging.Slot | None  # None: streamed through a ring (agent/ring.py), nothing staged here
     metas: list[dict[str, Any]]
+    snapshot_bytes: int = 0    # streamed: the trainer's snapshot of the rank's shards (0: none, held)
+
+    @property
+    def streamed(self) -> bool:
+        return self.slot is None
 
     def shards(self) -> list[TensorShard]:
         return [TensorShard.of(m["name"], m["dtype"], m["global_shape"], m["global_offset"], m["shape"])
@@ -59,6 +65,7 @@ class RankStage:
 
     def tensors(self) -> dict[str, torch.Tensor | ShardPieces]:
         """Each staged shard as a view of staging, or as its pieces where it was staged in pieces."""
+        assert self.slot is not None, "a streamed rank has no staged tensors"
         seg = self.slot.segment
         out: dict[str, torch.Tensor | ShardPieces] = {}
         for m in self.metas:
@@ -85,6 +92,30 @@ class StagedVersion:
     @property
     def nbytes(self) -> int:
         return sum(int(m["nbytes"]) for r in self.ranks.values() for m in r.metas)
+
+    @property
+    def streamed(self) -> bool:
+        """Streamed through a ring (agent/ring.py): the trainer processes hold the bytes, not staging."""
+        return any(r.streamed for r in self.ranks.values())
+
+
+def validate_stream_metas(metas: Any) -> list[dict[str, Any]]:
+    """Check a streamed publish's tensor index (no offsets: nothing is staged at publish time)."""
+    if not isinstance(metas, list):
+        raise StagingError("publish_stream needs a 'tensors' list")
+    names: set[str] = set()
+    for m in metas:
+        try:
+            shard = TensorShard.of(m["name"], m["dtype"], m["global_shape"], m["global_offset"], m["shape"])
+            n = int(m["nbytes"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StagingError(f"bad tensor entry {m!r}: {exc}") from None
+        if shard.name in names:
+            raise StagingError(f"tensor {shard.name!r} published twice in one version")
+        names.add(shard.name)
+        if n != shard.nbytes:
+            raise StagingError(f"tensor {shard.name!r}: nbytes={n} but its dtype/shape need {shard.nbytes}")
+    return list(metas)
 
 
 def validate_metas(metas: Any, segment_size: int) -> list[dict[str, Any]]:
@@ -141,8 +172,13 @@ class StagingStore:
     """Versions the local trainer ranks published, keyed by version; thread-safe."""
 
     def __init__(self, ranks: list[int], prefix: str, *, keep: int = 1,
-                 on_complete: Callable[[StagedVersion], None] | None = None) -> None:
+                 on_complete: Callable[[StagedVersion], None] | None = None,
+                 ring: RingStaging | None = None) -> None:
         self.ranks = sorted(ranks)
+        #: ring mode (agent/ring.py): versions are streamed through `ring` instead of staged whole
+        self.ring = ring
+        self._dropped: list[StagedVersion] = []  # streamed versions evicted: their trainers are told to forget them
+        self._streams: dict[tuple[int, int], str] = {}  # (rank, version) -> session of a stream stage request
         self.prefix = prefix
         self.keep = max(1, keep)
         self.on_complete = on_complete
@@ -171,9 +207,16 @@ class StagingStore:
         with self._lock:
             self._arenas[rank] = (plan.hash, arena)
 
-    def stage_request(self, rank: int, version: int, nbytes: int, device: str, session: str = "") -> dict[str, Any]:
+    def stage_request(self, rank: int, version: int, nbytes: int, device: str, session: str = "",
+                      stream: bool = False) -> dict[str, Any]:
         """The agent's answer to a trainer's stage request: a segment to copy into and, once a plan read this
-        rank, the layout to copy in (its plan arena: the buckets are then sent from staging, no pack)."""
+        rank, the layout to copy in (its plan arena: the buckets are then sent from staging, no pack). In
+        ring mode, to a client that can stream (`stream`): no segment, the ring's depth (agent/ring.py)."""
+        if self.ring is not None and stream:
+            self._check_version(rank, version, session)
+            with self._lock:
+                self._streams[(rank, version)] = session
+            return {"ring": {"depth": self.ring.depth}}
         arena = self.arena(rank)
         seg = self.stage(rank, version, max(nbytes, arena.nbytes if arena else 0), device, session=session)
         return {"segment": seg.handle(), **({"layout": arena.to_dict()} if arena else {})}
@@ -202,6 +245,20 @@ class StagingStore:
             return max(done) if done else None
 
     def stage(self, rank: int, version: int, nbytes: int, device: str, session: str = "") -> staging.Segment:
+        self._check_version(rank, version, session)
+        if nbytes < 0:
+            raise StagingError(f"nbytes must be >= 0, got {nbytes}")
+        slot = self._pool(device).acquire(nbytes, user=rank)
+        with self._lock:
+            old = self._pending.pop((rank, version), None)
+            self._pending[(rank, version)] = slot
+        if old is not None:
+            self._release_slot(old)
+        return slot.segment
+
+    def _check_version(self, rank: int, version: int, session: str) -> None:
+        """Refuse a rank this agent does not serve and a version that does not increase (or start a new
+        trainer epoch: a new trainer session publishing from a lower version)."""
         if rank not in self.ranks:
             raise StagingError(f"rank {rank} is not served by this agent (its ranks are {self.ranks}); "
                                "pass TrainerSession(rank=...) matching the topology")
@@ -217,15 +274,6 @@ class StagingStore:
                                 f"session {session[:12]} (was {(before or 'unknown')[:12]})")
             if session:
                 self._rank_sessions[rank] = session
-        if nbytes < 0:
-            raise StagingError(f"nbytes must be >= 0, got {nbytes}")
-        slot = self._pool(device).acquire(nbytes, user=rank)
-        with self._lock:
-            old = self._pending.pop((rank, version), None)
-            self._pending[(rank, version)] = slot
-        if old is not None:
-            self._release_slot(old)
-        return slot.segment
 
     def publish(self, rank: int, version: int, segment: str, metas: Any, aliases: dict[str, str]) -> StagedVersion:
         with self._lock:
@@ -247,11 +295,77 @@ class StagingStore:
                 sv.complete = True
                 self._evict()
             self._lock.notify_all()
-        if old is not None:
+        if old is not None and old.slot is not None:
             self._release_slot(old.slot)
+        self._notify_dropped()
         if newly and self.on_complete:
             self.on_complete(sv)
         return sv
+
+    def publish_stream(self, rank: int, version: int, metas: Any, aliases: dict[str, str],
+                       snapshot_bytes: int = 0) -> StagedVersion:
+        """A rank's version in ring mode: its metadata only (the trainer process keeps the bytes and fills
+        the ring of each transfer, agent/ring.py); complete once every local rank published it."""
+        if self.ring is None:
+            raise StagingError("publish_stream: this agent stages whole versions (WEIGHTSYNC_STAGING is not ring)")
+        metas = validate_stream_metas(metas)
+        with self._lock:
+            if (rank, version) not in self._streams:
+                raise StagingError(f"publish_stream of version {version} rank {rank} without a matching stage request")
+            del self._streams[(rank, version)]
+            sv = self._versions.setdefault(version, StagedVersion(version))
+            old = sv.ranks.get(rank)
+            sv.ranks[rank] = RankStage(rank, None, metas, snapshot_bytes=max(0, int(snapshot_bytes)))
+            sv.aliases.update(aliases)
+            newly = not sv.complete and all(r in sv.ranks for r in self.ranks)
+            if newly:
+                sv.complete = True
+                self._evict()
+            self._lock.notify_all()
+        if old is not None and old.slot is not None:
+            self._release_slot(old.slot)
+        self._notify_dropped()
+        if newly and self.on_complete:
+            self.on_complete(sv)
+        return sv
+
+    def withdraw(self, version: int) -> bool:
+        """A held streamed version whose trainer returned from publish: it is no longer available (transfers
+        still reading it fail at their next fill). True when it was staged."""
+        with self._lock:
+            sv = self._versions.pop(version, None)
+        if sv is None:
+            return False
+        for rs in sv.ranks.values():
+            if rs.slot is not None:
+                self._release_slot(rs.slot)
+        log.info("staging.withdraw version=%s", version)
+        return True
+
+    def withdraw_rank(self, rank: int) -> list[int]:
+        """Withdraw every version `rank` streams (its trainer process closed its stream connection: nobody
+        holds those bytes any more). Returns the versions withdrawn."""
+        with self._lock:
+            gone = [v for v, sv in self._versions.items() if (rs := sv.ranks.get(rank)) is not None and rs.streamed]
+        for v in gone:
+            self.withdraw(v)
+        return gone
+
+    def snapshot_bytes(self) -> int:
+        """The trainer processes' snapshots of the streamed versions this agent keeps."""
+        with self._lock:
+            return sum(rs.snapshot_bytes for sv in self._versions.values() for rs in sv.ranks.values())
+
+    def _notify_dropped(self) -> None:
+        """Tell the trainer processes which streamed versions were evicted (outside the lock)."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        if self.ring is None:
+            return
+        for sv in dropped:
+            ring = self.ring
+            threading.Thread(target=ring.drop, args=(sv.version, sorted(sv.ranks)), daemon=True,
+                             name=f"ring-drop-{sv.version}").start()
 
     def _new_epoch(self, why: str) -> None:
         """A restarted trainer: every version of the old epoch is dropped (transfers still reading one keep
@@ -266,12 +380,19 @@ class StagingStore:
             if sv.readers:  # released when its last transfer ends (reading())
                 self._retired.append(sv)
                 continue
-            for rs in sv.ranks.values():
-                self._release_slot(rs.slot)
+            self._forget(sv)
         for slot in pending:
             self._release_slot(slot)
         log.warning("trainer epoch %s starts: %s; dropped versions %s", self.trainer_epoch, why,
                     sorted(sv.version for sv in old))
+
+    def _forget(self, sv: StagedVersion) -> None:
+        """Release a dropped version's staging (lock held); a streamed one is dropped by its trainers."""
+        for rs in sv.ranks.values():
+            if rs.slot is not None:
+                self._release_slot(rs.slot)
+        if sv.streamed:
+            self._dropped.append(sv)
 
     def _release_slot(self, slot: staging.Slot) -> None:
         for pool in self._pools.values():
@@ -288,14 +409,11 @@ class StagingStore:
             if v in keep or sv.readers or sv.pinned_until > now:
                 continue
             del self._versions[v]
-            for rs in sv.ranks.values():
-                self._release_slot(rs.slot)
+            self._forget(sv)
             log.info("staging.evict version=%s", v)
         # incomplete versions older than the newest complete one will never complete usefully
         for v in [v for v, s in self._versions.items() if not s.complete and complete and v < complete[0]]:
-            sv = self._versions.pop(v)
-            for rs in sv.ranks.values():
-                self._release_slot(rs.slot)
+            self._forget(self._versions.pop(v))
 
     def get(self, version: int, *, pin: float = 0.0) -> StagedVersion | None:
         with self._lock:
@@ -321,9 +439,9 @@ class StagingStore:
                 sv.pinned_until = 0.0
                 if not sv.readers and any(r is sv for r in self._retired):
                     self._retired = [r for r in self._retired if r is not sv]
-                    for rs in sv.ranks.values():
-                        self._release_slot(rs.slot)
+                    self._forget(sv)
                 self._evict()
+            self._notify_dropped()
 
     def close(self) -> None:
         with self._lock:
@@ -331,6 +449,8 @@ class StagingStore:
                 pool.close()
             self._pools.clear()
             self._versions.clear()
+        if self.ring is not None:
+            self.ring.close()
 
 
 def loading_pods(replica: InferenceReplicaTopology, full_tensors: bool) -> list[str]:
@@ -647,18 +767,23 @@ class WeightServer:
                 if mine != theirs:
                     raise StagingError(f"the destination's plan describes source rank {rdv.src} differently from "
                                        f"what was staged for version {rdv.version}")
-                self.store.prefer_arena(rdv.src, rdv.plan)
+                if not rs.streamed:
+                    self.store.prefer_arena(rdv.src, rdv.plan)
                 # transfers of different replicas run concurrently (each replica has its own groups):
                 # serialising them per agent could deadlock two trainer pods serving two replicas.
                 transport, world = self.transport_for({**rdv.group, "epoch": epoch}, rdv.plan, f"src{rdv.src}")
-                seg = rs.slot.segment
-                if isinstance(seg, staging.ShmSegment) and callable(getattr(transport, "register_shared", None)):
-                    transport.register_shared(str(seg.path), seg.tensor)  # IPC hands buckets out of staging
                 sender = WeightSender(rdv.plan, rdv.src, transport, rdv.peers, timeout=self.timeout,
                                       world=world, device=self.device,
                                       hooks=DigestHooks(inner=ChecksumHooks() if self.verify else None))
-                stats = sender.send_version(rdv.version, rs.tensors())
-        except (SyncError, StagingError, LinkError) as exc:
+                if rs.streamed:
+                    stats = self._send_streamed(rdv, transport, sender)
+                else:
+                    assert rs.slot is not None
+                    seg = rs.slot.segment
+                    if isinstance(seg, staging.ShmSegment) and callable(getattr(transport, "register_shared", None)):
+                        transport.register_shared(str(seg.path), seg.tensor)  # IPC hands buckets out of staging
+                    stats = sender.send_version(rdv.version, rs.tensors())
+        except (SyncError, StagingError, LinkError, RingError) as exc:
             self._failures[gname] = self._failures.get(gname, 0) + 1
             self.metrics.versions.labels("serve_failed").inc()
             log.warning("serve.failed version=%s src=%s error=%s", rdv.version, rdv.src, exc)
@@ -675,6 +800,22 @@ class WeightServer:
         self.metrics.versions.labels("served").inc()
         log.info("serve.done version=%s src=%s dsts=%s bytes=%s seconds=%.3f", rdv.version, rdv.src,
                  sorted(rdv.peers), stats.bytes, took)
+
+    def _send_streamed(self, rdv: _Rendezvous, transport: Transport, sender: WeightSender) -> Any:
+        """Ring mode: stream the version through a ring of bucket slots the trainer process fills
+        (agent/ring.py); the ring goes back to the pool when the transfer ends, also when it fails."""
+        ring = self.store.ring
+        if ring is None:
+            raise StagingError(f"version {rdv.version} was streamed but this agent has no ring")
+        with ring.source(rdv.plan, rdv.src, rdv.version, self.timeout) as source:
+            seg = source.segment
+            if isinstance(seg, staging.ShmSegment) and callable(getattr(transport, "register_shared", None)):
+                transport.register_shared(str(seg.path), seg.tensor)  # IPC hands buckets out of the ring
+            try:
+                return sender.send_version(rdv.version, {}, stream=source)
+            finally:
+                # the trainer's copy into the ring: the one copy per byte (and per transfer) of ring mode
+                self.metrics.copied_bytes.labels("publish").inc(source.filled_bytes)
 
     def close(self) -> None:
         self._stop.set()

@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -72,6 +72,16 @@ class PlacedTensors(list[tuple[str, torch.Tensor]]):
                  ) -> None:
         super().__init__(items)
         self.places: dict[int, Place] = dict(places or {})
+
+
+class BucketStream(Protocol):
+    """Where a streamed version's buckets come from (agent/ring.py `RingSource`): `fill(k, bucket, slot)`
+    writes bucket k (plan order) into ring slot `slot` (of `depth`) and returns its bytes, which stay valid
+    until that slot is filled again."""
+
+    depth: int
+
+    def fill(self, k: int, bucket: BucketPlan, slot: int) -> torch.Tensor: ...
 
 
 class SyncError(RuntimeError):
@@ -312,21 +322,28 @@ class WeightSender(_Endpoint):
             raise SyncError(f"source rank {self.rank}: tensors do not match the plan: "
                             f"{'; '.join(problems[:5])}{more}")
 
-    def send_version(self, version: int, tensors: Mapping[str, torch.Tensor | ShardPieces]) -> SyncStats:
+    def send_version(self, version: int, tensors: Mapping[str, torch.Tensor | ShardPieces],
+                     stream: BucketStream | None = None) -> SyncStats:
         """Send `version`: `tensors` maps each name to this rank's local shard (the plan's box). Returns
         once every destination acknowledged every byte; raises SyncError (after aborting the peers)
-        otherwise. The tensors must not change until this returns."""
+        otherwise. The tensors must not change until this returns. With `stream` (ring staging), the
+        buckets come from it instead, one ring slot at a time, and `tensors` is not read."""
         stats = SyncStats(version, str(self.me), self.plan.hash)
         t0 = time.perf_counter()
         where = "validating tensors"
         try:
-            self.check_tensors(tensors)
+            if stream is None:
+                self.check_tensors(tensors)
             where = "agreeing on the plan"
             self._handshake(version)
             stats.handshake_seconds = time.perf_counter() - t0
             where = "binding the transport"
             self.transport.bind(self._ctx("dst", version))
-            self._send_buckets(version, tensors, stats)
+            where = "sending buckets"
+            if stream is not None:
+                self._stream_buckets(version, stream, stats)
+            else:
+                self._send_buckets(version, tensors, stats)
             stats.copied_bytes += sum(t.copied_bytes for t in tensors.values() if isinstance(t, ShardPieces))
             where = "finishing"
             done_meta = self.hooks.on_send_done(version)
@@ -413,6 +430,44 @@ class WeightSender(_Endpoint):
             self._count(stats, bucket)
         tw = time.perf_counter()
         for pend in [*direct, *slots]:
+            if pend is not None:
+                pend.wait(self.timeout)
+        stats.wait_seconds += time.perf_counter() - tw
+
+    def _stream_buckets(self, version: int, stream: BucketStream, stats: SyncStats) -> None:
+        """Ring staging: bucket k goes through ring slot k % depth. The slot is filled (by the trainer
+        process) only once the send of the bucket it held last completed, and each bucket is sent from its
+        slot without a pack, so bucket k + 1 is filled while bucket k is on the wire."""
+        depth = max(1, int(stream.depth))
+        inflight: list[Pending[None] | None] = [None] * depth
+        for k, bucket in enumerate(self.buckets):
+            for d in self.dsts:
+                reason = self.peers[d].aborted
+                if reason is not None:
+                    raise RemoteAbort(f"destination rank {d} aborted: {reason}")
+            slot = k % depth
+            prev = inflight[slot]
+            if prev is not None:
+                tw = time.perf_counter()
+                prev.wait(self.timeout)
+                inflight[slot] = None
+                stats.wait_seconds += time.perf_counter() - tw
+            tp = time.perf_counter()
+            data = stream.fill(k, bucket, slot)
+            if not self.transport.supports_direct_send(data):
+                raise SyncError(f"transport {self.transport.name} cannot send from ring staging "
+                                f"({data.device}); use WEIGHTSYNC_STAGING=version")
+            meta = self.hooks.on_send_bucket(version, bucket, data)
+            stats.pack_seconds += time.perf_counter() - tp
+            self._send_meta(version, bucket, meta)
+            pending = self.transport.start_send_from(bucket, data)
+            if pending is None:
+                raise SyncError(f"transport {self.transport.name} declined a send from ring staging")
+            inflight[slot] = pending
+            stats.direct_buckets += 1
+            self._count(stats, bucket)
+        tw = time.perf_counter()
+        for pend in inflight:
             if pend is not None:
                 pend.wait(self.timeout)
         stats.wait_seconds += time.perf_counter() - tw

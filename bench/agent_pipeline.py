@@ -1,7 +1,8 @@
 """Agent pipeline benchmark: publish -> stage -> transfer -> engine load -> commit, through real processes.
 
     .venv/bin/python bench/agent_pipeline.py --mode {nccl,ipc,gdr} --size-mb N \
-        [--fsdp A --inference-tp B] [--bucket-mb M] [--versions V] --json
+        [--fsdp A --inference-tp B] [--bucket-mb M] [--versions V] \
+        [--staging {version,ring} [--depth D] [--snapshot {auto,copy,none}]] [--no-raw] --json
 
 What runs is what a pod runs: `--fsdp A` trainer processes (TrainerSession, each publishing its FSDP
 Shard(0) chunk of a Llama-shaped bf16 model), their agent, an inference agent and `--inference-tp B`
@@ -21,7 +22,11 @@ JSON fields (steady state: version 1 excluded, it forms groups, faults pages in 
   raw_s, ratio       the raw transport's p50 seconds and raw / end_to_end (1.0: the product adds nothing)
   copies_per_byte    bytes copied in memory besides the wire and the engine's own load, per model byte and
                      version, counted by the agents (weightsync_agent_copied_bytes_total, all stages)
-  peak_staging_bytes the agents' staging memory high-water mark (weightsync_agent_staging_peak_bytes)
+  peak_staging_bytes the agents' staging memory high-water mark (weightsync_agent_staging_peak_bytes), summed;
+                     `peak_staging_bytes_by_pod` per agent
+  staging, depth     whole-version staging (the default) or the ring of DEPTH bucket slots (agent/ring.py)
+  snapshot_bytes     ring: memory the trainers hold as snapshots of the last version (device memory on GPUs;
+                     0 when the trainer is held instead: CPU tensors with --snapshot auto or none)
   bit_exact          every engine rank's tensors equal the trainer's last version, byte for byte
 """
 
@@ -83,7 +88,7 @@ def _committed(run: Path, version: int, ranks: int) -> bool:
 
 
 # -- app processes -------------------------------------------------------------------------------------
-def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int) -> None:
+def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, snapshot: str = "auto") -> None:
     from weightsync.agent.client import TensorShard, TrainerSession
     from weightsync.agent.layout import trainer_layout
     from weightsync.agent.plan import Box
@@ -94,17 +99,19 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int) ->
         meta = next(m for m in metas if m.name == s.name)
         local = full_tensor(meta)[s.box.slices_within(Box.full(s.global_shape))].clone()
         weights[s.name] = TensorShard(local, s.global_shape, s.box.offset)
-    with TrainerSession(rank=rank) as session, (run / f"trainer-{rank}.jsonl").open("a") as fh:
+    with TrainerSession(rank=rank, ring_snapshot=snapshot) as session, \
+            (run / f"trainer-{rank}.jsonl").open("a") as fh:
         for v in range(1, versions + 1):
             while not (run / f"go-{v}").exists():
                 time.sleep(0.002)
             for w in weights.values():
                 advance(w.tensor)
             t0 = time.time()
-            session.publish(weights, v)
-            fh.write(json.dumps({"rank": rank, "version": v, "t_start": t0, "t_published": time.time()}) + "\n")
+            res = session.publish(weights, v)
+            fh.write(json.dumps({"rank": rank, "version": v, "t_start": t0, "t_published": time.time(),
+                                 "streamed": res.streamed, "served": res.served}) + "\n")
             fh.flush()
-    threading.Event().wait()
+        threading.Event().wait()  # ring staging with a snapshot: the session streams the last version
 
 
 def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int) -> None:
@@ -297,7 +304,8 @@ def copied_bytes(samples: list[dict[str, float]]) -> dict[str, float]:
     return by_stage
 
 
-def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: int) -> dict[str, Any]:
+def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: int, staging: str = "version",
+        depth: int = 2, snapshot: str = "auto", with_raw: bool = True) -> dict[str, Any]:
     from podprocs import Cluster, wait_for
     from weightsync.crds import contract
     from weightsync.e2e.procs import free_port
@@ -323,11 +331,13 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
     scrapes: list[list[dict[str, float]]] = []
     try:
         for p in pods:
-            c.start_agent(p, WEIGHTSYNC_LOG_LEVEL=os.environ.get("WEIGHTSYNC_LOG_LEVEL", "WARNING"))
+            c.start_agent(p, WEIGHTSYNC_LOG_LEVEL=os.environ.get("WEIGHTSYNC_LOG_LEVEL", "WARNING"),
+                          WEIGHTSYNC_STAGING=staging, WEIGHTSYNC_STAGING_DEPTH=str(depth))
         for r in range(tp):
             c.spawn(i, f"engine{r}", [sys.executable, me, "engine", "--rank", str(r), "--tp", str(tp), *common])
         for r in range(fsdp):
-            c.spawn(t, f"trainer{r}", [sys.executable, me, "trainer", "--rank", str(r), "--fsdp", str(fsdp), *common])
+            c.spawn(t, f"trainer{r}", [sys.executable, me, "trainer", "--rank", str(r), "--fsdp", str(fsdp),
+                                       "--snapshot", snapshot, *common])
         budget = 120 + size_mb / 5
         for v in range(1, versions + 1):
             (run_dir / f"go-{v}").touch()
@@ -338,6 +348,8 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
         exact = [json.loads((run_dir / f"exact-{r}.json").read_text()) for r in range(tp)]
         for p in pods:  # the agents are done: the raw transport alone between the same pods
             c.kill(p, "agent")
+        if not with_raw:
+            return _result(locals(), [])
         raw_out = run_dir / "raw.json"
         port = free_port(t.ip)
         procs = [c.spawn(pod, f"raw{k}", [sys.executable, me, "raw", "--kind", mode, "--rank", str(k), "--ip", pod.ip,
@@ -351,7 +363,14 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
         raw = [float(x) for x in json.loads(raw_out.read_text())]
     finally:
         c.stop_all()
+    return _result(locals(), raw)
 
+
+def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
+    run_dir, versions, fsdp, tp, model_bytes, metas = (ns[k] for k in ("run_dir", "versions", "fsdp", "tp",
+                                                                        "model_bytes", "metas"))
+    mode, size_mb, bucket_mb, scrapes, exact, pods = (ns[k] for k in ("mode", "size_mb", "bucket_mb", "scrapes",
+                                                                     "exact", "pods"))
     pubs = [d for r in range(fsdp) for d in _read_jsonl(run_dir / f"trainer-{r}.jsonl")]
     commits = _read_jsonl(run_dir / "commits.jsonl")
     rows = []
@@ -362,22 +381,30 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
                      "end_to_end_s": max(d["t"] for d in commits if d["version"] == v) - start})
     steady = rows[1:] or rows
     e2e = statistics.median(r["end_to_end_s"] for r in steady)
-    raw_s = statistics.median(raw)
+    raw_s = statistics.median(raw) if raw else float("nan")
     before, after = copied_bytes(scrapes[0]), copied_bytes(scrapes[-1])
     steady_versions = max(1, versions - 1)
     stages = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / (model_bytes * steady_versions) for k in after}
     peak = sum(s.get("weightsync_agent_staging_peak_bytes{}", 0.0) for s in scrapes[-1])
+    by_pod = {p.name: int(s.get("weightsync_agent_staging_peak_bytes{}", 0.0)) for p, s in zip(pods, scrapes[-1],
+                                                                                              strict=True)}
+    snapshot_bytes = max((s.get("weightsync_agent_trainer_snapshot_bytes{}", 0.0) for sc in scrapes for s in sc),
+                         default=0.0)
     return {
         "benchmark": "agent_pipeline", "mode": mode, "size_mb": size_mb, "bytes": model_bytes, "tensors": len(metas),
         "fsdp": fsdp, "inference_tp": tp, "bucket_mb": bucket_mb, "versions": versions,
         "bit_exact": all(e["bit_exact"] for e in exact),
         "end_to_end_s": round(e2e, 4), "end_to_end_s_max": round(max(r["end_to_end_s"] for r in steady), 4),
         "trainer_blocked_s": round(statistics.median(r["trainer_blocked_s"] for r in steady), 4),
-        "raw_s": round(raw_s, 4), "ratio": round(raw_s / e2e, 3),
-        "effective_gbps": round(model_bytes / e2e / 1e9, 3), "raw_gbps": round(model_bytes / raw_s / 1e9, 3),
+        "raw_s": round(raw_s, 4) if raw else None, "ratio": round(raw_s / e2e, 3) if raw else None,
+        "effective_gbps": round(model_bytes / e2e / 1e9, 3),
+        "raw_gbps": round(model_bytes / raw_s / 1e9, 3) if raw else None,
         "copies_per_byte": round(sum(stages.values()), 3),
         "copies_per_byte_by_stage": {k: round(v, 3) for k, v in sorted(stages.items())},
-        "peak_staging_bytes": int(peak),
+        "peak_staging_bytes": int(peak), "peak_staging_bytes_by_pod": by_pod,
+        "staging": ns["staging"], "depth": ns["depth"] if ns["staging"] == "ring" else None,
+        "snapshot": ns["snapshot"] if ns["staging"] == "ring" else None, "snapshot_bytes": int(snapshot_bytes),
+        "trainer_held_for": sorted({str(d.get("streamed") or "copy into staging") for d in pubs}),
         "first_version_end_to_end_s": round(rows[0]["end_to_end_s"], 4),
         "raw_kind": {"nccl": "gloo send/recv", "gdr": "NIXL READ",
                      "ipc": "shared-memory hand-off: writer copy in + reader copy out"}[mode],
@@ -399,16 +426,24 @@ def main(argv: list[str] | None = None) -> int:
         for flag in ("--rank", "--size-mb", "--versions", "--fsdp" if name == "trainer" else "--tp"):
             sp.add_argument(flag, type=int, required=True)
         sp.add_argument("--run", required=True)
+        if name == "trainer":
+            sp.add_argument("--snapshot", default="auto")
     p.add_argument("--mode", choices=("nccl", "ipc", "gdr"), default="nccl")
     p.add_argument("--size-mb", type=int, default=64, help="model size in MiB")
     p.add_argument("--fsdp", type=int, default=1, help="trainer ranks (FSDP Shard(0))")
     p.add_argument("--inference-tp", type=int, default=1, help="engine ranks of the one replica (TP)")
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument("--versions", type=int, default=6)
+    p.add_argument("--staging", choices=("version", "ring"), default="version",
+                   help="the trainer agent's staging: whole versions (default) or a ring of bucket slots")
+    p.add_argument("--depth", type=int, default=2, help="ring slots per transfer (--staging ring)")
+    p.add_argument("--snapshot", choices=("auto", "copy", "none"), default="auto",
+                   help="ring: what the trainer keeps (TrainerSession(ring_snapshot=...))")
+    p.add_argument("--no-raw", action="store_true", help="skip the raw transport reference (raw_s, ratio: null)")
     p.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     a = p.parse_args(argv)
     if a.cmd == "trainer":
-        run_trainer(Path(a.run), a.rank, a.fsdp, a.size_mb, a.versions)
+        run_trainer(Path(a.run), a.rank, a.fsdp, a.size_mb, a.versions, a.snapshot)
     elif a.cmd == "engine":
         run_engine(Path(a.run), a.rank, a.tp, a.size_mb, a.versions)
     elif a.cmd == "raw":
@@ -416,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if a.versions < 2:
             p.error("--versions must be at least 2 (version 1 is the warm-up)")
-        print(json.dumps(run(a.mode, a.size_mb, a.fsdp, a.inference_tp, a.bucket_mb, a.versions), indent=1))
+        print(json.dumps(run(a.mode, a.size_mb, a.fsdp, a.inference_tp, a.bucket_mb, a.versions, a.staging, a.depth,
+                             a.snapshot, not a.no_raw), indent=1))
     return 0
 
 
