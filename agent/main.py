@@ -323,6 +323,9 @@ class Agent:
             self.store = StagingStore(self.tmember.ranks, self.prefix, on_complete=self._on_complete,
                                       keep=staged_versions_to_keep(cfg.engine_type), ring=self._ring(cfg))
             self.metrics.snapshot_bytes.set_function(self.store.snapshot_bytes)
+            ring = self.store.ring
+            if ring is not None:
+                self.metrics.ring_transfers.set_function(lambda: ring.rings_in_use)
             self.server = WeightServer(
                 host=cfg.pod_ip, port=cfg.control_port, token=self.token, pod=cfg.pod_name, store=self.store,
                 transport_for=lambda g, p, role: self.cache.get(g, p, role=role), metrics=self.metrics, mode=self.mode,

@@ -56,6 +56,9 @@ class AgentMetrics:
         self.snapshot_bytes = Gauge(
             "weightsync_agent_trainer_snapshot_bytes", "Ring staging: memory the local trainer processes hold as "
             "snapshots of the versions this agent streams (device memory for CUDA tensors; 0 when held)", registry=r)
+        self.ring_transfers = Gauge(
+            "weightsync_agent_ring_transfers", "Ring staging: transfers streaming through a ring now (each holds "
+            "depth x its largest bucket of staging; the ring goes back to the pool when the transfer ends)", registry=r)
         self.sync_seconds = Histogram(
             "weightsync_agent_sync_seconds", "Seconds to fetch, load and commit one version (inference)",
             ["mode"], buckets=_SECONDS, registry=r)

@@ -249,6 +249,23 @@ def snapshot_of(tensors: Mapping[str, torch.Tensor], mode: str) -> tuple[dict[st
     return out, nbytes, hold
 
 
+def fill_slot(tensors: Mapping[str, torch.Tensor], entries: list[list[Any]], seg: staging.Segment, at: int,
+              cuda: bool) -> int:
+    """Copy one bucket's entries ([name, offset in the shard, shape, byte offset in the bucket]) from
+    `tensors` into `seg` at byte `at`: each piece straight to its place (a strided copy; device -> pinned
+    host memory is asynchronous, hence the synchronize before the agent may send). Returns the bytes."""
+    n = 0
+    with torch.no_grad():
+        for name, offset, shape, off in entries:
+            t = tensors[name]
+            region = t[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+            seg.view(at + int(off), t.dtype, shape).copy_(region, non_blocking=t.is_cuda)
+            n += math.prod(shape) * t.element_size()
+        if cuda or seg.tensor.is_cuda:
+            torch.cuda.synchronize()
+    return n
+
+
 class Streamer:
     """The trainer process's `trainer_stream` connection: a daemon thread that serves the agent's fills from
     the sources of the versions this rank published in ring mode."""
@@ -328,17 +345,7 @@ class Streamer:
         layout = self._layouts.get(key)
         if layout is None:
             raise KeyError(f"unknown plan {key}")
-        seg = self._segment(handle)
-        n = 0
-        with torch.no_grad():
-            for name, offset, shape, off in layout[k]:
-                t = src[name]
-                region = t[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
-                seg.view(at + int(off), t.dtype, shape).copy_(region, non_blocking=t.is_cuda)
-                n += math.prod(shape) * t.element_size()
-            if cuda or seg.tensor.is_cuda:
-                torch.cuda.synchronize()  # the async D2H / D2D copies landed before the agent sends
-        self.filled_bytes += n
+        self.filled_bytes += fill_slot(src, layout[k], self._segment(handle), at, cuda)
 
     def close(self) -> None:
         self.alive = False

@@ -334,6 +334,8 @@ class StagingStore:
         still reading it fail at their next fill). True when it was staged."""
         with self._lock:
             sv = self._versions.pop(version, None)
+            if sv is not None:  # announced already: never published again with other bytes
+                self.floor = max(self.floor or 0, version)
         if sv is None:
             return False
         for rs in sv.ranks.values():
