@@ -20,6 +20,7 @@ import datetime as dt
 import json
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,9 @@ from weightsync.agent.metrics import AgentMetrics
 from weightsync.crds import contract, desired, report_push, version_proof
 
 log = logging.getLogger(__name__)
+# After the operator took a report, its pod write waits this long (times 1 to 1.5): reports of that interval
+# go in one write, and a fleet's writes do not meet the operator's status write on the API server.
+REPORT_WRITE_DELAY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -158,13 +162,13 @@ def condition_for(obs: Observed, now: dt.datetime) -> dict[str, Any] | None:
 
 
 def report_write_delay(env: dict[str, str] | None = None) -> float:
-    """contract.ENV_REPORT_WRITE_DELAY: seconds (>= 0; default 5)."""
+    """contract.ENV_REPORT_WRITE_DELAY: seconds (0..60; default REPORT_WRITE_DELAY_S)."""
     raw = (os.environ if env is None else env).get(contract.ENV_REPORT_WRITE_DELAY, "")
     try:
-        value = float(raw) if raw else 5.0
+        value = float(raw) if raw else REPORT_WRITE_DELAY_S
     except ValueError:
         log.warning("ignoring %s=%r: not a number of seconds", contract.ENV_REPORT_WRITE_DELAY, raw)
-        return 5.0
+        return REPORT_WRITE_DELAY_S
     return max(0.0, min(value, 60.0))
 
 
@@ -177,7 +181,8 @@ def push_report(url: str, body: bytes, timeout: float = 1.0) -> tuple[int, str]:
     try:
         conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout)
         try:
-            conn.request("POST", parts.path, body, {"Content-Type": "application/json"})
+            conn.request("POST", parts.path + (f"?{parts.query}" if parts.query else ""), body,
+                         {"Content-Type": "application/json"})
             resp = conn.getresponse()
             raw = resp.read(4096)
         finally:
@@ -224,7 +229,8 @@ class PodLink:
         self.write_delay = report_write_delay() if write_delay is None else write_delay
         self._seq = 0
         self._pushed: dict[str, str | None] | None = None  # the reported annotations the operator last took
-        self._deferred_at: float | None = None  # since when a taken report waits for its pod write
+        self._deferred_until: float | None = None  # when a taken report's pod write is due (None: none waits)
+        self._repush = False  # push the current report even if nothing changed (a new operator instance)
         self._forced = 0  # flush() under way: nothing waits
         # the job's desired-state ConfigMap (contract.desired_configmap_name); None: the pod's annotations only
         self.desired_configmap = desired_configmap
@@ -304,7 +310,9 @@ class PodLink:
     def _apply_configmap(self, data: dict[str, str] | None) -> None:
         with self._desired_lock:
             self._cm_data = dict(data or {})
-            self.report_to = desired.report_to(self._cm_data)
+            report_to = desired.report_to(self._cm_data)
+            if report_to != self.report_to:
+                self._new_operator(report_to)
             self._recompute()
 
     def _recompute(self) -> None:
@@ -315,6 +323,19 @@ class PodLink:
                 self.on_desired(d)
             except Exception:
                 log.exception("desired-state callback failed")
+
+    def _new_operator(self, report_to: str | None) -> None:
+        """Another operator instance (a restart, a new leader) holds none of this agent's reports: push the
+        current one again; no report address any more: write the pod now."""
+        with self._cond:
+            had = self.report_to
+            self.report_to = report_to
+            self._pushed = None
+            if had is not None:
+                self._repush = report_to is not None
+                self._deferred_until = None if report_to is None else self._deferred_until
+                self._dirty = True
+                self._cond.notify_all()
 
     def _seed_configmap(self) -> None:
         """Read the desired-state ConfigMap once (absent: the operator has not written it yet, or an older
@@ -438,8 +459,7 @@ class PodLink:
     def _write_loop(self) -> None:
         while not self._stop.is_set():
             with self._cond:
-                wait = None if self._deferred_at is None else max(
-                    0.0, self._deferred_at + self.write_delay - time.monotonic())
+                wait = None if self._deferred_until is None else max(0.0, self._deferred_until - time.monotonic())
                 self._cond.wait_for(lambda: self._dirty or self._stop.is_set(), wait)
                 if self._stop.is_set():
                     return
@@ -507,18 +527,21 @@ class PodLink:
             if self._rewrite_versions:
                 self._rewrite_versions, rewrite = False, True
                 patch.update({k: want.get(k) for k in (*contract.VERSION_PROOF_KEYS, contract.ANN_VERSION_PROOF)})
-        if patch and not rewrite and any(k in contract.REPORTED_POD_ANNOTATIONS for k in patch):
+        with self._cond:
+            repush, self._repush = self._repush, False
+        if not rewrite and (repush or any(k in contract.REPORTED_POD_ANNOTATIONS for k in patch)):
             full = {**self._written_ann, **patch}
             reported = {k: full.get(k) for k in contract.REPORTED_POD_ANNOTATIONS}
             # Atomic (the desired state carries commit keys): a pod's served version switches together with
-            # its readiness, so its pod is written at once as well; Rolling: within write_delay, coalesced.
+            # its readiness, so its pod is written at once as well; Rolling: within write_delay (times 1 to
+            # 1.5, so a fleet's writes spread out), coalesced.
             atomic = self.desired.commit is not None or self.desired.committed is not None
-            if self._push(reported) and not atomic:
+            if any(reported.values()) and self._push(reported) and not atomic and patch:
                 now = time.monotonic()
-                if self._deferred_at is None:
-                    self._deferred_at = now
-                if not self._forced and now < self._deferred_at + self.write_delay:
-                    patch = {}  # the operator has it; the pod follows within write_delay, coalesced
+                if self._deferred_until is None:
+                    self._deferred_until = now + self.write_delay * random.uniform(1.0, 1.5)
+                if not self._forced and now < self._deferred_until:
+                    patch = {}  # the operator has it; the pod follows, coalesced
         if patch:
             body = {"metadata": {"annotations": patch}}
             written: list[Any] = []
@@ -530,7 +553,7 @@ class PodLink:
                 with self._cond:
                     self._written_ann.update(patch)
                     if not annotation_patch(want, self._written_ann):
-                        self._deferred_at = None
+                        self._deferred_until = None
                     rv = getattr(getattr(written[0], "metadata", None), "resource_version", None)
                     with contextlib.suppress(TypeError, ValueError):
                         self._write_rv = max(self._write_rv, int(str(rv)))
@@ -566,7 +589,7 @@ class PodLink:
                 self._forced -= 1
 
     def close(self) -> None:
-        if self._deferred_at is not None and self._threads and not self._stop.is_set():
+        if self._deferred_until is not None and self._threads and not self._stop.is_set():
             self.flush(timeout=2.0)  # a report only the operator has: write it before going
         self._stop.set()
         with self._cond:

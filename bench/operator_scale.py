@@ -46,6 +46,7 @@ import logging
 import math
 import os
 import platform
+import random
 import signal
 import statistics
 import subprocess
@@ -246,7 +247,7 @@ class FakeAgents:
     is targeted at ("loads" instantly)."""
 
     def __init__(self, api_factory: Callable[[], Any], namespaces: list[str], workers: int = 16,
-                 operator_key: bytes | None = None, push: bool = True, write_delay: float = 5.0) -> None:
+                 operator_key: bytes | None = None, push: bool = True, write_delay: float = 10.0) -> None:
         import kubernetes
 
         # As the real agents: versions carry the proof made with the job's token (derived here from the
@@ -260,6 +261,9 @@ class FakeAgents:
         self.pending: dict[tuple[str, str], tuple[float, dict[str, str | None]]] = {}  # deferred pod writes
         self.seq = 0
         self.pushes = {"taken": 0, "not_taken": 0}
+        self.last_report: dict[tuple[str, str], tuple[str, dict[str, str | None]]] = {}  # pod -> job, report
+        self.report_to: dict[tuple[str, str], str | None] = {}  # (namespace, ConfigMap) -> report address
+        self.busy = 0  # reports and writes submitted and not done
 
         self.api = api_factory()
         self.api.configuration.connection_pool_maxsize = workers + 4
@@ -343,8 +347,41 @@ class FakeAgents:
             self.desired[key] = dict(cm.get("data") or {})
             pods = [k for k, (job, _) in self.pod_ann.items()
                     if k[0] == key[0] and contract.desired_configmap_name(job) == key[1]]
+            url = desired.report_to(self.desired[key])
+            had = self.report_to.get(key)
+            self.report_to[key] = url
+            # a new operator instance holds no report: push the last one of each pod again (PodLink)
+            again = [(k, job, ann) for k, (job, ann) in self.last_report.items()
+                     if had is not None and url not in (None, had) and k[0] == key[0]
+                     and contract.desired_configmap_name(job) == key[1]]
+        for k, job, ann in again:
+            self._submit(self._push, k, job, ann)
         for k in pods:
             self._consider(k)
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        with self.lock:
+            self.busy += 1
+
+        def run() -> None:
+            try:
+                fn(*args)
+            finally:
+                with self.lock:
+                    self.busy -= 1
+        self.pool.submit(run)
+
+    def wait_idle(self, timeout: float = 120.0) -> float:
+        """Until no report or write is under way (a measurement starts after the start-up burst: one
+        Synced condition write per pod), the deferred pod writes of reports taken by the operator still
+        waiting (they land during the measurement, as in steady state); returns the seconds waited."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            with self.lock:
+                if not self.busy:
+                    return time.monotonic() - t0
+            time.sleep(0.1)
+        raise RuntimeError(f"fake agents still busy after {timeout:.0f} s")
 
     def _consider(self, key: tuple[str, str]) -> None:
         """What a real agent does with its desired state: report Synced once, load a newer target."""
@@ -360,11 +397,11 @@ class FakeAgents:
                 self.served[key] = v
                 self.commits[(key[0], key[1], v)] = time.monotonic()
         if first:
-            self.pool.submit(self._report, key, job, Observed(engine_paused=False, synced=True,
+            self._submit(self._report, key, job, Observed(engine_paused=False, synced=True,
                                                                synced_reason="NoVersionPublished"), True)
         if load:
             assert v is not None
-            self.pool.submit(self._report, key, job, Observed(
+            self._submit(self._report, key, job, Observed(
                 served_version=v, synced=True, synced_reason="UpToDate",
                 last_sync={"version": v, "durationSeconds": 0.0, "bytes": 1, "mode": "NCCL"}), v == 1)
 
@@ -404,9 +441,11 @@ class FakeAgents:
             ann = self._signed(key, job, obs)
             taken = any(k in contract.REPORTED_POD_ANNOTATIONS for k in ann) and self._push(key, job, ann)
             now = time.monotonic()
+            with self.lock:
+                self.last_report[key] = (job, ann)
             if taken:
                 with self.lock:
-                    due = self.pending.get(key, (now + self.write_delay, {}))[0]
+                    due = self.pending.get(key, (now + self.write_delay * random.uniform(1.0, 1.5), {}))[0]
                     self.pending[key] = (due, ann)
             else:
                 self.core.patch_namespaced_pod(key[1], key[0], {"metadata": {"annotations": ann}},
@@ -432,7 +471,7 @@ class FakeAgents:
                 for k, _ in due:
                     del self.pending[k]
             for k, ann in due:
-                self.pool.submit(self._write_pod, k, ann)
+                self._submit(self._write_pod, k, ann)
 
     def _write_pod(self, key: tuple[str, str], ann: dict[str, str | None]) -> None:
         try:
@@ -674,6 +713,7 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
             # 2. Versions on every job at once: requests per version and pod, publish -> status per job.
             cycle(watch, jobs, range(1, 2), args.timeout, agents)  # warm-up (first condition change)
             time.sleep(2.0)
+            out["fleet_warmup_drain_s"] = round(agents.wait_idle(), 2)
             a0, o0 = apiserver_requests(api), operator_requests(op.port)
             t1 = time.monotonic()
             lat = cycle(watch, jobs, range(2, 2 + args.versions), args.timeout, agents)
@@ -713,6 +753,7 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
             watch.wait(all_jobs(big, ready), args.timeout, "the big job Ready")
             cycle(watch, big, range(1, 3), args.timeout, agents)  # warm-up
             time.sleep(2.0)
+            out["big_warmup_drain_s"] = round(agents.wait_idle(), 2)
             a0, o0 = apiserver_requests(api), operator_requests(op.port)
             r0 = metrics(op.port)
             lat = cycle(watch, big, range(3, 3 + args.big_versions), args.timeout, agents, note=True)
@@ -729,6 +770,7 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
             n = args.big_versions * (args.big_pods + 1)
             out[f"publish_to_status_p50_s_{args.big_pods}_pods"] = round(statistics.median(lat), 3)
             out[f"publish_to_status_p99_s_{args.big_pods}_pods"] = round(percentile(lat, 99), 3)
+            out[f"publish_to_status_s_{args.big_pods}_pods_each"] = [round(x, 3) for x in lat]
             out["big_versions"] = args.big_versions
             out["big_api_requests_per_version_per_pod"] = round(sum(delta(a1, a0).values()) / n, 3)
             out["big_api_requests_per_version_per_pod_by_request"] = per(delta(a1, a0), n)
@@ -803,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-push", choices=["on", "off"], default="on",
                     help="fleet mode: agents push their reports to the operator before their pod write (on, as "
                          "the agent does when the operator advertises a report address) or write their pods only")
-    ap.add_argument("--report-write-delay", type=float, default=5.0,
+    ap.add_argument("--report-write-delay", type=float, default=10.0,
                     help="fleet mode: seconds a pushed report waits for its (coalesced) pod write, as "
                          "WEIGHTSYNC_REPORT_WRITE_DELAY_SECONDS")
     ap.add_argument("--json", action="store_true", help="print one JSON object (the replica mode always does)")

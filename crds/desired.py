@@ -15,6 +15,8 @@ absent, as it did with annotations). Only the operator may write it; the agents'
 from __future__ import annotations
 
 import json
+import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +25,7 @@ from weightsync.crds import contract
 PREFIX = f"{contract.GROUP}/"
 # A ConfigMap holds at most 1 MiB; about 100 bytes per pod leaves room for some 9,000 pods per job.
 MAX_DATA_BYTES = 900 * 1024
+_INSTANCE = re.compile(r"(instance=[0-9a-f]{1,32})?")
 
 
 class DesiredTooLarge(ValueError):
@@ -51,9 +54,18 @@ def encode(per_pod: Mapping[str, Mapping[str, str]], report_to: str | None = Non
 
 
 def report_to(data: Mapping[str, str] | None) -> str | None:
-    """Where to push reports, when the ConfigMap names a place that looks like one (http://host:port/path)."""
+    """Where to push reports, when the ConfigMap names a place that looks like one:
+    http://<host>:<port>/v1/reports[?instance=<hex>] (the instance changes with every operator process)."""
     raw = (data or {}).get(contract.DESIRED_REPORT_TO_KEY)
-    if not raw or len(raw) > 512 or not raw.startswith("http://") or not raw.endswith(contract.REPORT_PATH):
+    if not raw or len(raw) > 512:
+        return None
+    try:
+        parts = urllib.parse.urlsplit(raw)
+        port = parts.port
+    except ValueError:
+        return None
+    if (parts.scheme != "http" or not parts.hostname or port is None or parts.path != contract.REPORT_PATH
+            or parts.fragment or parts.username or not _INSTANCE.fullmatch(parts.query)):
         return None
     return raw
 

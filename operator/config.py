@@ -159,6 +159,9 @@ class OperatorConfig:
     # pushed could be checked) or without an address.
     report_port: int = 8082
     report_address: str = ""
+    # This process's instance (random, set at start): in the report address, so that agents see a restarted
+    # or new active operator, which holds none of their reports yet, and push theirs again.
+    report_instance: str = ""
     # Server-side dry-run of the user's templates before pods are created.
     dry_run_templates: bool = True
     # NetworkPolicy peers (namespaceSelector / podSelector) that may reach the agents' metrics port (a
@@ -178,7 +181,8 @@ class OperatorConfig:
         if not self.report_port or not self.report_address or self.operator_key is None:
             return None
         host = f"[{self.report_address}]" if ":" in self.report_address else self.report_address
-        return f"http://{host}:{self.report_port}{contract.REPORT_PATH}"
+        query = f"?instance={self.report_instance}" if self.report_instance else ""
+        return f"http://{host}:{self.report_port}{contract.REPORT_PATH}{query}"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> OperatorConfig:

@@ -15,6 +15,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 
 import kopf
 from weightsync.operator import handlers
@@ -74,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fmt = {"json": kopf.LogFormat.JSON, "plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL}[args.log_format]
     kopf.configure(verbose=args.verbose, debug=args.debug, log_format=fmt)
     try:
-        cfg = build_config(args)
+        cfg = replace(build_config(args), report_instance=uuid.uuid4().hex[:12])
     except ValueError as err:
         print(f"weightsync-operator: {err}", file=sys.stderr)
         return 2

@@ -229,7 +229,7 @@ class ReportServer:
         parts = lines[0].split(" ")
         if len(parts) != 3:
             return 400, "malformed request line"
-        method, path = parts[0], parts[1]
+        method, path = parts[0], parts[1].split("?", 1)[0]
         if path != contract.REPORT_PATH:
             return 404, f"only {contract.REPORT_PATH} is served here"
         if method != "POST":

@@ -168,16 +168,21 @@ def test_agents_push_their_reports_and_the_status_does_not_wait_for_their_pod_wr
     desired-state ConfigMap): the status moves while no pod carries the version yet, a report signed with
     another token moves nothing, and the pod write that follows is the durable record."""
     port = free_port()
-    operator("--report-address", "127.0.0.1", "--report-port", str(port))
+    op = operator("--report-address", "127.0.0.1", "--report-port", str(port))
     create_job(kube, namespace, "push", separated_spec(trainer_pods=1, trainer_gpus=1, replicas=2, gpus_per_replica=1))
     wait_until(lambda: len(live_pods(kube, namespace, "push")) == 3, what="pods")
     trainer, inf = "push-trainer-0", ["push-inference-0-0", "push-inference-1-0"]
     for pod in [trainer, *inf]:
         _kubelet_ready(cluster, namespace, pod)
-    url = f"http://127.0.0.1:{port}{contract.REPORT_PATH}"
+    base = f"http://127.0.0.1:{port}{contract.REPORT_PATH}"
     cm_name = contract.desired_configmap_name("push")
-    wait_until(lambda: raw(kube, f"/api/v1/namespaces/{namespace}/configmaps/{cm_name}").get("data", {}).get(
-        contract.DESIRED_REPORT_TO_KEY) == url, what="the report address in the desired state")
+
+    def report_to() -> str:
+        return str(raw(kube, f"/api/v1/namespaces/{namespace}/configmaps/{cm_name}").get("data", {}).get(
+            contract.DESIRED_REPORT_TO_KEY) or "")
+
+    url = wait_until(lambda: (u := report_to()).startswith(base + "?instance=") and u,
+                     what="the report address in the desired state")
     job_uid = get_job(kube, namespace, "push")["metadata"]["uid"]
     token = version_proof.job_token(operator_key_file(Path(cluster.kubeconfig)).read_bytes().strip(), namespace,
                                     "push", job_uid).encode()
@@ -207,6 +212,19 @@ def test_agents_push_their_reports_and_the_status_does_not_wait_for_their_pod_wr
         assert code == 403, message
         time.sleep(1.0)
         assert get_job(kube, namespace, "push")["status"]["servedVersion"] == 3
+
+        # A restarted operator holds no report: the agents see its new instance and push theirs again, so
+        # the status is right again while the pods still carry nothing.
+        op.stop()
+        operator("--report-address", "127.0.0.1", "--report-port", str(port))
+        url = wait_until(lambda: (u := report_to()) != url and u.startswith(base) and u, what="the new instance")
+        wait_until(lambda: all(link.report_to == url for link in links.values()), what="agents see it")
+        kube.custom.patch_namespaced_custom_object_status(  # what a status from before the restart would not show
+            contract.GROUP, contract.VERSION, namespace, contract.PLURAL, "push", {"status": {"servedVersion": 0}})
+        wait_until(lambda: get_job(kube, namespace, "push")["status"].get("servedVersion") == 3,
+                   what="served 3 again, from the reports pushed again")
+        pods = live_pods(kube, namespace, "push")
+        assert not any(contract.ANN_SERVED_VERSION in (pods[p]["metadata"].get("annotations") or {}) for p in inf)
 
         # The durable record: the pod writes land, the status stays.
         for link in links.values():

@@ -84,11 +84,16 @@ def test_the_report_address_comes_only_from_the_desired_state_and_only_as_an_htt
     data = desired.encode({"p0": {contract.ANN_TARGET_VERSION: "3"}}, cfg.report_url)
     assert desired.report_to(data) == cfg.report_url
     assert desired.decode_pod(data, "p0") == {contract.ANN_TARGET_VERSION: "3"}
-    for bad in ("file:///etc/passwd", "http://x/other", "ftp://x/v1/reports", "http://" + "x" * 600 + "/v1/reports"):
+    with_instance = OperatorConfig(operator_key=KEY, report_address="10.0.0.5", report_instance="0a1b2c").report_url
+    assert with_instance == "http://10.0.0.5:8082/v1/reports?instance=0a1b2c"
+    assert desired.report_to({contract.DESIRED_REPORT_TO_KEY: with_instance}) == with_instance
+    for bad in ("file:///etc/passwd", "http://x/other", "ftp://x:1/v1/reports", "http://x/v1/reports",
+                "http://" + "x" * 600 + ":1/v1/reports", "http://x:1/v1/reports?other=1", "http://u@x:1/v1/reports",
+                "http://x:99999/v1/reports", "http://x:1/v1/reports#f"):
         assert desired.report_to({contract.DESIRED_REPORT_TO_KEY: bad}) is None, bad
-    assert report_write_delay({}) == 5.0
+    assert report_write_delay({}) == 10.0
     assert report_write_delay({contract.ENV_REPORT_WRITE_DELAY: "0.5"}) == 0.5
-    assert report_write_delay({contract.ENV_REPORT_WRITE_DELAY: "soon"}) == 5.0
+    assert report_write_delay({contract.ENV_REPORT_WRITE_DELAY: "soon"}) == 10.0
     assert report_write_delay({contract.ENV_REPORT_WRITE_DELAY: "-3"}) == 0.0
 
 
@@ -205,7 +210,7 @@ def _raw(port: int, data: bytes, wait: float = 2.0) -> bytes:
 def test_the_listener_takes_an_agents_push_and_answers_everything_else_with_a_clear_status(server: Any) -> None:
     srv, it = server
     url = f"http://127.0.0.1:{srv.port}{contract.REPORT_PATH}"
-    assert push_report(url, _body("p0", "u0", 1, _served("u0", 3))) == (200, "taken")
+    assert push_report(url + "?instance=0a1b", _body("p0", "u0", 1, _served("u0", 3))) == (200, "taken")
     assert podstate.served_version(it.box.overlay("rl", "grpo", {"p0": _pod("p0", "u0")})["p0"]) == 3
     code, msg = push_report(url, _body("p0", "u0", 2, _served("u0", 4), token="0" * 64))
     assert code == 403 and "token" in msg
