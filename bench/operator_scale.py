@@ -482,7 +482,7 @@ class FakeAgents:
                 self.errors += 1
             log.warning("fake agent deferred write failed pod=%s/%s: %r", key[0], key[1], exc)
 
-    def target_seen(self, namespace: str, versions: range) -> dict[str, float]:
+    def target_seen(self, namespace: str, versions: range) -> dict[str, Any]:
         """p50 over VERSIONS of publish -> the first and the last pod of NAMESPACE seeing its target (how
         long the operator took to target the pods), and -> the last agent's report written (the rest of
         publish -> status is the operator reading the reports and writing the status)."""
@@ -498,10 +498,12 @@ class FakeAgents:
                     reported.append(max(done) - self.publish_times[v])
         if not first:
             return {}
-        out = {"publish_to_first_target_p50_s": round(statistics.median(first), 3),
+        out: dict[str, Any] = {"publish_to_first_target_p50_s": round(statistics.median(first), 3),
                "publish_to_last_target_p50_s": round(statistics.median(last), 3)}
         if reported:
             out["publish_to_last_report_p50_s"] = round(statistics.median(reported), 3)
+            out["publish_to_last_report_s_each"] = [round(x, 3) for x in reported]
+        out["publish_to_last_target_s_each"] = [round(x, 3) for x in last]
         return out
 
     def close(self) -> None:
@@ -516,6 +518,7 @@ class JobWatch:
         self.cond = threading.Condition()
         self.status: dict[tuple[str, str], dict[str, Any]] = {}
         self.first_served: dict[tuple[str, str, int], float] = {}
+        self.restarts: list[float] = []  # when a watch (re)started: a restart is a gap in what is seen
         self.stop_flag = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(ns, api_factory), daemon=True) for ns in namespaces]
         for t in self.threads:
@@ -525,10 +528,15 @@ class JobWatch:
         import kubernetes
 
         custom: Any = kubernetes.client.CustomObjectsApi(api_factory())
+        rv = ""
         while not self.stop_flag.is_set():
+            self.restarts.append(time.monotonic())
             try:
-                for ev in kubernetes.watch.Watch().stream(custom.list_namespaced_custom_object, contract.GROUP,
-                                                          contract.VERSION, ns, contract.PLURAL, timeout_seconds=60):
+                w = kubernetes.watch.Watch()
+                kwargs = {"resource_version": rv} if rv else {}
+                for ev in w.stream(custom.list_namespaced_custom_object, contract.GROUP, contract.VERSION, ns,
+                                   contract.PLURAL, timeout_seconds=300, **kwargs):
+                    rv = w.resource_version or rv
                     now = time.monotonic()
                     obj = ev["object"] or {}
                     key = (ns, obj["metadata"]["name"])
@@ -545,6 +553,7 @@ class JobWatch:
                         self.cond.notify_all()
             except Exception as exc:
                 log.debug("job watch restarted: %r", exc)
+                rv = "" if "410" in str(exc) else rv
                 time.sleep(0.2)
 
     def wait(self, pred: Callable[[dict[tuple[str, str], dict[str, Any]]], bool], timeout: float, what: str) -> float:
@@ -759,6 +768,11 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
             lat = cycle(watch, big, range(3, 3 + args.big_versions), args.timeout, agents, note=True)
             r1 = metrics(op.port)
             out["big_breakdown"] = agents.target_seen(BIG_NS, range(3, 3 + args.big_versions))
+            first = agents.publish_times[3]
+            out["big_breakdown"]["publish_s_since_first"] = [
+                round(agents.publish_times[v] - first, 2) for v in range(3, 3 + args.big_versions)]
+            out["big_breakdown"]["job_watch_restarts_s_since_first"] = [
+                round(t - first, 2) for t in watch.restarts if t >= first]
             passes = total(r1, "weightsync_operator_reconcile_duration_seconds_count") - total(
                 r0, "weightsync_operator_reconcile_duration_seconds_count")
             busy = total(r1, "weightsync_operator_reconcile_duration_seconds_sum") - total(

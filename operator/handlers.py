@@ -28,7 +28,7 @@ from weightsync.operator.informers import OWNED_KINDS, Informers
 from weightsync.operator.kube import Kube
 from weightsync.operator.leadership import PEERING_LIFETIME_S, REFRESH_SECONDS, PeeringGuard
 from weightsync.operator.reconcile import CachedReader, Reconciler
-from weightsync.operator.reports import ReportBox, ReportIntake, ReportServer
+from weightsync.operator.reports import REPORT_BATCH_SECONDS, ReportBox, ReportIntake, ReportServer
 from weightsync.operator.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,8 @@ def _intake(state: OperatorState, box: ReportBox) -> ReportIntake:
         return proofs.token_for(state.cfg.operator_key, ref)
 
     return ReportIntake(box, state.informers.get, token_for,
-                        is_active=lambda: state.ready and state.guard.is_active, request=state.queue.request)
+                        is_active=lambda: state.ready and state.guard.is_active,
+                        request=lambda key: state.queue.request(key, REPORT_BATCH_SECONDS))
 
 
 @kopf.on.cleanup()

@@ -33,21 +33,25 @@ class WorkQueue:
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self._running: dict[Key, asyncio.Task[None]] = {}
-        self._again: set[Key] = set()
+        self._again: dict[Key, float] = {}  # key -> how long to gather requests before its next pass
         self._failures: dict[Key, int] = {}
         self._retry: dict[Key, asyncio.TimerHandle] = {}
         self.known: set[Key] = set()
 
-    def request(self, key: Key) -> None:
-        """Ask for a reconcile of `key` soon; cheap and safe to call from any handler."""
+    def request(self, key: Key, batch_seconds: float | None = None) -> None:
+        """Ask for a reconcile of `key` soon; cheap and safe to call from any handler. BATCH_SECONDS (default
+        the queue's): how long the pass waits for more requests to join it (agents' reports of one version
+        arrive over a few hundred milliseconds: one pass and one status write for all, not one for each)."""
         self.known.add(key)
+        batch = self.batch_seconds if batch_seconds is None else batch_seconds
         if key in self._running:
-            self._again.add(key)
+            self._again[key] = max(self._again.get(key, 0.0), batch)
             return
         handle = self._retry.pop(key, None)
         if handle is not None:
             handle.cancel()
-        self._running[key] = asyncio.get_running_loop().create_task(self._run(key), name=f"reconcile:{key[0]}/{key[1]}")
+        self._running[key] = asyncio.get_running_loop().create_task(self._run(key, batch),
+                                                                    name=f"reconcile:{key[0]}/{key[1]}")
 
     def forget(self, key: Key) -> None:
         self.known.discard(key)
@@ -56,12 +60,12 @@ class WorkQueue:
         if handle is not None:
             handle.cancel()
 
-    async def _run(self, key: Key) -> None:
+    async def _run(self, key: Key, batch: float) -> None:
         try:
-            if self.batch_seconds > 0:
-                await asyncio.sleep(self.batch_seconds)  # requests meanwhile join this pass
+            if batch > 0:
+                await asyncio.sleep(batch)  # requests meanwhile join this pass
             while True:
-                self._again.discard(key)
+                self._again.pop(key, None)
                 try:
                     result = await asyncio.to_thread(self.work, *key)
                 except Exception as err:
@@ -78,6 +82,9 @@ class WorkQueue:
                     self.known.discard(key)  # the job is gone
                 if key not in self._again:
                     return
+                batch = self._again[key]
+                if batch > 0:
+                    await asyncio.sleep(batch)  # requests made during the pass, and those right after, join
         finally:
             self._running.pop(key, None)
 
