@@ -474,7 +474,10 @@ def progress_row(job: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]]) 
     """The table row of JOB and its PODS (job_pods): pure, no API calls."""
     st = job.get("status") or {}
     prefix = f"{(job.get('metadata') or {}).get('name', '')}-"
-    engines = tuple(sorted((n.removeprefix(prefix), _cell(annotation(p, contract.ANN_SERVED_VERSION)))
+    # The job's status first: it takes the agents' reports as they are pushed, their pods follow later.
+    by_status = {str(pod): r.get("servedVersion") for r in st.get("inferenceReplicas") or []
+                 for pod in r.get("pods") or []}
+    engines = tuple(sorted((n.removeprefix(prefix), _cell(by_status.get(n, annotation(p, contract.ANN_SERVED_VERSION))))
                            for n, p in pods.items() if is_inference_pod(p)))
     state = ",".join(str(c.get("reason") or c["type"]) for c in st.get("conditions") or []
                      if c.get("type") in (contract.COND_PROGRESSING, contract.COND_DEGRADED, contract.COND_PAUSED)

@@ -31,6 +31,19 @@ def served(pod: dict[str, Any]) -> int | None:
     return int(raw) if raw else None
 
 
+def pods_show(kube: Any, namespace: str, name: str, key: str, value: str, role: str = "inference",
+              timeout: float = 30.0) -> dict[str, dict[str, Any]]:
+    """Wait until every pod of ROLE carries KEY=VALUE: an agent whose report the operator took writes its pod
+    up to WEIGHTSYNC_REPORT_WRITE_DELAY_SECONDS x 1.5 (15 s) later; returns the pods."""
+    def check() -> dict[str, dict[str, Any]] | None:
+        pods = {n: p for n, p in demo.job_pods(kube.api, namespace, name).items()
+                if demo.is_inference_pod(p) == (role == "inference")}
+        return pods if pods and all(demo.annotation(p, key) == value for p in pods.values()) else None
+
+    result: dict[str, dict[str, Any]] = demo.poll(check, timeout, f"{role} pods of {name}: {key}={value}")
+    return result
+
+
 def target(pod: dict[str, Any]) -> int | None:
     raw = demo.annotation(pod, contract.ANN_TARGET_VERSION)
     return int(raw) if raw else None

@@ -22,6 +22,7 @@ from e2e_helpers import (
     cond,
     inference_pods,
     job,
+    pods_show,
     served,
     target,
     wait,
@@ -124,6 +125,7 @@ def test_demo_example_serves_every_version_bit_exact(cluster, kube, namespace, o
     assert row[:9] == [name, placement, mode, str(last), str(last), "True", "True", "False", "AsExpected"], out
 
     assert_bit_exact(kube, namespace, name, last, engines)
+    pods_show(kube, namespace, name, contract.ANN_SERVED_VERSION, str(last))  # the pods follow the status
     for pod in inference_pods(kube, namespace, name).values():
         # every version 1..5 was committed in order, none twice, and the engine was never left paused
         events = demo.engine_events(pod)
@@ -153,10 +155,9 @@ def _only_agents_hold_the_api_token(kube: Any, namespace: str, name: str) -> Non
 
 # --- (2) pause / resume ----------------------------------------------------------------------------------------
 def _paused_everywhere(kube: Any, namespace: str, name: str) -> None:
-    pods = inference_pods(kube, namespace, name)
+    pods = pods_show(kube, namespace, name, contract.ANN_ENGINE_PAUSED, "true")  # the pods follow the status
     assert len(pods) == 2
     for p in pods.values():
-        assert demo.annotation(p, contract.ANN_ENGINE_PAUSED) == "true", p["metadata"]["name"]
         assert demo.engine_state(p)["paused"] is True, p["metadata"]["name"]
         code, _ = demo.engine_get(p, "/predict?x=0.5")
         assert code == 503, "a paused engine must not generate"
@@ -425,8 +426,8 @@ def test_forged_version_annotations_move_nothing(cluster, kube, namespace, opera
         anns = {n: {k: v for k, v in (p["metadata"].get("annotations") or {}).items() if "version" in k or "epoch" in k}
                 for n, p in pods.items()}
         raise AssertionError(f"{exc}\npod annotations: {anns}") from None
-    ann = demo.job_pods(kube.api, namespace, name)[trainer_pod]["metadata"]["annotations"]
-    assert ann[contract.ANN_PUBLISHED_VERSION] == str(last), "the agent writes its own version back"
+    # the agent writes its own version back (within its pod-write delay)
+    pods_show(kube, namespace, name, contract.ANN_PUBLISHED_VERSION, str(last), role="trainer")
     events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
     unproven = [e for e in events if e.reason == "UnprovenVersion"]
     named = " ".join(e.message for e in unproven)

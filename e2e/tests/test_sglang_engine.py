@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 import pytest
-from e2e_helpers import assert_bit_exact, inference_pods, job, served, wait
+from e2e_helpers import assert_bit_exact, inference_pods, job, pods_show, served, wait
 from weightsync.agent.engines.base import LABEL_DIGEST_CHARS, parse_version
 from weightsync.crds import contract
 from weightsync.e2e import demo
@@ -76,6 +76,7 @@ def test_sglang_job_serves_every_version_through_sglang_protocol(kube, namespace
     _served_everywhere(kube, namespace, name, last, 2)
     assert_bit_exact(kube, namespace, name, last, 2)
     label_of: dict[int | None, set[str]] = {}
+    pods_show(kube, namespace, name, contract.ANN_SERVED_VERSION, str(last))  # the pods follow the status
     for pod in inference_pods(kube, namespace, name).values():
         st = _state(pod)
         assert st == {**st, "paused": False, "session_open": False}, st
