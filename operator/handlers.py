@@ -14,6 +14,7 @@ answer gates the reconciles (operator/leadership.py). A periodic resync covers a
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,7 +163,8 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     informers.on_change = STATE.on_change
     metrics.serve(cfg.metrics_port)
     if cfg.report_url is not None:
-        STATE.report_server = ReportServer(_intake(STATE, reports).take, port=cfg.report_port)
+        STATE.report_server = ReportServer(_intake(STATE, reports).take, host=_listen_host(cfg.report_address),
+                                           port=cfg.report_port)
         await STATE.report_server.start()
     else:
         log.info("report listener off (%s): agents write their pods only",
@@ -176,6 +178,15 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         "operator started report_url=%s agent_image=%s node_gpu_count=%d resync_seconds=%s standalone=%s",
         cfg.report_url, cfg.agent_image, cfg.node_gpu_count, cfg.resync_seconds, opts.standalone,
     )
+
+
+def _listen_host(address: str) -> str:
+    """Listen on the advertised address when it is an IP of this host (the pod IP), else everywhere."""
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return "0.0.0.0"
+    return address
 
 
 def _intake(state: OperatorState, box: ReportBox) -> ReportIntake:
