@@ -69,6 +69,8 @@ bench: setup
 	$(VPY) bench/agent_pipeline.py --mode gdr --size-mb 1024 --json | tee bench/results/agent-pipeline-gdr.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --fsdp 2 --inference-tp 2 --json | tee bench/results/agent-pipeline-nccl-fsdp2-tp2.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --json | tee bench/results/agent-pipeline-nccl-256.json
+	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --staging ring --json | tee bench/results/agent-pipeline-ring-nccl-256.json
+	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --staging ring --json | tee bench/results/agent-pipeline-ring-nccl-1024.json
 	$(VPY) bench/plan_scale.py --tensors 70000 --ranks 256 --json | tee bench/results/plan-scale.json
 	$(VPY) bench/layouts.py --preset llama-gqa --trainer-tp 2 --trainer-fsdp 2 --inference-tp 16 --json | tee bench/results/layouts-llama-gqa.json
 	$(VPY) bench/layouts.py --preset megatron-fused --trainer-tp 2 --trainer-pp 2 --inference-tp 16 --json | tee bench/results/layouts-megatron-fused.json

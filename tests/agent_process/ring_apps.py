@@ -1,7 +1,7 @@
 """Trainer and Custom engine processes for the ring staging tests (test_ring_staging.py).
 
     python ring_apps.py trainer --run DIR [--hold-timeout S]   # publishes version v when DIR/go-v appears
-    python ring_apps.py engine --run DIR [--slow-from V]       # loads slowly from version V on
+    python ring_apps.py engine --run DIR [--slow V]            # loads version V slowly
 
 The model: TENSORS fp32 tensors of ROWS x COLS (1 MiB each); version v of tensor i is `base(i) + v`, so the
 engine checks every tensor it committed bit for bit without talking to the trainer."""
@@ -47,13 +47,13 @@ def trainer(run: Path, hold_timeout: float) -> None:
             v += 1
 
 
-def engine(run: Path, slow_from: int) -> None:
+def engine(run: Path, slow: int) -> None:
     from weightsync.agent.client import InferenceSession
 
     params: dict[str, torch.Tensor] = {}
 
     def on_bucket(version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if version >= slow_from:
+        if version == slow:
             (run / f"loading-{version}").touch()
             time.sleep(0.4)  # a slow engine: the load spans seconds, so a test can kill the receiver mid-stream
         for n, t in tensors:
@@ -76,12 +76,12 @@ def main() -> None:
     p.add_argument("what", choices=("trainer", "engine"))
     p.add_argument("--run", required=True)
     p.add_argument("--hold-timeout", type=float, default=60.0)
-    p.add_argument("--slow-from", type=int, default=1 << 30)
+    p.add_argument("--slow", type=int, default=-1)
     a = p.parse_args()
     if a.what == "trainer":
         trainer(Path(a.run), a.hold_timeout)
     else:
-        engine(Path(a.run), a.slow_from)
+        engine(Path(a.run), a.slow)
 
 
 if __name__ == "__main__":

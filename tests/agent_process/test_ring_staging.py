@@ -94,8 +94,8 @@ def test_a_receiver_dying_mid_stream_frees_the_ring_and_commits_nothing(tmp_path
     c.write_topology()
     c.start_agent(t)
     c.start_agent(i)
-    c.spawn(i, "engine", [sys.executable, str(APPS), "engine", "--run", str(tmp_path), "--slow-from", "2"])
-    c.spawn(t, "trainer", [sys.executable, str(APPS), "trainer", "--run", str(tmp_path), "--hold-timeout", "6"])
+    c.spawn(i, "engine", [sys.executable, str(APPS), "engine", "--run", str(tmp_path), "--slow", "2"])
+    c.spawn(t, "trainer", [sys.executable, str(APPS), "trainer", "--run", str(tmp_path), "--hold-timeout", "15"])
     published = tmp_path / "published.jsonl"
     commits = tmp_path / "commits.jsonl"
 
@@ -116,6 +116,7 @@ def test_a_receiver_dying_mid_stream_frees_the_ring_and_commits_nothing(tmp_path
     assert all(r["version"] != 2 for r in _rows(commits))
 
     c.start_agent(i)  # a new receiver: it must not find version 2 any more, and gets version 3 whole
+    wait_for(lambda: c.log_text(i, "agent").count("engine connected") >= 2, 60, "the new agent and the engine", c)
     (tmp_path / "go-3").touch()
     wait_for(lambda: any(r["version"] == 3 for r in _rows(published)), 120, "version 3 published", c)
     assert [r["served"] for r in _rows(published) if r["version"] == 3] == [True]
