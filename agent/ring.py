@@ -55,11 +55,12 @@ from typing import Any
 import torch
 from weightsync.agent import local, staging
 from weightsync.agent.plan import BucketPlan, TransferPlan
+from weightsync.crds import contract
 
 log = logging.getLogger(__name__)
 
-ENV_STAGING = "WEIGHTSYNC_STAGING"              # version (default) | ring
-ENV_DEPTH = "WEIGHTSYNC_STAGING_DEPTH"          # ring slots per transfer (default 2)
+ENV_STAGING = contract.ENV_STAGING  # version (default) | ring: the operator sets it from spec.transfer.staging
+ENV_DEPTH = contract.ENV_STAGING_DEPTH  # ring slots per transfer (default 2)
 STAGING_MODES = ("version", "ring")
 DEFAULT_DEPTH = 2
 SNAPSHOT_MODES = ("auto", "copy", "none")

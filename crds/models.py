@@ -235,8 +235,27 @@ class DeltaSync(_Model):
     )
 
 
+class Staging(_Model):
+    """Where the trainer's published versions wait to be sent (docs/performance.md, "Memory")."""
+
+    mode: Literal["Version", "Ring"] = Field(
+        default="Version",
+        description="Version: the trainer agent stages whole versions (memory: 2 x the trainer pod's shard bytes); "
+        "publish holds the trainer for one copy. Ring: every transfer streams through `depth` bucket-sized slots "
+        "that the trainer fills (memory: depth x bucketSizeMB per trainer rank, whatever the model size); the "
+        "trainer is held only for a device snapshot when its tensors are on a GPU, else until the version is "
+        "served (or it asks for a host snapshot). Not with deltaSync.",
+    )
+    depth: int = Field(default=2, ge=1, le=16,
+                       description="Ring: slots per transfer (bucket k+1 is filled while bucket k is on the wire).")
+
+
 def _delta_mode_ok(t: TransferSpec) -> bool:
     return t.delta_sync is None or not t.delta_sync.enabled or t.mode not in ("IPC", "NCCL")
+
+
+def _ring_without_delta(t: TransferSpec) -> bool:
+    return t.staging is None or t.staging.mode != "Ring" or t.delta_sync is None or not t.delta_sync.enabled
 
 
 class TransferSpec(_Model):
@@ -251,6 +270,15 @@ class TransferSpec(_Model):
             "transfer.mode GDR or Auto",
             check=_delta_mode_ok,
             field_path=".deltaSync",
+        ),
+        Rule(
+            cel="!(has(self.staging) && has(self.staging.mode) && self.staging.mode == 'Ring' && "
+            "has(self.deltaSync) && has(self.deltaSync.enabled) && self.deltaSync.enabled)",
+            message="spec.transfer.staging.mode Ring cannot be combined with deltaSync: delta sync encodes each "
+            "bucket against the previous version's in send slots of its own, which the ring does not have; use "
+            "staging.mode Version or set deltaSync.enabled=false",
+            check=_ring_without_delta,
+            field_path=".staging",
         ),
     )
 
@@ -285,6 +313,11 @@ class TransferSpec(_Model):
         description="Optional: send only the words of a bucket that changed since the previous version. "
         "Only the GDR transport sends deltas: refused with an explicit mode IPC or NCCL; with mode Auto "
         "resolving to IPC or NCCL full buckets are sent (the agent logs it once).",
+    )
+    staging: Staging | None = Field(
+        default=None,
+        description="Optional: how the trainer agent stages versions (unset: whole versions, mode Version). "
+        "Ring bounds the trainer pod's staging memory by depth x bucketSizeMB per trainer rank.",
     )
     rdma_resource_name: str | None = Field(
         default=None,

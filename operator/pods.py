@@ -87,6 +87,13 @@ def contract_env(
         if engine.lora is not None:  # only when set: other jobs keep their env (and spec hash)
             env.append({"name": contract.ENV_LORA,
                         "value": json.dumps(engine.lora.model_dump(by_alias=True), sort_keys=True)})
+    staging = spec.transfer.staging
+    if role == contract.ROLE_TRAINER and staging is not None and staging.mode == "Ring":
+        # Only when Ring: other jobs keep their env (and spec hash); only the trainer agent stages.
+        env += [
+            {"name": contract.ENV_STAGING, "value": "ring"},
+            {"name": contract.ENV_STAGING_DEPTH, "value": str(staging.depth)},
+        ]
     delta = spec.transfer.delta_sync
     if delta is not None and delta.enabled:
         # Only when enabled: a job without deltaSync keeps the env (and the spec hash) it always had, so an

@@ -185,6 +185,12 @@ CASES: list[Case] = [
          "CEL", also="IPC and NCCL always send full buckets"),
     Case("delta-sync-not-over-ipc", _set("spec.transfer.deltaSync", {"enabled": True, "maxChangedFraction": 0.2}),
          "spec.transfer.deltaSync", "CEL", base=colocated, also="transfer.mode GDR"),
+    Case("ring-staging-not-with-delta-sync",
+         _all(_set("spec.transfer.mode", "GDR"), _set("spec.transfer.deltaSync", {"enabled": True}),
+              _set("spec.transfer.staging", {"mode": "Ring"})),
+         "spec.transfer.staging", "CEL", also="deltaSync.enabled=false"),
+    Case("ring-staging-depth-range", _set("spec.transfer.staging", {"mode": "Ring", "depth": 0}),
+         "spec.transfer.staging.depth", "bound"),
     Case("engine-url-scheme", _set("spec.inference.engine.url", "ftp://engine:30000"),
          "spec.inference.engine.url", "CEL"),
     Case("lora-needs-an-http-engine",
@@ -233,4 +239,5 @@ ALLOWED_UPDATES: list[tuple[str, Callable[[Obj], None]]] = [
     ("bucket-size", _set("spec.transfer.bucketSizeMB", 256)),
     ("verify", _set("spec.transfer.verify", "Checksum")),
     ("delta-sync-disabled", _set("spec.transfer.deltaSync", {"enabled": False, "maxChangedFraction": 0.3})),  # NCCL: off is ok
+    ("ring-staging", _set("spec.transfer.staging", {"mode": "Ring", "depth": 3})),
 ]

@@ -94,6 +94,27 @@ def test_delta_sync_env_only_when_enabled(job, separated, cfg):
         plain["demo-trainer-0"]["metadata"]["annotations"][contract.ANN_SPEC_HASH]
 
 
+def test_ring_staging_reaches_only_the_trainer_pods_and_only_when_set(job, separated, cfg):
+    """spec.transfer.staging.mode Ring sets the trainer agent's staging (agent/ring.py reads it); Version or
+    unset leaves every pod as it was (same spec hash), and inference pods never change with it."""
+    ring = _pods(job, separated(transfer={"mode": "NCCL", "staging": {"mode": "Ring", "depth": 3}}), cfg)
+    plain = _pods(job, separated(transfer={"mode": "NCCL"}), cfg)
+    version = _pods(job, separated(transfer={"mode": "NCCL", "staging": {"mode": "Version", "depth": 3}}), cfg)
+    env = _env(_agent(ring["demo-trainer-0"]))
+    assert (env[contract.ENV_STAGING], env[contract.ENV_STAGING_DEPTH]) == ("ring", "3")
+    from weightsync.agent.ring import staging_mode_from_env
+    assert staging_mode_from_env(env) == ("ring", 3), "what the agent reads from it"
+    for name, pod in ring.items():
+        if "inference" in name:
+            assert contract.ENV_STAGING not in _env(_agent(pod))
+    hashes = [{n: p["metadata"]["annotations"][contract.ANN_SPEC_HASH] for n, p in pods.items()}
+              for pods in (ring, plain, version)]
+    assert hashes[1] == hashes[2], "Version is the default: no PodsOutdated for jobs that never used Ring"
+    assert hashes[0]["demo-trainer-0"] != hashes[1]["demo-trainer-0"]
+    assert {n: h for n, h in hashes[0].items() if "inference" in n} == {
+        n: h for n, h in hashes[1].items() if "inference" in n}
+
+
 def test_lora_env_only_on_engine_pods_and_only_when_set(job, separated, cfg):
     """spec.inference.engine.lora reaches the inference pods as WEIGHTSYNC_LORA (JSON the agent parses);
     trainer pods never get it (so setting it does not mark them outdated), nor does a job without it."""
