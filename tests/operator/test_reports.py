@@ -246,3 +246,14 @@ def test_the_listener_has_a_deadline_and_a_bound_on_connections(server: Any) -> 
     finally:
         for s in held:
             s.close()
+
+
+def test_a_resync_spreads_the_jobs_passes_over_half_its_period() -> None:
+    """A resync used to ask for every job's pass at once: with 100 jobs, the pass a busy job's pushed
+    reports were waiting for queued behind the burst."""
+    from weightsync.operator.handlers import spread_gap
+
+    assert spread_gap(30.0, 100) == pytest.approx(0.15)
+    assert spread_gap(30.0, 100) * 100 == pytest.approx(15.0)
+    assert spread_gap(30.0, 1) == 0.0 and spread_gap(30.0, 0) == 0.0
+
