@@ -83,7 +83,7 @@ REPORTED_POD_ANNOTATIONS: Final = (*VERSION_PROOF_KEYS, ANN_VERSION_PROOF, ANN_E
 DESIRED_REPORT_TO_KEY: Final = "_report-to"
 REPORT_PATH: Final = "/v1/reports"
 # Agent: how long after the operator acknowledged a pushed report its pod is written anyway (the durable
-# record; later reports of that interval go in the same write). Default 5 s.
+# record; later reports of that interval go in the same write). Default 10 s (x a random 1 to 1.5).
 ENV_REPORT_WRITE_DELAY: Final = "WEIGHTSYNC_REPORT_WRITE_DELAY_SECONDS"
 # The job's Degraded reason when replicas serving the same version hold different content digests.
 REASON_DIGEST_MISMATCH: Final = "DigestMismatch"
