@@ -432,6 +432,10 @@ class Reconciler:
         token = proofs.token_for(self.cfg.operator_key, job)
         assert token is not None
         believed, unproven = proofs.believed(pods, token)
+        if report and self.reports.held(job.namespace, job.name):
+            # A report pushed by a pod's agent stands over that pod until the pod shows it, and so hides what
+            # else is written on the pod meanwhile: the pods as cached say whether someone forged a version.
+            unproven = sorted(set(unproven) | set(proofs.believed(self._owned_pods(job), token)[1]))
         jkey = (job.namespace, job.name)
         if report and unproven != self._unproven_posted.get(jkey, []):
             self._unproven_posted[jkey] = unproven
