@@ -157,7 +157,8 @@ class TransportCache:
 
     Reuse matters for delta sync (`delta`, GDR only): each GDR transport keeps the previous version's bucket
     bytes as the base of the next delta, so the same transport must serve one group version after version.
-    A new generation or epoch means a new transport with an empty base: its first version is sent in full."""
+    A new generation or epoch means a new transport with an empty base: its first version is sent in full.
+    GDR transports share one NIXL agent per process (gdr.NixlEndpoint says why); it is closed with the cache."""
 
     def __init__(self, *, mode: str, job: str, pod_ip: str, transport_port: int, timeout: float = 600.0,
                  shm_prefix: str = "weightsync", delta: DeltaConfig | None = None,
@@ -174,6 +175,7 @@ class TransportCache:
         self._cache: dict[tuple[str, int, str, str], Transport] = {}
         self._order: list[tuple[str, int, str, str]] = []
         self._master: StoreServer | None = None
+        self._nixl: Any = None  # GDR: the one NIXL agent of this process, shared by its transports
 
     def _job_token(self) -> bytes:
         if not self.token:
@@ -223,9 +225,11 @@ class TransportCache:
             return NcclTransport(store, generation=key[1], host=self.pod_ip, timeout=self.timeout, owned=base)
         if self.mode == "GDR":
             # imported only here so other modes never need NIXL installed (it also registers "gdr")
-            from weightsync.agent.transports.gdr import GdrTransport
+            from weightsync.agent.transports.gdr import GdrTransport, NixlEndpoint
 
-            return GdrTransport(delta=self.delta)
+            if self._nixl is None:
+                self._nixl = NixlEndpoint()
+            return GdrTransport(delta=self.delta, endpoint=self._nixl)
         factory = TRANSPORTS.get(self.mode.lower())
         if factory is None:
             raise ValueError(f"transfer mode {self.mode} has no transport (known: {sorted(TRANSPORTS)})")
@@ -253,6 +257,9 @@ class TransportCache:
                     log.debug("closing a transport failed", exc_info=True)
             self._cache.clear()
             self._order.clear()
+            if self._nixl is not None:
+                self._nixl.close()
+                self._nixl = None
             if self._master is not None:
                 self._master.close()
                 self._master = None

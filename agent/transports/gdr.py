@@ -115,9 +115,30 @@ def _desc(t: torch.Tensor, nbytes: int | None = None) -> tuple[int, int, int]:
     return (int(t.data_ptr()), int(t.numel() if nbytes is None else nbytes), dev)
 
 
+@dataclass
+class _Held:
+    """Memory registered for zero-copy transfers, kept registered (and alive) while any user holds it."""
+
+    reg: Any
+    base: int
+    nbytes: int
+    storage: Any  # keeps the memory alive while NIXL has it registered
+    users: set[int] = field(default_factory=set)
+
+
 class NixlEndpoint:
     """One NIXL agent with the UCX backend, guarded by a lock (NIXL agents are not thread-safe by
-    default). Knows which remote agents it has loaded and re-loads one whose metadata changed."""
+    default). Knows which remote agents it has loaded and re-loads one whose metadata changed.
+
+    One per agent process, shared by all its GDR transports (TransportCache): NIXL's model is one agent
+    per process, each agent is a UCX context with its own worker, progress thread and sockets, and a
+    transport per (destination rank, source rank) pair would otherwise make S x D of them in one pod and
+    register the pod's shared receive slots once per source. Hence:
+    * `md_gen` counts registrations: a peer whose copy of the metadata is older must load it again
+      before reading memory registered since (the transports tell their peers, see `snapshot`);
+    * memory sent or received in place (`hold`) is registered once per endpoint and released when the
+      last transport holding it closes (`release`);
+    * a remote agent's metadata is swapped only while no READ from it is in flight (`load_remote`)."""
 
     def __init__(self, name: str | None = None, *, backends: Sequence[str] = ("UCX",)) -> None:
         configure_ucx()
@@ -140,7 +161,12 @@ class NixlEndpoint:
                 f"{CPU_UCX_TLS!r})"
             ) from exc
         self._remote_md: dict[str, bytes] = {}
+        self._remote_gen: dict[str, int] = {}  # remote agent -> the md_gen of the metadata loaded
         self._regs: list[Any] = []
+        self._held: dict[int, _Held] = {}  # storage base address -> registration
+        self.md_gen = 0
+        self._reading: dict[str, int] = {}  # remote agent -> READs in flight
+        self._idle = threading.Condition(self._lock)
 
     def register(self, tensors: Sequence[torch.Tensor]) -> Any:
         if not tensors:
@@ -149,7 +175,49 @@ class NixlEndpoint:
         with self._lock:
             reg = self.agent.register_memory([(*_desc(t), "") for t in tensors], mem)
             self._regs.append(reg)
+            self.md_gen += 1
             return reg
+
+    def snapshot(self) -> tuple[int, bytes]:
+        """(md_gen, metadata) taken together: the metadata holds every registration up to md_gen."""
+        with self._lock:
+            return self.md_gen, bytes(self.agent.get_agent_metadata())
+
+    def hold(self, data: torch.Tensor, user: object) -> bool:
+        """Make sure the whole storage under `data` is registered, on behalf of `user` (kept until
+        `release(user)`). False when NIXL cannot register it (the caller falls back to its slots)."""
+        start = int(data.data_ptr())
+        end = start + data.numel() * data.element_size()
+        with self._lock:
+            for h in self._held.values():
+                if h.base <= start and end <= h.base + h.nbytes:
+                    h.users.add(id(user))
+                    return True
+            storage = data.untyped_storage()
+            base, n = int(storage.data_ptr()), int(storage.nbytes())
+            whole = torch.empty(0, dtype=torch.uint8, device=data.device).set_(storage, 0, (n,), (1,))
+            try:
+                reg = self.register([whole])
+            except Exception as exc:
+                log.warning("gdr.register_failed bytes=%s error=%s: falling back to staging slots", n, exc)
+                return False
+            self._held[base] = _Held(reg, base, n, storage, {id(user)})
+            log.info("gdr.registered bytes=%s device=%s md_gen=%s", n, data.device, self.md_gen)
+            return True
+
+    def release(self, user: object) -> None:
+        """`user` no longer sends or receives in place: deregister what nobody else holds."""
+        with self._lock:
+            for base, h in list(self._held.items()):
+                h.users.discard(id(user))
+                if not h.users:
+                    del self._held[base]
+                    self.deregister(h.reg)
+
+    def held_bytes(self) -> int:
+        """Bytes registered for in-place transfers (the bench and tests read it)."""
+        with self._lock:
+            return sum(h.nbytes for h in self._held.values())
 
     def deregister(self, reg: Any) -> None:
         if reg is None:
@@ -161,15 +229,22 @@ class NixlEndpoint:
                 self._regs.remove(reg)
 
     def metadata(self) -> bytes:
-        with self._lock:
-            return bytes(self.agent.get_agent_metadata())
+        return self.snapshot()[1]
 
-    def load_remote(self, name: str, md: bytes) -> str:
-        """Make `name` readable; re-load it when its metadata changed (new registrations)."""
+    def load_remote(self, name: str, md: bytes, md_gen: int = -1, *, timeout: float = 60.0) -> str:
+        """Make `name` readable; re-load it when its metadata changed (new registrations). `md_gen`: the
+        remote's generation of `md`; metadata older than what is loaded is ignored (several transports of
+        this process read from one remote agent and may learn its generations out of order). A reload
+        waits until no READ from `name` is in flight, at most `timeout` seconds."""
         with self._lock:
-            if self._remote_md.get(name) == md:
+            if self._remote_md.get(name) == md or (0 <= md_gen <= self._remote_gen.get(name, -1)):
                 return name
             if name in self._remote_md:
+                if not self._idle.wait_for(lambda: not self._reading.get(name), timeout):
+                    raise TransportError(f"NIXL metadata of {name} changed while READs from it stayed in flight "
+                                         f"for {timeout:.0f}s")
+                if self._remote_md.get(name) == md or (0 <= md_gen <= self._remote_gen.get(name, -1)):
+                    return name  # another transport loaded it (or a newer one) meanwhile
                 with contextlib.suppress(Exception):
                     self.agent.remove_remote_agent(name)
             got = self.agent.add_remote_agent(md)
@@ -177,6 +252,7 @@ class NixlEndpoint:
             if got_s != name:
                 raise TransportError(f"NIXL metadata announced as agent {name!r} belongs to {got_s!r}")
             self._remote_md[name] = md
+            self._remote_gen[name] = md_gen
             return name
 
     def read(
@@ -199,7 +275,14 @@ class NixlEndpoint:
             ldesc = self.agent.get_xfer_descs([(int(local.data_ptr()), nbytes, dev)], mem)
             rdesc = self.agent.get_xfer_descs([(remote[0], nbytes, remote[2])], remote_mem)
             handle = self.agent.initialize_xfer("READ", ldesc, rdesc, peer)
-            state = self.agent.transfer(handle)
+            self._reading[peer] = self._reading.get(peer, 0) + 1
+            try:
+                state = self.agent.transfer(handle)
+            except BaseException:
+                self._done_reading(peer)
+                with contextlib.suppress(Exception):
+                    self.agent.release_xfer_handle(handle)
+                raise
         try:
             pause = Backoff()
             while state == "PROC":
@@ -213,11 +296,22 @@ class NixlEndpoint:
             if state != "DONE":
                 raise TransportError(f"NIXL READ of {nbytes} bytes from {peer} failed (state {state})")
         finally:
-            with self._lock, contextlib.suppress(Exception):
-                self.agent.release_xfer_handle(handle)
+            with self._lock:
+                with contextlib.suppress(Exception):
+                    self.agent.release_xfer_handle(handle)
+                self._done_reading(peer)
+
+    def _done_reading(self, peer: str) -> None:
+        left = self._reading.get(peer, 0) - 1
+        if left > 0:
+            self._reading[peer] = left
+        else:
+            self._reading.pop(peer, None)
+            self._idle.notify_all()
 
     def close(self) -> None:
         with self._lock:
+            self._held.clear()
             for reg in list(self._regs):
                 with contextlib.suppress(Exception):
                     self.agent.deregister_memory(reg)
@@ -226,6 +320,7 @@ class NixlEndpoint:
                 with contextlib.suppress(Exception):
                     self.agent.remove_remote_agent(name)
             self._remote_md.clear()
+            self._remote_gen.clear()
 
 
 @dataclass
@@ -348,6 +443,7 @@ class GdrTransport(Transport):
         # receiver
         self._remotes: dict[int, _Remote] = {}
         self._rslots: list[torch.Tensor] = []
+        self._rsize = 1
         self._rdslots: list[torch.Tensor] = []
         self._store: torch.Tensor | None = None
         self._store_views: dict[int, torch.Tensor] = {}
@@ -357,11 +453,7 @@ class GdrTransport(Transport):
         self._pending_ids: dict[int, int | None] = {}
         self._targets: dict[int, tuple[torch.Tensor, tuple[int, int, int]]] = {}  # index -> (target, remote)
         self._remote_mem: dict[int, tuple[str, str]] = {}  # index -> (remote agent, remote mem type)
-        # zero-copy registrations (staging arena on the sender, destination tensors on the receiver):
-        # storage address -> (registration, address, bytes, storage kept alive while registered)
-        self._direct: dict[int, tuple[Any, int, int, Any]] = {}
-        self._md_gen = 0
-        self._md_known: dict[int, int] = {}  # dst rank -> md_gen it has
+        self._md_known: dict[int, int] = {}  # dst rank -> the endpoint's md_gen it has
         self._jobs: queue.Queue[_RecvJob | None] = queue.Queue()
         self._worker: threading.Thread | None = None
 
@@ -414,11 +506,9 @@ class GdrTransport(Transport):
         if self._nx is not None:
             self._nx.deregister(self._slot_reg)
             self._nx.deregister(self._rreg)
-            for reg, *_ in self._direct.values():
-                self._nx.deregister(reg)
+            self._nx.release(self)  # the in-place memory it held (staging arena, shared receive slots)
             if self._own_endpoint:
                 self._nx.close()
-        self._direct.clear()
         self._slot_reg = self._rreg = None
         self._slots, self._dslots, self._rslots, self._rdslots = [], [], [], []
         self._store = None
@@ -436,18 +526,17 @@ class GdrTransport(Transport):
                  for _ in range(self.num_slots)] if self.delta else []
             )
             self._slot_reg = self.nixl.register(self._slots + self._dslots)
-            self._md_gen += 1
         if plan_changed:
             self._base = deltamod.DeltaBase()
         self._gen += 1
-        md = self.nixl.metadata()
+        md_gen, md = self.nixl.snapshot()
         mem, _ = _mem_of(self._slots[0])
         for ep in sorted(ctx.peers):
             self._mailbox(ep).send(
-                "gdr.hello", md, agent=self.nixl.name, gen=self._gen, md_gen=self._md_gen, mem=mem,
+                "gdr.hello", md, agent=self.nixl.name, gen=self._gen, md_gen=md_gen, mem=mem,
                 slots=[list(_desc(t)) for t in self._slots], dslots=[list(_desc(t)) for t in self._dslots],
             )
-            self._md_known[ep.rank] = self._md_gen
+            self._md_known[ep.rank] = md_gen
 
     def send_buffer(self, slot: int) -> torch.Tensor:
         return self._slots[slot]
@@ -467,23 +556,9 @@ class GdrTransport(Transport):
         return self._offer(bucket, data[: bucket.nbytes], None)
 
     def _register_storage(self, data: torch.Tensor) -> bool:
-        """Make sure the memory of `data` is registered with NIXL (its whole storage, once)."""
-        start, end = int(data.data_ptr()), int(data.data_ptr()) + data.numel() * data.element_size()
-        for _reg, base, n, _ref in self._direct.values():
-            if base <= start and end <= base + n:
-                return True
-        storage = data.untyped_storage()
-        base, n = int(storage.data_ptr()), int(storage.nbytes())
-        whole = torch.empty(0, dtype=torch.uint8, device=data.device).set_(storage, 0, (n,), (1,))
-        try:
-            reg = self.nixl.register([whole])
-        except Exception as exc:
-            log.warning("gdr.register_failed bytes=%s error=%s: falling back to staging slots", n, exc)
-            return False
-        self._direct[base] = (reg, base, n, storage)
-        self._md_gen += 1
-        log.info("gdr.registered bytes=%s device=%s md_gen=%s", n, data.device, self._md_gen)
-        return True
+        """Make sure the memory of `data` is registered with NIXL (its whole storage, once per endpoint),
+        held for this transport until it closes."""
+        return self.nixl.hold(data, self)
 
     def _offer(self, bucket: BucketPlan, buf: torch.Tensor, dslot: torch.Tensor | None) -> Pending[None]:
         """Tell the bucket's destinations where its bytes (and, with delta sync, its encoding) are."""
@@ -510,15 +585,18 @@ class GdrTransport(Transport):
         self.stats.full_bytes += bucket.nbytes
         self.stats.wire_bytes += offered
         mem, _ = _mem_of(buf)
-        md: bytes | None = None
+        snap: tuple[int, bytes] | None = None
         mbs = []
         for d in bucket.dsts:
             mb = self._mailbox(Endpoint("dst", d))
-            if self._md_known.get(d, -1) != self._md_gen:
-                md = md if md is not None else self.nixl.metadata()
-                mb.send("gdr.md", md, gen=self._gen, md_gen=self._md_gen)
-                self._md_known[d] = self._md_gen
-            mb.send("gdr.ready", gen=self._gen, index=bucket.index, md_gen=self._md_gen, mem=mem,
+            if self._md_known.get(d, -1) != self.nixl.md_gen:
+                # `buf` is registered by now, so any snapshot from here on describes it; the ready names the
+                # generation the destination then has (another transport of this endpoint may register more
+                # memory meanwhile: that bumps md_gen again, and a later bucket sends it)
+                snap = snap if snap is not None else self.nixl.snapshot()
+                mb.send("gdr.md", snap[1], gen=self._gen, md_gen=snap[0])
+                self._md_known[d] = snap[0]
+            mb.send("gdr.ready", gen=self._gen, index=bucket.index, md_gen=self._md_known[d], mem=mem,
                     src=list(_desc(buf, bucket.nbytes)), nbytes=bucket.nbytes, id=new_id, delta=dinfo)
             mbs.append((d, mb))
         return _SendPending(mbs, self._gen, bucket.index, self._aborted)
@@ -553,14 +631,17 @@ class GdrTransport(Transport):
                 self._rslots = []
                 regs = [self._store, *self._rdslots]
             else:
-                self._rslots = [self._recv_buffer(max(size, 1), ctx.device, pin) for _ in range(self.num_slots)]
+                # Receive slots of its own only once a bucket is received without given memory
+                # (`_slot_buffer`): behind a RoutingTransport every bucket lands in the destination's shared
+                # receive slots, so buffers per (destination, source) pair would only hold memory.
+                self._rslots = []
                 self._store = None
-                regs = list(self._rslots)
+            self._rsize = max(size, 1)
             self._rreg = self.nixl.register(regs)
         self._remotes = {}
         for ep in sorted(ctx.peers):
             header, payload = self._get(self._mailbox(ep), "gdr.hello", None, ctx.timeout, f"hello from {ep}")
-            name = self.nixl.load_remote(str(header["agent"]), bytes(payload))
+            name = self.nixl.load_remote(str(header["agent"]), bytes(payload), int(header["md_gen"]))
             self._remotes[ep.rank] = _Remote(
                 name, int(header["gen"]), int(header["md_gen"]), str(header["mem"]),
                 [(int(a), int(n), int(d)) for a, n, d in header["slots"]],
@@ -569,6 +650,16 @@ class GdrTransport(Transport):
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(target=self._work, name=f"gdr-prefetch-{ctx.me}", daemon=True)
             self._worker.start()
+
+    def _slot_buffer(self, slot: int) -> torch.Tensor:
+        """Receive slot `slot` of this transport's own, allocated and registered on first use."""
+        assert self._ctx is not None
+        if not self._rslots:
+            pin = self._ctx.device.type == "cpu"
+            self._rslots = [self._recv_buffer(self._rsize, self._ctx.device, pin) for _ in range(self.num_slots)]
+            self.nixl.deregister(self._rreg)
+            self._rreg = self.nixl.register(self._rslots)
+        return self._rslots[slot]
 
     def _recv_buffer(self, nbytes: int, device: torch.device, pin: bool) -> torch.Tensor:
         """A buffer buckets are READ into and handed on from: the allocator's (shared with the engine), or
@@ -647,7 +738,7 @@ class GdrTransport(Transport):
         if md_gen != remote.md_gen:  # the source registered more memory (zero-copy staging)
             _h, payload = self._get(mb, "gdr.md", {"gen": remote.gen, "md_gen": md_gen}, self._ctx.timeout,
                                    f"NIXL metadata {md_gen} of source rank {bucket.src}")
-            self.nixl.load_remote(remote.agent, bytes(payload))
+            self.nixl.load_remote(remote.agent, bytes(payload), md_gen)
             remote.md_gen = md_gen
         src = _triple(header["src"], nbytes, what)
         mem = str(header.get("mem", remote.mem))
@@ -655,7 +746,7 @@ class GdrTransport(Transport):
         self.stats.buckets += 1
         self.stats.full_bytes += nbytes
         if self.delta is None:
-            target = out if out is not None else self._rslots[slot][:nbytes]
+            target = out if out is not None else self._slot_buffer(slot)[:nbytes]
             self._read(target, remote.agent, src, mem)
             self.stats.wire_bytes += nbytes
         else:

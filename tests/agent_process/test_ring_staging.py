@@ -63,6 +63,28 @@ def test_ring_staging_is_bit_exact_and_bounded(mode: str, layout: list[str]) -> 
     assert stages["publish"] == pytest.approx(1.0, abs=0.01) and stages.get("pack", 0.0) == 0.0
 
 
+def _inference_peak(result: dict[str, Any]) -> int:
+    return int(next(v for k, v in result["peak_staging_bytes_by_pod"].items() if "inference" in k))
+
+
+def test_gdr_receive_memory_is_the_shared_slots_whatever_the_sources() -> None:
+    """GDR, FSDP 2 -> TP 2 (each engine rank reads from both trainer ranks), 1 MiB buckets: the inference agent
+    holds its ranks' shared receive slots only (2 ranks x 2 slots x 1 MiB), not slots of its own per
+    (destination, source) pair besides them, so with the ring the whole job's staging stays flat when the
+    model grows 4x."""
+    small = _bench("--mode", "gdr", "--size-mb", "4", "--fsdp", "2", "--inference-tp", "2", "--staging", "ring",
+                   "--depth", "2")
+    big = _bench("--mode", "gdr", "--size-mb", "16", "--fsdp", "2", "--inference-tp", "2", "--staging", "ring",
+                 "--depth", "2")
+    for r in (small, big):
+        assert r["bit_exact"] is True
+        # (a bucket is a little over 1 MiB where a tensor's piece does not split at the bucket's end)
+        assert _inference_peak(r) <= 2 * 2 * MiB * 1.1, r["peak_staging_bytes_by_pod"]
+        assert _trainer_peak(r) <= 2 * 2 * MiB + 64 * 1024, r["peak_staging_bytes_by_pod"]
+    assert big["peak_staging_bytes"] <= small["peak_staging_bytes"] * 1.1, (small["peak_staging_bytes_by_pod"],
+                                                                          big["peak_staging_bytes_by_pod"])
+
+
 def test_a_cpu_snapshot_releases_the_trainer_and_is_counted() -> None:
     """--snapshot copy on CPU tensors: publish returns after a host clone (not after the transfer), and the
     clone is reported (snapshot_bytes = the model, one more copy per byte)."""
