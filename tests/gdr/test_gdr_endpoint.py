@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -17,10 +18,10 @@ from weightsync.agent.transports.gdr import GdrTransport, NixlEndpoint
 def test_the_gdr_transports_of_one_agent_share_one_nixl_agent() -> None:
     cache = TransportCache(mode="GDR", job="j", pod_ip="127.0.0.1", transport_port=0)
     try:
-        plan = None  # the cache does not read the plan to make a transport
-        a, _ = cache.get({"name": "replica-0", "generation": 1, "epoch": "e1"}, plan, role="dst0<-src0")  # type: ignore[arg-type]
-        b, _ = cache.get({"name": "replica-0", "generation": 1, "epoch": "e1"}, plan, role="dst0<-src1")  # type: ignore[arg-type]
-        c, _ = cache.get({"name": "replica-1", "generation": 1, "epoch": "e1"}, plan, role="src0")  # type: ignore[arg-type]
+        plan: Any = None  # the cache does not read the plan to make a transport
+        a, _ = cache.get({"name": "replica-0", "generation": 1, "epoch": "e1"}, plan, role="dst0<-src0")
+        b, _ = cache.get({"name": "replica-0", "generation": 1, "epoch": "e1"}, plan, role="dst0<-src1")
+        c, _ = cache.get({"name": "replica-1", "generation": 1, "epoch": "e1"}, plan, role="src0")
         assert isinstance(a, GdrTransport) and isinstance(b, GdrTransport) and isinstance(c, GdrTransport)
         assert a.nixl is b.nixl is c.nixl
         shared = a.nixl
@@ -89,7 +90,12 @@ def test_a_reload_waits_for_the_reads_in_flight_from_that_remote() -> None:
         with reader._lock:
             reader._reading[remote.name] = 1  # a READ of another transport is in flight
         done = threading.Event()
-        t = threading.Thread(target=lambda: (reader.load_remote(remote.name, md2, gen2), done.set()), daemon=True)
+
+        def reload() -> None:
+            reader.load_remote(remote.name, md2, gen2)
+            done.set()
+
+        t = threading.Thread(target=reload, daemon=True)
         t.start()
         time.sleep(0.3)
         assert not done.is_set() and reader._remote_gen[remote.name] == gen1  # not swapped under the READ
