@@ -114,3 +114,37 @@ def test_a_reload_waits_for_the_reads_in_flight_from_that_remote() -> None:
     finally:
         reader.close()
         remote.close()
+
+
+def test_an_idle_nixl_agent_does_not_spin_a_core() -> None:
+    """NIXL's wrapper makes its progress thread poll without pause (a whole core per agent, idle or not); the
+    endpoint gives it a wait (WEIGHTSYNC_NIXL_PROGRESS_DELAY_US), and READs still complete."""
+    nx = NixlEndpoint()
+    try:
+        assert nx.progress_delay_us == 1000
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        busy = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+        assert busy < 0.3, f"an idle NIXL agent used {busy:.2f} CPU seconds per second"
+        peer = NixlEndpoint()
+        try:
+            src = torch.arange(1 << 16, dtype=torch.int32).view(torch.uint8)
+            peer.hold(src, peer)
+            peer_gen, peer_md = peer.snapshot()
+            nx.load_remote(peer.name, peer_md, peer_gen)
+            assert torch.equal(_read_back(nx, peer, src), src)
+        finally:
+            peer.close()
+    finally:
+        nx.close()
+
+
+def test_the_progress_delay_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightsync.agent.transports import gdr
+
+    monkeypatch.setenv(gdr.PROGRESS_DELAY_ENV, "250")
+    assert gdr.progress_delay_us() == 250
+    for bad in ("-1", "fast"):
+        monkeypatch.setenv(gdr.PROGRESS_DELAY_ENV, bad)
+        with pytest.raises(TransportError, match=gdr.PROGRESS_DELAY_ENV):
+            gdr.progress_delay_us()
