@@ -19,6 +19,8 @@ file and a reader process copying it out (the two copies any hand-off through sh
 JSON fields (steady state: version 1 excluded, it forms groups, faults pages in and learns the layout):
   end_to_end_s       p50 of first publish call -> last engine rank committed
   trainer_blocked_s  p50 of the longest TrainerSession.publish (how long training is held)
+  publish_skew_s     p50 of the first -> last trainer rank's publish call (the ranks leave their step together,
+                     as FSDP ranks do; what is left is process scheduling on shared cores)
   raw_s, ratio       the raw transport's p50 seconds and raw / end_to_end (1.0: the product adds nothing)
   copies_per_byte    bytes copied in memory besides the wire and the engine's own load, per model byte and
                      version, counted by the agents (weightsync_agent_copied_bytes_total, all stages)
@@ -106,6 +108,12 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
                 time.sleep(0.002)
             for w in weights.values():
                 advance(w.tensor)
+            # FSDP ranks leave an optimizer step together (it ends with a collective): publish together too, so
+            # that end_to_end_s measures the transfer, not how far apart two processes finished their step
+            # on shared cores (publish_skew_s shows what is left)
+            (run / f"stepped-{v}-{rank}").touch()
+            while not all((run / f"stepped-{v}-{r}").exists() for r in range(fsdp)):
+                time.sleep(0.0005)
             t0 = time.time()
             res = session.publish(weights, v)
             fh.write(json.dumps({"rank": rank, "version": v, "t_start": t0, "t_published": time.time(),
@@ -131,20 +139,27 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int) -> No
         for n, index, t in pieces:
             params[n][index].copy_(t)  # the engine's own load, of a tensor that arrives in pieces
 
+    def check() -> None:
+        """The last version, bit for bit, once every engine rank committed it (a check while another rank is
+        still loading would take its cores and slow the version being measured)."""
+        while not _committed(run, versions, tp):
+            time.sleep(0.01)
+        bad = []
+        for s in needs:
+            want = full_tensor(next(m for m in metas if m.name == s.name))[s.box.slices_within(
+                Box.full(s.global_shape))].clone()
+            advance(want, versions)
+            if not torch.equal(want.view(torch.int16), params[s.name].view(torch.int16)):
+                bad.append(s.name)
+        tmp = run / f"exact-{rank}.json.tmp"
+        tmp.write_text(json.dumps({"bit_exact": not bad, "mismatched": bad[:5], "tensors": len(needs)}))
+        tmp.replace(run / f"exact-{rank}.json")  # the parent never reads half a file
+
     def on_commit(version: int) -> None:
-        t = time.time()
-        if version == versions:  # checked before the commit line the parent waits for
-            bad = []
-            for s in needs:
-                want = full_tensor(next(m for m in metas if m.name == s.name))[s.box.slices_within(
-                    Box.full(s.global_shape))].clone()
-                advance(want, versions)
-                if not torch.equal(want.view(torch.int16), params[s.name].view(torch.int16)):
-                    bad.append(s.name)
-            (run / f"exact-{rank}.json").write_text(json.dumps({"bit_exact": not bad, "mismatched": bad[:5],
-                                                                "tensors": len(needs)}))
         with (run / "commits.jsonl").open("a") as fh:
-            fh.write(json.dumps({"rank": rank, "version": version, "t": t}) + "\n")
+            fh.write(json.dumps({"rank": rank, "version": version, "t": time.time()}) + "\n")
+        if version == versions:  # the engine is committed: nothing changes `params` any more
+            threading.Thread(target=check, daemon=True).start()
 
     InferenceSession(on_bucket, on_commit, rank=rank, on_pieces=on_pieces).start()
     threading.Event().wait()
@@ -345,6 +360,8 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
             if v == 1:  # steady-state counters start after the first version
                 scrapes.append(settled([p.metrics_url for p in pods]))
         scrapes.append(settled([p.metrics_url for p in pods]))
+        wait_for(lambda: all((run_dir / f"exact-{r}.json").exists() for r in range(tp)), budget,
+                 "every engine rank's bit-exact check", c)
         exact = [json.loads((run_dir / f"exact-{r}.json").read_text()) for r in range(tp)]
         for p in pods:  # the agents are done: the raw transport alone between the same pods
             c.kill(p, "agent")
@@ -378,7 +395,8 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
         pv = [d for d in pubs if d["version"] == v]
         start = min(d["t_start"] for d in pv)
         rows.append({"version": v, "trainer_blocked_s": max(d["t_published"] - d["t_start"] for d in pv),
-                     "end_to_end_s": max(d["t"] for d in commits if d["version"] == v) - start})
+                     "end_to_end_s": max(d["t"] for d in commits if d["version"] == v) - start,
+                     "publish_skew_s": max(d["t_start"] for d in pv) - start})
     steady = rows[1:] or rows
     e2e = statistics.median(r["end_to_end_s"] for r in steady)
     raw_s = statistics.median(raw) if raw else float("nan")
@@ -396,6 +414,7 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
         "bit_exact": all(e["bit_exact"] for e in exact),
         "end_to_end_s": round(e2e, 4), "end_to_end_s_max": round(max(r["end_to_end_s"] for r in steady), 4),
         "trainer_blocked_s": round(statistics.median(r["trainer_blocked_s"] for r in steady), 4),
+        "publish_skew_s": round(statistics.median(r["publish_skew_s"] for r in steady), 4),
         "raw_s": round(raw_s, 4) if raw else None, "ratio": round(raw_s / e2e, 3) if raw else None,
         "effective_gbps": round(model_bytes / e2e / 1e9, 3),
         "raw_gbps": round(model_bytes / raw_s / 1e9, 3) if raw else None,
