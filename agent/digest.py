@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +129,7 @@ class DigestStats:
     pieces: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    reused_bytes: int = 0  # sender: bytes whose leaves an earlier transfer of the same staged bytes computed
 
 
 @dataclass
@@ -144,13 +145,25 @@ class DigestHooks(SyncHooks):
     digest: Digest | None = None
     algorithm: str | None = None
     stats: DigestStats = field(default_factory=DigestStats)
+    #: sender: the leaves of the buckets of one staged version and plan, by (bucket index, algorithm), kept by
+    #: the trainer agent with the staged bytes, so that the transfers to the other replicas (and a retry) send
+    #: the leaves the first transfer computed instead of hashing the same bytes once per replica. A receiver
+    #: still hashes what landed and compares: bytes that changed in staging between two transfers fail there.
+    sent_leaves: MutableMapping[tuple[int, str], list[tuple[str, int]]] | None = None
 
     def on_send_bucket(self, version: int, bucket: BucketPlan, data: torch.Tensor) -> dict[str, Any] | None:
         meta = dict(self.inner.on_send_bucket(version, bucket, data) or {}) if self.inner is not None else {}
         t0 = time.perf_counter()
         algo = self.algorithm or default_algorithm(data)
-        leaves = bucket_leaves(bucket, data, algo)
-        self._count(leaves, bucket, t0)
+        known = self.sent_leaves.get((bucket.index, algo)) if self.sent_leaves is not None else None
+        if known is not None:
+            leaves = known
+            self.stats.reused_bytes += bucket.data_nbytes
+        else:
+            leaves = bucket_leaves(bucket, data, algo)
+            self._count(leaves, bucket, t0)
+            if self.sent_leaves is not None:
+                self.sent_leaves[(bucket.index, algo)] = leaves
         meta["digest"] = {"algorithm": algo, "leaves": [fmt(v) for _, v in leaves]}
         return meta
 

@@ -345,6 +345,7 @@ class FetchResult:
     verified_bytes: int = 0
     digest: str = ""  # the version's content digest as this agent received it (agent/digest.py)
     digest_checked: bool = True  # every piece was checked against its sender's leaf
+    digest_bytes: int = 0  # bytes this agent hashed where they landed
 
 
 def reachable_sources(topo: Topology, group_name: str) -> set[int] | None:
@@ -528,7 +529,8 @@ def fetch_version(
     nbytes = sum(st.bytes for st in results)
     verified = sum(c.stats.bytes for c in checks.values() if c is not None)
     return FetchResult(version, nbytes, time.perf_counter() - t0, results, verified_bytes=verified,
-                       digest=digest.hex(), digest_checked=not digest.unchecked)
+                       digest=digest.hex(), digest_checked=not digest.unchecked,
+                       digest_bytes=sum(h.stats.bytes for h in hooks.values()))
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

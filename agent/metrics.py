@@ -45,6 +45,11 @@ class AgentMetrics:
             "snapshot (ring staging: the trainer's snapshot of its shards), pack (staging into a send buffer), unpack "
             "(receive buffer into assembled tensors), engine_pack (into the Custom engine's segment)",
             ["stage"], registry=r)
+        self.digest_bytes = Counter(
+            "weightsync_agent_digest_bytes_total", "Bytes the content digest covered, by side (sent, received) and "
+            "whether their piece hashes were computed here (hashed) or sent as an earlier transfer of the same staged "
+            "version computed them (reused: the trainer agent hashes a version once, whatever the replicas)",
+            ["side", "source"], registry=r)
         self.staging_bytes = Gauge(
             "weightsync_agent_staging_bytes", "Staging memory this agent holds now: shared segments and "
             "transport slot buffers", registry=r)

@@ -54,6 +54,9 @@ class RankStage:
     slot: staging.Slot | None  # None: streamed through a ring (agent/ring.py), nothing staged here
     metas: list[dict[str, Any]]
     snapshot_bytes: int = 0    # streamed: the trainer's snapshot of the rank's shards (0: none, held)
+    #: the content digest's piece hashes of these bytes, per plan hash: computed by the first transfer, sent by
+    #: every later one (the other replicas) without hashing again (DigestHooks.sent_leaves)
+    leaves: dict[str, dict[tuple[int, str], list[tuple[str, int]]]] = field(default_factory=dict)
 
     @property
     def streamed(self) -> bool:
@@ -774,9 +777,10 @@ class WeightServer:
                 # transfers of different replicas run concurrently (each replica has its own groups):
                 # serialising them per agent could deadlock two trainer pods serving two replicas.
                 transport, world = self.transport_for({**rdv.group, "epoch": epoch}, rdv.plan, f"src{rdv.src}")
+                digest = DigestHooks(inner=ChecksumHooks() if self.verify else None,
+                                     sent_leaves=rs.leaves.setdefault(rdv.plan.hash, {}))
                 sender = WeightSender(rdv.plan, rdv.src, transport, rdv.peers, timeout=self.timeout,
-                                      world=world, device=self.device,
-                                      hooks=DigestHooks(inner=ChecksumHooks() if self.verify else None))
+                                      world=world, device=self.device, hooks=digest)
                 if rs.streamed:
                     stats = self._send_streamed(rdv, transport, sender)
                 else:
@@ -798,6 +802,8 @@ class WeightServer:
         took = time.perf_counter() - t0
         self.metrics.transfer_bytes.labels("sent", self.mode).inc(stats.bytes)
         self.metrics.copied_bytes.labels("pack").inc(stats.copied_bytes)
+        self.metrics.digest_bytes.labels("sent", "hashed").inc(digest.stats.bytes)
+        self.metrics.digest_bytes.labels("sent", "reused").inc(digest.stats.reused_bytes)
         self.metrics.serve_seconds.labels(self.mode).observe(took)
         self.metrics.versions.labels("served").inc()
         log.info("serve.done version=%s src=%s dsts=%s bytes=%s seconds=%.3f", rdv.version, rdv.src,

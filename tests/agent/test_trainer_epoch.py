@@ -21,7 +21,8 @@ def _publish(store: StagingStore, version: int, session: str, rank: int = 0) -> 
 
 
 @pytest.fixture
-def store():
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))  # the staging volume (the pod's emptyDir)
     s = StagingStore([0], f"weightsync-test-epoch-{id(object())}", keep=2)
     yield s
     s.close()
