@@ -269,12 +269,14 @@ def _link_lost(exc: BaseException) -> bool:
 PiecePlaces = list[tuple[tuple[int, ...], tuple[int, ...], int]]
 
 
-def arena_offsets(shards: Sequence[LocalShard], layout: Any, size: int) -> list[int | PiecePlaces] | None:
+def arena_offsets(shards: Sequence[LocalShard], layout: Any, size: int) -> list[int | PiecePlaces | None] | None:
     """Where each of `shards` goes in the staging layout the agent asked for (its plan's buckets, so they are
     sent straight from staging): a byte offset for a shard staged whole, or its pieces' places for a shard
     that travels in pieces (`layout["pieces"]`: each is copied to its place in its bucket, so this one copy
-    is also the pack). None when the layout does not describe exactly these tensors (first version, changed
-    model): then they are packed in order and the agent packs buckets itself."""
+    is also the pack), or None for a shard the plan sends from another rank (`layout["unsent"]`: a data-
+    parallel replica owns it; it is published by metadata only). None when the layout does not describe
+    exactly these tensors (first version, changed model): then they are packed in order and the agent packs
+    buckets itself."""
     if not isinstance(layout, dict):
         return None
     try:
@@ -283,13 +285,18 @@ def arena_offsets(shards: Sequence[LocalShard], layout: Any, size: int) -> list[
         for p in layout.get("pieces") or ():
             pieces.setdefault(str(p["name"]), []).append(
                 (tuple(int(x) for x in p["offset"]), tuple(int(x) for x in p["shape"]), int(p["at"])))
+        unsent = {str(n) for n in layout.get("unsent") or ()}
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
-    if set(index) & set(pieces) or set(index) | set(pieces) != {s.name for s in shards}:
+    if set(index) & set(pieces) or unsent & (set(index) | set(pieces)) or \
+            set(index) | set(pieces) | unsent != {s.name for s in shards}:
         return None
-    out: list[int | PiecePlaces] = []
+    out: list[int | PiecePlaces | None] = []
     for s in shards:
         dtype, shape, isz = staging.dtype_name(s.tensor.dtype), tuple(s.tensor.shape), s.tensor.element_size()
+        if s.name in unsent:
+            out.append(None)
+            continue
         if s.name in pieces:
             places = pieces[s.name]
             if any(len(o) != len(shape) or len(n) != len(shape) or at < 0 or at + math.prod(n) * isz > size
@@ -404,11 +411,19 @@ class TrainerSession:
         device = "cpu" if devices <= {"cpu"} else str(next(s.tensor.device for s in shards if s.tensor.is_cuda))
         conn = self._connection()
         reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total, "device": device,
-                              "stream": True})
+                              "stream": True, "skip_unsent": True})
         if "ring" in reply:
             return self._publish_streamed(conn, version, shards, aliases, sizes, t0)
         seg = self._segment(reply["segment"])
-        places: Sequence[int | PiecePlaces] = arena_offsets(shards, reply.get("layout"), seg.size) or offsets
+        arena = arena_offsets(shards, reply.get("layout"), seg.size)
+        if arena is None and seg.size < total:
+            # a layout without the shards other ranks send, which does not describe these tensors (the model
+            # changed): ask for a segment that holds them all, packed in order
+            reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total,
+                                  "device": device, "stream": True})
+            seg = self._segment(reply["segment"])
+            arena = arena_offsets(shards, reply.get("layout"), seg.size)
+        places: Sequence[int | PiecePlaces | None] = arena or offsets
         metas = []
         with torch.no_grad():
             for s, place, n in zip(shards, places, sizes, strict=True):
@@ -416,7 +431,9 @@ class TrainerSession:
                     "name": s.name, "dtype": staging.dtype_name(s.tensor.dtype), "shape": list(s.tensor.shape),
                     "global_shape": list(s.global_shape), "global_offset": list(s.global_offset), "nbytes": n,
                 }
-                if isinstance(place, int):
+                if place is None:  # another rank sends it (this one is a data-parallel replica): not copied
+                    meta["unstaged"] = True
+                elif isinstance(place, int):
                     seg.view(place, s.tensor.dtype, s.tensor.shape).copy_(s.tensor)
                     meta["offset"] = place
                 else:  # each piece straight to its place in its bucket: a strided copy, the only one

@@ -519,7 +519,8 @@ class Agent:
                     t0 = time.perf_counter()
                     reply = self.store.stage_request(int(h["rank"]), int(h["version"]), int(h["nbytes"]),
                                                      str(h.get("device", "cpu")), session=session,
-                                                     stream=h.get("stream") is True)
+                                                     stream=h.get("stream") is True,
+                                                     skip_unsent=h.get("skip_unsent") is True)
                     self._stage_t0 = t0
                     conn.reply_ok(**reply)
                 elif op == "publish_stream":  # ring staging: metadata only, the trainer keeps the bytes
@@ -556,9 +557,9 @@ class Agent:
         assert self.store is not None
         self.published_epoch = self.store.trainer_epoch
         self.metrics.published_version.set(sv.version)
-        self.metrics.staged_bytes.inc(sv.nbytes)
+        self.metrics.staged_bytes.inc(sv.staged_nbytes)
         if not sv.streamed:  # a streamed version is copied by each transfer's fills (WeightServer counts them)
-            self.metrics.copied_bytes.labels("publish").inc(sv.nbytes)
+            self.metrics.copied_bytes.labels("publish").inc(sv.staged_nbytes)
         log.info("version staged version=%s bytes=%s ranks=%s", sv.version, sv.nbytes, sorted(sv.ranks))
         if self.server is not None:
             self.server.announce(sv.version, self.published_epoch)

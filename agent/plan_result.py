@@ -55,15 +55,34 @@ class SourceArena:
 
     layout: BucketLayout
     pieces: tuple[ArenaPiece, ...] = ()
+    #: shards this plan sends nothing of from this rank: every box of them is another rank's to send (a
+    #: data-parallel replica of the same shard owns it). `layout` places them last, from `sent_nbytes` on, so
+    #: a trainer may leave them out of staging (`to_dict(skip_unsent=True)`): a version is then staged once
+    #: per shard owner, not once per data-parallel replica.
+    unsent: tuple[str, ...] = ()
+    sent_nbytes: int = -1
 
     @property
     def nbytes(self) -> int:
         return self.layout.nbytes
 
-    def to_dict(self) -> dict[str, Any]:
+    @property
+    def staged_nbytes(self) -> int:
+        """The arena's size without the unsent shards."""
+        return self.sent_nbytes if self.unsent else self.layout.nbytes
+
+    def to_dict(self, *, skip_unsent: bool = False) -> dict[str, Any]:
         """The layout a trainer copies its shards in (TrainerSession.publish; `pieces` is read by clients that
-        know it: an older client sees a layout that lacks the pieced tensors and packs in publish order)."""
-        d = self.layout.to_dict()
+        know it: an older client sees a layout that lacks the pieced tensors and packs in publish order).
+        `skip_unsent`: the layout without the unsent shards, named in `unsent` (only for a client that said it
+        stages owned shards only: an older one would find tensors missing and pack everything in order)."""
+        if skip_unsent and self.unsent:
+            gone = set(self.unsent)
+            d = BucketLayout(tuple(e for e in self.layout.entries if e.name not in gone), self.sent_nbytes,
+                             self.layout.alignment).to_dict()
+            d["unsent"] = list(self.unsent)
+        else:
+            d = self.layout.to_dict()
         if self.pieces:
             d["pieces"] = [p.to_dict() for p in self.pieces]
         return d
@@ -397,13 +416,18 @@ class TransferPlan:
                 local = tuple(o - so for o, so in zip(bx.offset, shard.offset, strict=True))
                 pieces.append(ArenaPiece(name, local, bx.shape, at))
         pieced = {p.name for p in pieces}
-        for name in sorted(shards):
+        unsent = tuple(n for n in sorted(shards) if n not in whole and n not in parts and shards[n].nbytes)
+        sent_nbytes = -1
+        for name in [n for n in sorted(shards) if n not in unsent] + list(unsent):  # the unsent ones last
             if name not in whole and name not in pieced:
+                if name == (unsent[0] if unsent else None):
+                    sent_nbytes = cursor
                 whole[name] = entry_offset(cursor, shards[name].nbytes, self.alignment)
                 cursor = whole[name] + shards[name].nbytes
         entries = sorted((BucketEntry(n, shards[n].dtype, shards[n].box.shape, off) for n, off in whole.items()),
                          key=lambda e: e.offset)
-        return SourceArena(BucketLayout(tuple(entries), cursor, self.alignment), tuple(sorted(pieces, key=lambda p: p.at)))
+        return SourceArena(BucketLayout(tuple(entries), cursor, self.alignment), tuple(sorted(pieces, key=lambda p: p.at)),
+                           unsent, sent_nbytes if unsent else cursor)
 
     def summary(self) -> dict[str, Any]:
         return {"hash": self.hash, "buckets": len(self.buckets), "bucket_bytes": self.bucket_bytes,

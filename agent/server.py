@@ -66,12 +66,19 @@ class RankStage:
         return [TensorShard.of(m["name"], m["dtype"], m["global_shape"], m["global_offset"], m["shape"])
                 for m in self.metas]
 
+    @property
+    def unstaged(self) -> set[str]:
+        """Shards published by metadata only: the plan the trainer staged for sends them from another rank."""
+        return {str(m["name"]) for m in self.metas if m.get("unstaged") is True}
+
     def tensors(self) -> dict[str, torch.Tensor | ShardPieces]:
         """Each staged shard as a view of staging, or as its pieces where it was staged in pieces."""
         assert self.slot is not None, "a streamed rank has no staged tensors"
         seg = self.slot.segment
         out: dict[str, torch.Tensor | ShardPieces] = {}
         for m in self.metas:
+            if m.get("unstaged") is True:
+                continue
             dt = staging.dtype_from_name(m["dtype"])
             if m.get("pieces"):
                 out[m["name"]] = ShardPieces(dt, m["shape"], {
@@ -95,6 +102,11 @@ class StagedVersion:
     @property
     def nbytes(self) -> int:
         return sum(int(m["nbytes"]) for r in self.ranks.values() for m in r.metas)
+
+    @property
+    def staged_nbytes(self) -> int:
+        """Bytes copied into staging (shards another rank sends are published by metadata only)."""
+        return sum(int(m["nbytes"]) for r in self.ranks.values() for m in r.metas if m.get("unstaged") is not True)
 
     @property
     def streamed(self) -> bool:
@@ -130,8 +142,9 @@ def validate_metas(metas: Any, segment_size: int) -> list[dict[str, Any]]:
     for m in metas:
         try:
             shard = TensorShard.of(m["name"], m["dtype"], m["global_shape"], m["global_offset"], m["shape"])
-            off, n = int(m["offset"]), int(m["nbytes"])
-            pieces = _pieces_of(shard, m.get("pieces"))
+            unstaged = m.get("unstaged") is True  # metadata only: another rank sends this shard's bytes
+            off, n = (-1, int(m["nbytes"])) if unstaged else (int(m["offset"]), int(m["nbytes"]))
+            pieces = None if unstaged else _pieces_of(shard, m.get("pieces"))
         except (KeyError, TypeError, ValueError) as exc:
             raise StagingError(f"bad tensor entry {m!r}: {exc}") from None
         if shard.name in names:
@@ -139,7 +152,8 @@ def validate_metas(metas: Any, segment_size: int) -> list[dict[str, Any]]:
         names.add(shard.name)
         if n != shard.nbytes:
             raise StagingError(f"tensor {shard.name!r}: nbytes={n} but its dtype/shape need {shard.nbytes}")
-        regions.extend(pieces if pieces is not None else [(off, n, shard.name)])
+        if not unstaged:
+            regions.extend(pieces if pieces is not None else [(off, n, shard.name)])
     end = 0
     for off, n, name in sorted(regions):
         if off < end or off + n > segment_size or off % (staging.ALIGN if n >= staging.ALIGN else SMALL_ALIGNMENT):
@@ -199,10 +213,15 @@ class StagingStore:
         # rank -> (plan hash, arena): where the last plan that read this rank wants each tensor, so the next
         # publish lays its staging out like the buckets and they are sent from staging without a pack
         self._arenas: dict[int, tuple[str, SourceArena]] = {}
+        # rank -> the plans that read it: a rank read by one plan stages only the shards that plan sends from it
+        # (data-parallel replicas: once per shard owner); two plans (e.g. IPC groups that reach different
+        # trainer pods) may pick different owners, so such a rank stages every shard
+        self._plans_of: dict[int, set[str]] = {}
 
     def prefer_arena(self, rank: int, plan: TransferPlan) -> None:
         """Remember the source arena of `plan` for `rank` (computed once per plan)."""
         with self._lock:
+            self._plans_of.setdefault(rank, set()).add(plan.hash)
             known = self._arenas.get(rank)
             if known is not None and known[0] == plan.hash:
                 return
@@ -210,19 +229,39 @@ class StagingStore:
         with self._lock:
             self._arenas[rank] = (plan.hash, arena)
 
+    def missing_for(self, rs: RankStage, plan: TransferPlan) -> set[str]:
+        """The shards `plan` sends from rank `rs.rank` that were published by metadata only (the trainer staged
+        for another plan, which sends them from another rank): such a version cannot be sent under `plan`."""
+        if not rs.unstaged:
+            return set()
+        with self._lock:
+            known = self._arenas.get(rs.rank)
+        arena = known[1] if known is not None and known[0] == plan.hash else plan.source_arena(rs.rank)
+        return rs.unstaged - set(arena.unsent)
+
     def stage_request(self, rank: int, version: int, nbytes: int, device: str, session: str = "",
-                      stream: bool = False) -> dict[str, Any]:
+                      stream: bool = False, skip_unsent: bool = False) -> dict[str, Any]:
         """The agent's answer to a trainer's stage request: a segment to copy into and, once a plan read this
         rank, the layout to copy in (its plan arena: the buckets are then sent from staging, no pack). In
-        ring mode, to a client that can stream (`stream`): no segment, the ring's depth (agent/ring.py)."""
+        ring mode, to a client that can stream (`stream`): no segment, the ring's depth (agent/ring.py).
+        `skip_unsent`: the client stages only the shards the layout lists (it names the others `unsent` and
+        publishes them by metadata only), so the segment is the arena without them."""
         if self.ring is not None and stream:
             self._check_version(rank, version, session)
             with self._lock:
                 self._streams[(rank, version)] = session
             return {"ring": {"depth": self.ring.depth}}
         arena = self.arena(rank)
-        seg = self.stage(rank, version, max(nbytes, arena.nbytes if arena else 0), device, session=session)
-        return {"segment": seg.handle(), **({"layout": arena.to_dict()} if arena else {})}
+        with self._lock:
+            one_plan = len(self._plans_of.get(rank, ())) == 1
+        compact = skip_unsent and one_plan and arena is not None and bool(arena.unsent)
+        if compact:
+            assert arena is not None
+            size = arena.staged_nbytes
+        else:
+            size = max(nbytes, arena.nbytes if arena else 0)
+        seg = self.stage(rank, version, size, device, session=session)
+        return {"segment": seg.handle(), **({"layout": arena.to_dict(skip_unsent=compact)} if arena else {})}
 
     def arena(self, rank: int) -> SourceArena | None:
         """The staging layout the next publish of `rank` should use (None until a plan read the rank)."""
@@ -773,7 +812,18 @@ class WeightServer:
                     raise StagingError(f"the destination's plan describes source rank {rdv.src} differently from "
                                        f"what was staged for version {rdv.version}")
                 if not rs.streamed:
-                    self.store.prefer_arena(rdv.src, rdv.plan)
+                    # every local rank learns the plan's arena, also one the plan sends nothing from (a data-
+                    # parallel replica whose shards another rank sends: it then stages nothing at all)
+                    for r in self.store.ranks:
+                        if r < rdv.plan.num_src:
+                            self.store.prefer_arena(r, rdv.plan)
+                    missing = self.store.missing_for(rs, rdv.plan)
+                    if missing:
+                        raise StagingError(
+                            f"version {rdv.version}: trainer rank {rdv.src} staged only the shards another plan "
+                            f"sends from it, and plan {rdv.plan.hash[:12]} also needs {len(missing)} others from it "
+                            f"({', '.join(sorted(missing)[:3])}...); with two plans reading this rank, the next "
+                            "version is staged whole")
                 # transfers of different replicas run concurrently (each replica has its own groups):
                 # serialising them per agent could deadlock two trainer pods serving two replicas.
                 transport, world = self.transport_for({**rdv.group, "epoch": epoch}, rdv.plan, f"src{rdv.src}")

@@ -1,10 +1,10 @@
 """Agent pipeline benchmark: publish -> stage -> transfer -> engine load -> commit, through real processes.
 
     .venv/bin/python bench/agent_pipeline.py --mode {nccl,ipc,gdr} --size-mb N \
-        [--fsdp A --inference-tp B] [--bucket-mb M] [--versions V] \
+        [--fsdp A [--dp R] --inference-tp B] [--bucket-mb M] [--versions V] \
         [--staging {version,ring} [--depth D] [--snapshot {auto,copy,none}]] [--no-raw] --json
 
-What runs is what a pod runs: `--fsdp A` trainer processes (TrainerSession, each publishing its FSDP
+What runs is what a pod runs: `--fsdp A` x `--dp R` trainer processes (TrainerSession, each publishing its FSDP
 Shard(0) chunk of a Llama-shaped bf16 model), their agent, an inference agent and `--inference-tp B`
 Custom engine processes (InferenceSession, each loading its TP shard), every agent and app its own
 process on its own loopback "pod" address (separated pods: NCCL over gloo, or GDR over NIXL/UCX), or one
@@ -90,14 +90,17 @@ def _committed(run: Path, version: int, ranks: int) -> bool:
 
 
 # -- app processes -------------------------------------------------------------------------------------
-def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, snapshot: str = "auto") -> None:
+def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, snapshot: str = "auto",
+                dp: int = 1) -> None:
+    """Trainer rank `rank` of `fsdp` x `dp` (HSDP: `dp` replicas of an FSDP group of `fsdp`): its shard is FSDP
+    chunk rank % fsdp, which the ranks of the other replicas hold too."""
     from weightsync.agent.client import TensorShard, TrainerSession
     from weightsync.agent.layout import trainer_layout
     from weightsync.agent.plan import Box
 
     metas = model(size_mb)
     weights: dict[str, Any] = {}
-    for s in trainer_layout(metas, fsdp_size=fsdp, fsdp_rank=rank):
+    for s in trainer_layout(metas, fsdp_size=fsdp, fsdp_rank=rank % fsdp):
         meta = next(m for m in metas if m.name == s.name)
         local = full_tensor(meta)[s.box.slices_within(Box.full(s.global_shape))].clone()
         weights[s.name] = TensorShard(local, s.global_shape, s.box.offset)
@@ -112,7 +115,7 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
             # that end_to_end_s measures the transfer, not how far apart two processes finished their step
             # on shared cores (publish_skew_s shows what is left)
             (run / f"stepped-{v}-{rank}").touch()
-            while not all((run / f"stepped-{v}-{r}").exists() for r in range(fsdp)):
+            while not all((run / f"stepped-{v}-{r}").exists() for r in range(fsdp * dp)):
                 time.sleep(0.0005)
             t0 = time.time()
             res = session.publish(weights, v)
@@ -320,11 +323,13 @@ def copied_bytes(samples: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: int, staging: str = "version",
-        depth: int = 2, snapshot: str = "auto", with_raw: bool = True) -> dict[str, Any]:
+        depth: int = 2, snapshot: str = "auto", with_raw: bool = True, dp: int = 1) -> dict[str, Any]:
     from podprocs import Cluster, wait_for
     from weightsync.crds import contract
     from weightsync.e2e.procs import free_port
 
+    if mode == "ipc" and dp != 1:
+        raise SystemExit("--dp: the separated modes only (nccl, gdr)")
     if mode == "ipc" and fsdp != tp:
         raise SystemExit("--mode ipc runs one colocated pod whose trainer and engine ranks are the same GPUs: "
                          f"--fsdp ({fsdp}) must equal --inference-tp ({tp})")
@@ -338,7 +343,7 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
         pods = [t]
     else:
         c = Cluster(run_dir, mode=mode.upper(), bucket_mb=bucket_mb)
-        t = c.add_pod("bench-trainer-0", contract.ROLE_TRAINER, ranks=list(range(fsdp)))
+        t = c.add_pod("bench-trainer-0", contract.ROLE_TRAINER, ranks=list(range(fsdp * dp)))
         i = c.add_pod("bench-inference-0-0", contract.ROLE_INFERENCE, ranks=list(range(tp)))
         pods = [t, i]
     c.write_topology()
@@ -350,8 +355,9 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
                           WEIGHTSYNC_STAGING=staging, WEIGHTSYNC_STAGING_DEPTH=str(depth))
         for r in range(tp):
             c.spawn(i, f"engine{r}", [sys.executable, me, "engine", "--rank", str(r), "--tp", str(tp), *common])
-        for r in range(fsdp):
+        for r in range(fsdp * dp):
             c.spawn(t, f"trainer{r}", [sys.executable, me, "trainer", "--rank", str(r), "--fsdp", str(fsdp),
+                                       "--dp", str(dp),
                                        "--snapshot", snapshot, *common])
         budget = 120 + size_mb / 5
         for v in range(1, versions + 1):
@@ -388,7 +394,7 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
                                                                         "model_bytes", "metas"))
     mode, size_mb, bucket_mb, scrapes, exact, pods = (ns[k] for k in ("mode", "size_mb", "bucket_mb", "scrapes",
                                                                      "exact", "pods"))
-    pubs = [d for r in range(fsdp) for d in _read_jsonl(run_dir / f"trainer-{r}.jsonl")]
+    pubs = [d for r in range(fsdp * ns["dp"]) for d in _read_jsonl(run_dir / f"trainer-{r}.jsonl")]
     commits = _read_jsonl(run_dir / "commits.jsonl")
     rows = []
     for v in range(1, versions + 1):
@@ -410,7 +416,7 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
                          default=0.0)
     return {
         "benchmark": "agent_pipeline", "mode": mode, "size_mb": size_mb, "bytes": model_bytes, "tensors": len(metas),
-        "fsdp": fsdp, "inference_tp": tp, "bucket_mb": bucket_mb, "versions": versions,
+        "fsdp": fsdp, "dp": ns["dp"], "inference_tp": tp, "bucket_mb": bucket_mb, "versions": versions,
         "bit_exact": all(e["bit_exact"] for e in exact),
         "end_to_end_s": round(e2e, 4), "end_to_end_s_max": round(max(r["end_to_end_s"] for r in steady), 4),
         "trainer_blocked_s": round(statistics.median(r["trainer_blocked_s"] for r in steady), 4),
@@ -447,9 +453,12 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--run", required=True)
         if name == "trainer":
             sp.add_argument("--snapshot", default="auto")
+            sp.add_argument("--dp", type=int, default=1)
     p.add_argument("--mode", choices=("nccl", "ipc", "gdr"), default="nccl")
     p.add_argument("--size-mb", type=int, default=64, help="model size in MiB")
     p.add_argument("--fsdp", type=int, default=1, help="trainer ranks (FSDP Shard(0))")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the FSDP group (HSDP): every shard is "
+                   "held by DP trainer ranks, and the plan sends each from one of them")
     p.add_argument("--inference-tp", type=int, default=1, help="engine ranks of the one replica (TP)")
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument("--versions", type=int, default=6)
@@ -462,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     a = p.parse_args(argv)
     if a.cmd == "trainer":
-        run_trainer(Path(a.run), a.rank, a.fsdp, a.size_mb, a.versions, a.snapshot)
+        run_trainer(Path(a.run), a.rank, a.fsdp, a.size_mb, a.versions, a.snapshot, a.dp)
     elif a.cmd == "engine":
         run_engine(Path(a.run), a.rank, a.tp, a.size_mb, a.versions)
     elif a.cmd == "raw":
@@ -471,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.versions < 2:
             p.error("--versions must be at least 2 (version 1 is the warm-up)")
         print(json.dumps(run(a.mode, a.size_mb, a.fsdp, a.inference_tp, a.bucket_mb, a.versions, a.staging, a.depth,
-                             a.snapshot, not a.no_raw), indent=1))
+                             a.snapshot, not a.no_raw, a.dp), indent=1))
     return 0
 
 

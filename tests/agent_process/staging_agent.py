@@ -18,7 +18,8 @@ def serve_staging(path: Path, store: StagingStore) -> LocalServer:
             h, _ = conn.recv()
             try:
                 if h["op"] == "stage":
-                    conn.reply_ok(**store.stage_request(h["rank"], h["version"], h["nbytes"], h["device"]))
+                    conn.reply_ok(**store.stage_request(h["rank"], h["version"], h["nbytes"], h["device"],
+                                                        skip_unsent=h.get("skip_unsent") is True))
                 else:
                     store.publish(h["rank"], h["version"], h["segment"], h["tensors"], h["aliases"])
                     conn.reply_ok()

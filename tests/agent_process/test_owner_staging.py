@@ -1,0 +1,107 @@
+"""Data-parallel trainers stage a version once per shard owner, not once per replica: the plan sends each
+distinct shard from one of the ranks that hold it, and a rank stages only what the plan sends from it (the
+others it publishes by metadata only). Real shared-memory staging and a real TrainerSession in one process,
+then real agent, trainer and engine processes (bench/agent_pipeline.py --dp)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from staging_agent import serve_staging
+from weightsync.agent import staging
+from weightsync.agent.client import TrainerSession, arena_offsets, local_shards
+from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
+from weightsync.agent.plan import TensorShard, TransferPlan, build_plan
+from weightsync.agent.server import StagingStore
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "agent_pipeline.py"
+METAS = [TensorMeta(f"l{i}.{k}_proj.weight", "float32", (16 + 8 * i, 32)) for i in range(3) for k in ("q", "o")]
+
+
+def _hsdp_plan(dp: int, fsdp: int, tp: int) -> tuple[list[list[TensorShard]], TransferPlan]:
+    src = [trainer_layout(METAS, fsdp_size=fsdp, fsdp_rank=r % fsdp) for r in range(fsdp * dp)]
+    return src, build_plan(src, [inference_layout(METAS, tp, r) for r in range(tp)], 4 << 10)
+
+
+def test_the_plan_arena_names_the_shards_a_replica_sends_nothing_of() -> None:
+    _, plan = _hsdp_plan(dp=2, fsdp=1, tp=1)
+    a0, a1 = plan.source_arena(0), plan.source_arena(1)
+    # every tensor is sent from exactly one of the two replicas
+    assert set(a0.unsent) | set(a1.unsent) == {m.name for m in METAS} and not set(a0.unsent) & set(a1.unsent)
+    assert a0.unsent and a1.unsent
+    for arena in (a0, a1):
+        compact = arena.to_dict(skip_unsent=True)
+        assert set(compact["unsent"]) == set(arena.unsent)
+        assert not {e["name"] for e in compact["entries"]} & set(arena.unsent)
+        assert compact["nbytes"] == arena.staged_nbytes < arena.nbytes
+        assert "unsent" not in arena.to_dict()  # an older client gets the full layout
+        shards, _ = local_shards({m.name: torch.zeros(m.shape) for m in METAS})
+        places = arena_offsets(shards, compact, compact["nbytes"])
+        assert places is not None
+        assert {s.name for s, p in zip(shards, places, strict=True) if p is None} == set(arena.unsent)
+    # no replicas: nothing is unsent
+    _, single = _hsdp_plan(dp=1, fsdp=2, tp=2)
+    assert not single.source_arena(0).unsent and not single.source_arena(1).unsent
+
+
+def test_a_replica_stages_only_what_it_sends_and_a_second_plan_stages_everything(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    src, plan = _hsdp_plan(dp=2, fsdp=1, tp=1)
+    store = StagingStore([1], "wsowner")  # the agent of trainer rank 1, a replica of rank 0
+    server = serve_staging(tmp_path / "agent.sock", store)
+    weights = {m.name: torch.randn(m.shape) for m in METAS}
+    try:
+        with TrainerSession(tmp_path / "agent.sock", rank=1) as s:
+            s.publish(weights, version=1)  # no plan yet: everything staged, in order
+            store.prefer_arena(1, plan)
+            s.publish(weights, version=2)
+            sv = store.get(2)
+            assert sv is not None
+            rs = sv.ranks[1]
+            arena = plan.source_arena(1)
+            assert rs.unstaged == set(arena.unsent) and rs.unstaged
+            assert sv.staged_nbytes == sum(weights[n].numel() * 4 for n in weights if n not in rs.unstaged)
+            assert rs.slot is not None and rs.slot.segment.size == arena.staged_nbytes
+            got = rs.tensors()
+            assert set(got) == set(weights) - rs.unstaged  # what it sends, bit for bit
+            assert all(isinstance(t, torch.Tensor) and torch.equal(t, weights[n]) for n, t in got.items())
+            assert {s.name for s in rs.shards()} == set(weights)  # the metadata of every shard, for the plan
+            assert store.missing_for(rs, plan) == set()
+
+            # a second plan reads the rank (here: rank 1 alone holds everything, as when an IPC group reaches
+            # only this pod): the staged version lacks what it needs, which is refused by name ...
+            other = build_plan([[], src[1]], [inference_layout(METAS, 1, 0)], 4 << 10)
+            assert store.missing_for(rs, other) == rs.unstaged
+            # ... and from the next version on this rank stages everything
+            store.prefer_arena(1, other)
+            s.publish(weights, version=3)
+            sv3 = store.get(3)
+            assert sv3 is not None
+            rs3 = sv3.ranks[1]
+            assert rs3.unstaged == set() and store.missing_for(rs3, plan) == set()
+            assert set(rs3.tensors()) == set(weights)
+    finally:
+        server.close()
+        store.close()
+
+
+@pytest.mark.parametrize("mode,layout", [("nccl", ["--dp", "2"]),
+                                         ("gdr", ["--fsdp", "2", "--dp", "2", "--inference-tp", "2"])])
+def test_data_parallel_replicas_copy_each_byte_once_through_real_agents(mode: str, layout: list[str]) -> None:
+    """HSDP (DP 2 replicas of an FSDP group) through real agent, trainer and engine processes: the trainers'
+    publish copies each model byte once in all (2 before: every replica staged its whole shard), and the
+    engines hold the trainer's exact bytes."""
+    out = subprocess.run([sys.executable, str(BENCH), "--mode", mode, "--size-mb", "16", *layout, "--bucket-mb",
+                          "1", "--versions", "3", "--no-raw", "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["bit_exact"] is True and r["dp"] == 2
+    stages = r["copies_per_byte_by_stage"]
+    assert stages["publish"] == pytest.approx(1.0, abs=0.01), stages
+    assert stages.get("pack", 0.0) == 0.0 and stages.get("unpack", 0.0) == 0.0
