@@ -387,12 +387,20 @@ class TrainerSession:
             self._conn = conn
         return self._conn
 
+    #: staging segments kept mapped (the agent rotates 2-3 per rank; one it replaced, e.g. by a smaller one once
+    #: the plan sends less from this rank, is unmapped here so that its memory is freed)
+    KEEP_SEGMENTS = 4
+
     def _segment(self, handle: dict[str, Any]) -> staging.Segment:
         name = str(handle["name"])
-        seg = self._segments.get(name)
+        seg = self._segments.pop(name, None)
         if seg is None or seg.size != int(handle["size"]):
+            if seg is not None:
+                seg.close()
             seg = staging.attach_segment(handle)
-            self._segments[name] = seg
+        self._segments[name] = seg  # most recently used last
+        while len(self._segments) > self.KEEP_SEGMENTS:
+            self._segments.pop(next(iter(self._segments))).close()
         return seg
 
     def publish(self, weights: Weights, version: int) -> PublishResult:

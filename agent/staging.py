@@ -425,6 +425,9 @@ class Slot:
     user: int | None = None     # who wrote it last (a trainer rank): it gets it back, already mapped and faulted in
 
 
+OVERSIZE_SLACK = 1 << 20  # a free slot is reused for up to 1.5 x its request + this; a larger one is replaced
+
+
 class SegmentPool:
     """Reusable segments, so fresh shared memory is not page-faulted for every version.
 
@@ -445,11 +448,18 @@ class SegmentPool:
         with self._lock:
             free = [s for s in self._slots if s.version is None and s.readers == 0 and id(s) not in self._writing]
             fit = [s for s in free if s.segment.size >= size]
-            if fit:
-                slot = min(fit, key=lambda s: (s.user != user, s.segment.size))
+            chosen = min(fit, key=lambda s: (s.user != user, s.segment.size)) if fit else None
+            if chosen is not None and chosen.segment.size > size + size // 2 + OVERSIZE_SLACK:
+                # far larger than needed now (e.g. the trainer stages less once a plan names the shards a data-
+                # parallel replica sends): its written pages would stay allocated for nothing
+                chosen.segment.unlink()
+                self._slots.remove(chosen)
+                chosen = None
+            if chosen is not None:
+                slot = chosen
             else:
                 for s in free:  # this user's slot is too small now: replace it rather than keep both
-                    if s.user == user:
+                    if s.user == user and s in self._slots:
                         s.segment.unlink()
                         self._slots.remove(s)
                 slot = Slot(create_segment(size, self.prefix, self.device))

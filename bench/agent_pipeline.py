@@ -25,7 +25,9 @@ JSON fields (steady state: version 1 excluded, it forms groups, faults pages in 
   copies_per_byte    bytes copied in memory besides the wire and the engine's own load, per model byte and
                      version, counted by the agents (weightsync_agent_copied_bytes_total, all stages)
   peak_staging_bytes the agents' staging memory high-water mark (weightsync_agent_staging_peak_bytes), summed;
-                     `peak_staging_bytes_by_pod` per agent
+                     `peak_staging_bytes_by_pod` per agent (it includes the first version, staged before the
+                     trainer knows the plan); `staging_bytes_at_end_by_pod`: what each agent holds after the
+                     last version (weightsync_agent_staging_bytes), the steady state
   staging, depth     whole-version staging (the default) or the ring of DEPTH bucket slots (agent/ring.py)
   snapshot_bytes     ring: memory the trainers hold as snapshots of the last version (device memory on GPUs;
                      0 when the trainer is held instead: CPU tensors with --snapshot auto or none)
@@ -427,6 +429,8 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
         "copies_per_byte": round(sum(stages.values()), 3),
         "copies_per_byte_by_stage": {k: round(v, 3) for k, v in sorted(stages.items())},
         "peak_staging_bytes": int(peak), "peak_staging_bytes_by_pod": by_pod,
+        "staging_bytes_at_end_by_pod": {p.name: int(s.get("weightsync_agent_staging_bytes{}", 0.0))
+                                        for p, s in zip(pods, scrapes[-1], strict=True)},
         "staging": ns["staging"], "depth": ns["depth"] if ns["staging"] == "ring" else None,
         "snapshot": ns["snapshot"] if ns["staging"] == "ring" else None, "snapshot_bytes": int(snapshot_bytes),
         "trainer_held_for": sorted({str(d.get("streamed") or "copy into staging") for d in pubs}),

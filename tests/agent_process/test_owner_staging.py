@@ -105,3 +105,41 @@ def test_data_parallel_replicas_copy_each_byte_once_through_real_agents(mode: st
     stages = r["copies_per_byte_by_stage"]
     assert stages["publish"] == pytest.approx(1.0, abs=0.01), stages
     assert stages.get("pack", 0.0) == 0.0 and stages.get("unpack", 0.0) == 0.0
+
+
+def test_a_slot_far_larger_than_needed_is_replaced_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a replica stages only its share, the pool's slots of the whole shard are replaced by right-sized
+    ones instead of being reused (their written pages would stay allocated); a little larger is reused."""
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    pool = staging.SegmentPool("wspool")
+    try:
+        big = pool.acquire(8 << 20, user=0)
+        pool.fill(big, 1)
+        pool.release(big)
+        assert pool.acquire(7 << 20, user=0) is big  # within 1.5 x: reused, no fresh pages
+        pool.fill(big, 2)
+        pool.release(big)
+        small = pool.acquire(2 << 20, user=0)
+        assert small is not big and small.segment.size == 2 << 20
+        assert not Path(str(big.segment.handle()["dir"]), big.segment.name).exists()  # unlinked: memory freed
+        assert [s.segment.size for s in pool._slots] == [2 << 20]
+    finally:
+        pool.close()
+
+
+def test_the_trainer_unmaps_staging_segments_the_agent_stopped_offering(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    store = StagingStore([0], "wslru", keep=1)
+    server = serve_staging(tmp_path / "agent.sock", store)
+    try:
+        with TrainerSession(tmp_path / "agent.sock", rank=0) as s:
+            for v in range(1, 9):  # a growing model: every version needs a new, larger segment
+                s.publish({"w": torch.zeros(1024 * v)}, version=v)
+                assert len(s._segments) <= TrainerSession.KEEP_SEGMENTS
+            sv = store.get(8)
+            assert sv is not None and sv.ranks[0].slot is not None
+            assert sv.ranks[0].slot.segment.name in s._segments  # the newest is still mapped
+    finally:
+        server.close()
+        store.close()
