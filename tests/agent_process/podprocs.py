@@ -280,6 +280,23 @@ def metric_value(text: str, name: str, labels: str = "") -> float | None:
     return None
 
 
+def demo_replicas(root: Path, clusters: list[Cluster], hidden: int, replicas: int = 2,
+                  **trainer_env: str) -> tuple[Cluster, Pod, list[Pod]]:
+    """One demo trainer pod (its agent started with `trainer_env`; the test process is the trainer app) and
+    `replicas` inference replicas of one pod each, agent and demo engine started, over NCCL with 1 MiB buckets."""
+    c = Cluster(root, mode="NCCL", bucket_mb=1)
+    c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = str(hidden)
+    clusters.append(c)
+    trainer = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+    infs = [c.add_pod(f"demo-inference-{r}-0", contract.ROLE_INFERENCE, replica=r) for r in range(replicas)]
+    c.write_topology()
+    c.start_agent(trainer, **trainer_env)
+    for p in infs:
+        c.start_agent(p)
+        c.start_engine(p)
+    return c, trainer, infs
+
+
 def kill_inference_agent_mid_load(c: Cluster, versions: int = 4) -> tuple[Pod, Pod, int]:
     """One trainer and one inference pod; SIGKILL the inference agent while its engine is loading a version,
     wait for the engine to abort that version, restart the agent and wait until the engine serves VERSIONS.

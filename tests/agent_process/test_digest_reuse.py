@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from podprocs import Cluster, engine_version, get_text, metric_value, wait_for
+from podprocs import Cluster, demo_replicas, engine_version, get_text, metric_value, wait_for
 from weightsync.agent.client import TrainerSession
 from weightsync.agent.demo.model import DemoModel
 from weightsync.crds import contract
@@ -24,16 +24,7 @@ def _metric(url: str, name: str, labels: str) -> float:
 @pytest.mark.parametrize("staging", ["version", "ring"])
 def test_the_trainer_agent_hashes_a_version_once_for_all_replicas(tmp_path: Path, clusters: list[Cluster],
                                                                  staging: str) -> None:
-    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
-    c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = str(HIDDEN)
-    clusters.append(c)
-    trainer = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
-    infs = [c.add_pod(f"demo-inference-{r}-0", contract.ROLE_INFERENCE, replica=r) for r in range(2)]
-    c.write_topology()
-    c.start_agent(trainer, WEIGHTSYNC_STAGING=staging)
-    for p in infs:
-        c.start_agent(p)
-        c.start_engine(p)
+    c, trainer, infs = demo_replicas(tmp_path, clusters, HIDDEN, WEIGHTSYNC_STAGING=staging)
     model = DemoModel(HIDDEN)
     with TrainerSession(tmp_path / trainer.name / "sock" / contract.AGENT_SOCKET_NAME, rank=0, timeout=60) as s:
         for v in (1, 2, 3):

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from podprocs import Cluster, engine_version, wait_for
+from podprocs import Cluster, demo_replicas, engine_version, wait_for
 from weightsync.agent.client import ServedTimeout, TrainerSession
 from weightsync.agent.demo.model import DemoModel
 from weightsync.crds import contract
@@ -20,16 +20,7 @@ HIDDEN = 32
 
 
 def test_wait_served_returns_once_loaded_and_times_out_clearly(tmp_path: Path, clusters: list[Cluster]) -> None:
-    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
-    c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = str(HIDDEN)
-    clusters.append(c)
-    trainer = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
-    infs = [c.add_pod(f"demo-inference-{r}-0", contract.ROLE_INFERENCE, replica=r) for r in range(2)]
-    c.write_topology()
-    for p in (trainer, *infs):
-        c.start_agent(p)
-    for p in infs:
-        c.start_engine(p)
+    c, trainer, infs = demo_replicas(tmp_path, clusters, HIDDEN)
     model = DemoModel(HIDDEN)
 
     with TrainerSession(tmp_path / trainer.name / "sock" / contract.AGENT_SOCKET_NAME, rank=0, timeout=60) as s:
