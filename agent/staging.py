@@ -19,7 +19,7 @@ import pickle
 import threading
 import uuid
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +117,36 @@ class Segment:
         """Owner only: free the memory once every process closed it."""
 
 
+#: Called with (address, bytes) of a segment the agent frees (`unlink`), before its mapping goes: whoever keeps
+#: the memory registered (a GDR transport's NIXL agent) lets go of it, so the memory is really freed and a later
+#: segment at the same address is never taken for the old registration.
+_FREED_HOOKS: list[Callable[[int, int], None]] = []
+_FREED_LOCK = threading.Lock()
+
+
+def on_segment_freed(hook: Callable[[int, int], None]) -> Callable[[], None]:
+    """Call `hook(address, nbytes)` whenever a staging segment of this process is freed; returns the remover."""
+    with _FREED_LOCK:
+        _FREED_HOOKS.append(hook)
+
+    def remove() -> None:
+        with _FREED_LOCK, contextlib.suppress(ValueError):
+            _FREED_HOOKS.remove(hook)
+    return remove
+
+
+def _freed(t: torch.Tensor) -> None:
+    if not t.numel():
+        return
+    with _FREED_LOCK:
+        hooks = list(_FREED_HOOKS)
+    for hook in hooks:
+        try:
+            hook(int(t.data_ptr()), int(t.numel() * t.element_size()))
+        except Exception:
+            log.exception("staging.freed_hook_failed")
+
+
 def pin_host(t: torch.Tensor) -> bool:
     """Page-lock host memory we did not allocate through torch (an mmap'ed segment) with cudaHostRegister,
     so copies between it and a GPU run at full DMA speed. False (nothing done) without CUDA."""
@@ -169,6 +199,7 @@ class ShmSegment(Segment):
         return {"kind": "shm", "name": self.name, "size": self.size, "dir": str(self.path.parent)}
 
     def unlink(self) -> None:
+        _freed(self.tensor)
         self.close()
         SHARED.forget(self)
         if self.owner and self.path.exists():
@@ -206,6 +237,7 @@ class CudaSegment(Segment):
     def unlink(self) -> None:
         if self.owner and self.tensor.numel():
             STAGING.sub(self.size)
+        _freed(self.tensor)
         self.close()
         SHARED.forget(self)
         torch.cuda.ipc_collect()

@@ -43,6 +43,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from typing import Any
 import torch
 
 from .. import delta as deltamod
+from .. import staging
 from ..buckets import allocate
 from ..link import LinkTimeout, Mailbox
 from ..plan import BucketPlan, TransferPlan
@@ -216,6 +218,14 @@ class NixlEndpoint:
         self.md_gen = 0
         self._reading: dict[str, int] = {}  # remote agent -> READs in flight
         self._idle = threading.Condition(self._lock)
+        forget = weakref.WeakMethod(self.forget_range)
+
+        def on_freed(address: int, nbytes: int) -> None:
+            method = forget()
+            if method is not None:
+                method(address, nbytes)
+
+        self._unhook = staging.on_segment_freed(on_freed)
 
     def register(self, tensors: Sequence[torch.Tensor]) -> Any:
         if not tensors:
@@ -253,6 +263,16 @@ class NixlEndpoint:
             self._held[base] = _Held(reg, base, n, storage, {id(user)})
             log.info("gdr.registered bytes=%s device=%s md_gen=%s", n, data.device, self.md_gen)
             return True
+
+    def forget_range(self, address: int, nbytes: int) -> None:
+        """The memory at [address, address + nbytes) is being freed (a staging segment the pool replaced):
+        deregister what lies there, whoever held it (nothing reads a free slot)."""
+        with self._lock:
+            for base, h in list(self._held.items()):
+                if address <= h.base < address + nbytes:
+                    del self._held[base]
+                    self.deregister(h.reg)
+                    log.info("gdr.deregistered bytes=%s: its staging segment was freed", h.nbytes)
 
     def release(self, user: object) -> None:
         """`user` no longer sends or receives in place: deregister what nobody else holds."""
@@ -359,6 +379,7 @@ class NixlEndpoint:
             self._idle.notify_all()
 
     def close(self) -> None:
+        self._unhook()
         with self._lock:
             self._held.clear()
             for reg in list(self._regs):

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from weightsync.agent import staging
 from weightsync.agent.groups import TransportCache
 from weightsync.agent.transports.base import TransportError
 from weightsync.agent.transports.gdr import GdrTransport, NixlEndpoint
@@ -148,3 +150,23 @@ def test_the_progress_delay_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(gdr.PROGRESS_DELAY_ENV, bad)
         with pytest.raises(TransportError, match=gdr.PROGRESS_DELAY_ENV):
             gdr.progress_delay_us()
+
+
+def test_a_freed_staging_segment_is_deregistered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool replaces a slot (unlink): the NIXL registration of its memory goes with it, so the memory is
+    really freed and a later segment mapped at the same address is never taken for the old registration."""
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    nx = NixlEndpoint()
+    try:
+        seg = staging.create_segment(1 << 20, "wsfreed")
+        keep = staging.create_segment(1 << 20, "wskept")
+        assert nx.hold(seg.tensor[4096:8192], object()) and nx.hold(keep.tensor, object())
+        assert nx.held_bytes() == 2 << 20 and len(nx._regs) == 2
+        seg.unlink()
+        assert nx.held_bytes() == 1 << 20 and len(nx._regs) == 1  # only the freed one went
+        keep.unlink()
+        assert nx.held_bytes() == 0 and nx._regs == []
+    finally:
+        nx.close()
+    late = staging.create_segment(4096, "wslate")
+    late.unlink()  # a closed endpoint no longer listens
