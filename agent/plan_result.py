@@ -417,13 +417,12 @@ class TransferPlan:
                 pieces.append(ArenaPiece(name, local, bx.shape, at))
         pieced = {p.name for p in pieces}
         unsent = tuple(n for n in sorted(shards) if n not in whole and n not in parts and shards[n].nbytes)
-        sent_nbytes = -1
-        for name in [n for n in sorted(shards) if n not in unsent] + list(unsent):  # the unsent ones last
-            if name not in whole and name not in pieced:
-                if name == (unsent[0] if unsent else None):
-                    sent_nbytes = cursor
-                whole[name] = entry_offset(cursor, shards[name].nbytes, self.alignment)
-                cursor = whole[name] + shards[name].nbytes
+        staged = [n for n in sorted(shards) if n not in whole and n not in pieced and n not in unsent]
+        for i, name in enumerate(staged + list(unsent)):  # the unsent ones last, from sent_nbytes on
+            if i == len(staged):
+                sent_nbytes = cursor
+            whole[name] = entry_offset(cursor, shards[name].nbytes, self.alignment)
+            cursor = whole[name] + shards[name].nbytes
         entries = sorted((BucketEntry(n, shards[n].dtype, shards[n].box.shape, off) for n, off in whole.items()),
                          key=lambda e: e.offset)
         return SourceArena(BucketLayout(tuple(entries), cursor, self.alignment), tuple(sorted(pieces, key=lambda p: p.at)),

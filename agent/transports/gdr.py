@@ -284,7 +284,7 @@ class NixlEndpoint:
                     self.deregister(h.reg)
 
     def held_bytes(self) -> int:
-        """Bytes registered for in-place transfers (the bench and tests read it)."""
+        """Bytes registered for in-place transfers (for logs and tests)."""
         with self._lock:
             return sum(h.nbytes for h in self._held.values())
 

@@ -143,3 +143,28 @@ def test_the_trainer_unmaps_staging_segments_the_agent_stopped_offering(tmp_path
     finally:
         server.close()
         store.close()
+
+
+def test_a_compact_layout_for_another_model_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent answers with a layout without the unsent shards, in a segment of that size, but the trainer's
+    model changed (other tensors): the client asks again for a segment that holds every shard and stages them
+    all, in order; nothing is lost."""
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    _, plan = _hsdp_plan(dp=2, fsdp=1, tp=1)
+    store = StagingStore([1], "wsother")
+    server = serve_staging(tmp_path / "agent.sock", store)
+    other = {f"new{i}.weight": torch.randn(64, 32) for i in range(3)}  # 24 KiB, more than the compact arena
+    try:
+        with TrainerSession(tmp_path / "agent.sock", rank=1) as s:
+            store.prefer_arena(1, plan)
+            assert plan.source_arena(1).staged_nbytes < sum(t.numel() * 4 for t in other.values())
+            s.publish(other, version=1)
+        sv = store.get(1)
+        assert sv is not None
+        rs = sv.ranks[1]
+        assert rs.unstaged == set() and sv.staged_nbytes == sum(t.numel() * 4 for t in other.values())
+        got = rs.tensors()
+        assert all(isinstance(got[n], torch.Tensor) and torch.equal(got[n], t) for n, t in other.items())
+    finally:
+        server.close()
+        store.close()
