@@ -110,10 +110,12 @@ class CustomEngineAdapter:
             raise EngineError(f"Custom engine rank {rank} disconnected during {header['op']}: {exc}") from None
 
     def loads_pieces(self) -> bool:
-        """Whether every rank's app loads pieces into place itself (asked once per app session)."""
+        """Whether every rank's app loads pieces into place itself (asked once per app session).
+
+        Waits for a rank's app to connect, as the load itself would: answering "no" for an app that connects
+        a moment later would assemble and pack its first version for nothing (a second copy of every split
+        tensor, and engine staging the size of the largest)."""
         for r in self.ranks:
-            if r not in self.registry.ranks():
-                return False  # not connected yet: whole tensors are safe for any app
             conn = self.registry.wait(r, self.connect_timeout)
             known = self._pieces.get(r)
             if known is None or known[0] is not conn:

@@ -91,6 +91,33 @@ def test_custom_engine_loads_shared_slots_in_place_and_packs_the_rest(tmp_path: 
         server.close()
 
 
+def test_an_app_that_connects_after_the_fetch_began_still_gets_pieces(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fetch asks whether the engine loads pieces before its app connected (an engine that starts a moment
+    after its agent): the answer waits for the app, so its first version is not assembled and packed."""
+    import threading
+
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    registry, server = engine_registry_server(tmp_path / "agent.sock")
+    adapter = CustomEngineAdapter(registry, [0], prefix="wstest", connect_timeout=10)
+    answer: list[bool] = []
+    asking = threading.Thread(target=lambda: answer.append(adapter.loads_pieces()))
+    asking.start()
+    sess = None
+    try:
+        asking.join(0.5)
+        assert asking.is_alive() and not answer  # waiting for the app, not answering "no"
+        sess = InferenceSession(lambda v, t: None, lambda v: None, socket_path=tmp_path / "agent.sock", rank=0,
+                                on_pieces=lambda v, p: None).start()
+        asking.join(10)
+        assert answer == [True]
+    finally:
+        if sess is not None:
+            sess.close()
+        adapter.close()
+        server.close()
+
+
 def test_an_engine_that_loads_pieces_gets_them_where_they_landed(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor that arrives in pieces (two sources' halves of a row-parallel weight) is not assembled: each
