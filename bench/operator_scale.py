@@ -47,6 +47,7 @@ import math
 import os
 import platform
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -82,6 +83,25 @@ def metrics(port: int) -> dict[str, float]:
 
 def total(m: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in m.items() if k.startswith(prefix))
+
+
+def slow_passes(log_path: Path | None, offset: int) -> list[dict[str, Any]]:
+    """The operator's `reconcile.slow` lines logged since byte `offset` (passes whose request -> end took over
+    workqueue.SLOW_PASS_S): which job, and whether the time went to waiting, running or the status write."""
+    if log_path is None or not log_path.exists():
+        return []
+    with log_path.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    out: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        if "reconcile.slow" not in line:
+            continue
+        fields = dict(kv.split("=", 1) for kv in line.split("reconcile.slow", 1)[1].split() if "=" in kv)
+        stamp = re.match(r"\[([^\]]+)\]", line)  # kopf's plain format: [time] logger [LEVEL] message
+        out.append({"at": stamp.group(1) if stamp else None, "job": fields.get("job"),
+                    **{k: float(fields[k]) for k in ("wait_s", "run_s", "status_write_s") if k in fields}})
+    return out
 
 
 def job_spec(replicas: int) -> dict[str, Any]:
@@ -587,11 +607,12 @@ class Operator:
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.runs = 0
+        self.log_path: Path | None = None
 
     def start(self) -> float:
         """Start; returns the monotonic time of the spawn."""
         self.runs += 1
-        log_path = self.work / f"operator-{self.runs}.log"
+        log_path = self.log_path = self.work / f"operator-{self.runs}.log"
         # Settings as environment variables: an older operator (PYTHONPATH) ignores the ones it lacks.
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "WEIGHTSYNC_RESYNC_SECONDS": str(self.resync),
                "WEIGHTSYNC_REPORT_PORT": str(self.report_port), "WEIGHTSYNC_REPORT_ADDRESS": "127.0.0.1"}
@@ -765,6 +786,7 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
             out["big_warmup_drain_s"] = round(agents.wait_idle(), 2)
             a0, o0 = apiserver_requests(api), operator_requests(op.port)
             r0 = metrics(op.port)
+            log_from = op.log_path.stat().st_size if op.log_path is not None else 0
             lat = cycle(watch, big, range(3, 3 + args.big_versions), args.timeout, agents, note=True)
             r1 = metrics(op.port)
             out["big_breakdown"] = agents.target_seen(BIG_NS, range(3, 3 + args.big_versions))
@@ -779,6 +801,12 @@ def fleet(args: argparse.Namespace) -> dict[str, Any]:
                 r0, "weightsync_operator_reconcile_duration_seconds_sum")
             out["big_breakdown"]["operator_passes_per_version"] = round(passes / args.big_versions, 2)
             out["big_breakdown"]["operator_pass_mean_s"] = round(busy / passes, 3) if passes else None
+            for name, figure in (("weightsync_operator_reconcile_wait_seconds", "operator_wait_mean_s"),
+                                 ("weightsync_operator_status_write_seconds", "status_write_mean_s")):
+                k = total(r1, f"{name}_count") - total(r0, f"{name}_count")
+                got = total(r1, f"{name}_sum") - total(r0, f"{name}_sum")
+                out["big_breakdown"][figure] = round(got / k, 3) if k else None
+            out["big_breakdown"]["slow_passes"] = slow_passes(op.log_path, log_from)
             time.sleep(2.0)
             a1, o1 = apiserver_requests(api), operator_requests(op.port)
             n = args.big_versions * (args.big_pods + 1)

@@ -25,6 +25,17 @@ RECONCILE_DURATION = Histogram(
     "Wall time of one reconcile pass.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
+RECONCILE_WAIT = Histogram(
+    "weightsync_operator_reconcile_wait_seconds",
+    "From the first request for a job's pass (a watch event, a pushed report, the resync) until the pass runs: "
+    "the batch window plus the wait for a worker thread and the event loop.",
+    buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+STATUS_WRITE_DURATION = Histogram(
+    "weightsync_operator_status_write_seconds",
+    "Round trip of one job status write (the PATCH of the status subresource).",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
 JOBS = Gauge("weightsync_operator_jobs", "WeightSyncJobs this operator instance currently tracks.")
 API_REQUESTS = Counter(
     "weightsync_operator_api_requests_total",

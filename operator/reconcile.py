@@ -81,6 +81,7 @@ class Outcome:
     patched: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     status_written: bool = False
+    status_write_s: float = 0.0  # round trip of the status PATCH (0 when nothing was written)
     problem: Problem | None = None
     status: Obj = field(default_factory=dict)
 
@@ -561,7 +562,10 @@ class Reconciler:
         for key in previous:
             if key not in patch:
                 patch[key] = None
+        t0 = time.monotonic()
         written = self.kube.patch(contract.KIND, job.namespace, job.name, {"status": patch}, subresource="status")
+        out.status_write_s += time.monotonic() - t0
+        m.STATUS_WRITE_DURATION.observe(time.monotonic() - t0)
         self.reader.assume(written)  # the next pass compares with what is stored now, not a stale copy
         out.status_written = True
 

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
+
+from weightsync.operator import metrics as m
 
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, name)
+
+#: a pass that took longer than this from its first request to its end is logged with where the time went
+SLOW_PASS_S = 0.5
 
 
 class WorkQueue:
@@ -36,6 +42,7 @@ class WorkQueue:
         self._again: dict[Key, float] = {}  # key -> how long to gather requests before its next pass
         self._failures: dict[Key, int] = {}
         self._retry: dict[Key, asyncio.TimerHandle] = {}
+        self._asked: dict[Key, float] = {}  # key -> when its next pass was first asked for (time.monotonic)
         self.known: set[Key] = set()
 
     def request(self, key: Key, batch_seconds: float | None = None) -> None:
@@ -43,6 +50,7 @@ class WorkQueue:
         the queue's): how long the pass waits for more requests to join it (agents' reports of one version
         arrive over a few hundred milliseconds: one pass and one status write for all, not one for each)."""
         self.known.add(key)
+        self._asked.setdefault(key, time.monotonic())
         batch = self.batch_seconds if batch_seconds is None else batch_seconds
         if key in self._running:
             self._again[key] = max(self._again.get(key, 0.0), batch)
@@ -56,6 +64,7 @@ class WorkQueue:
     def forget(self, key: Key) -> None:
         self.known.discard(key)
         self._failures.pop(key, None)
+        self._asked.pop(key, None)
         handle = self._retry.pop(key, None)
         if handle is not None:
             handle.cancel()
@@ -66,8 +75,9 @@ class WorkQueue:
                 await asyncio.sleep(batch)  # requests meanwhile join this pass
             while True:
                 self._again.pop(key, None)
+                asked = self._asked.pop(key, time.monotonic())
                 try:
-                    result = await asyncio.to_thread(self.work, *key)
+                    result = await asyncio.to_thread(self._timed, key, asked)
                 except Exception as err:
                     n = self._failures.get(key, 0) + 1
                     self._failures[key] = n
@@ -87,6 +97,19 @@ class WorkQueue:
                     await asyncio.sleep(batch)  # requests made during the pass, and those right after, join
         finally:
             self._running.pop(key, None)
+
+    def _timed(self, key: Key, asked: float) -> Any:
+        """The pass, in its worker thread: how long it waited (batch window, a free worker, the event loop)
+        and ran go to a histogram, and a slow one to the log with the status write's share."""
+        started = time.monotonic()
+        m.RECONCILE_WAIT.observe(started - asked)
+        result = self.work(*key)
+        ended = time.monotonic()
+        if ended - asked > SLOW_PASS_S:
+            log.info("reconcile.slow job=%s/%s wait_s=%.3f run_s=%.3f status_write_s=%.3f", key[0], key[1],
+                     started - asked, ended - started, float(getattr(result, "status_write_s", 0.0)),
+                     extra={"job": f"{key[0]}/{key[1]}"})
+        return result
 
     def _retry_fire(self, key: Key) -> None:
         self._retry.pop(key, None)

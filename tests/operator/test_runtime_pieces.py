@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -45,6 +46,39 @@ def test_work_queue_coalesces_and_never_runs_a_key_concurrently():
     asyncio.run(scenario())
     assert calls.count(("ns", "a")) == 2 and calls.count(("ns", "b")) == 1
     assert overlap == []
+
+
+def test_work_queue_times_the_wait_before_a_pass_and_logs_a_slow_one(caplog: pytest.LogCaptureFixture) -> None:
+    """The wait from the first request to the pass (batch window, worker, event loop) is measured from the
+    first request, not the last one that joined the pass; a pass slower than SLOW_PASS_S end to end is
+    logged with its wait, run and status-write share."""
+    from types import SimpleNamespace
+
+    from weightsync.operator import metrics as m
+    from weightsync.operator import workqueue
+
+    def work(ns: str, name: str) -> object:
+        time.sleep(0.05 if name == "quick" else workqueue.SLOW_PASS_S)
+        return SimpleNamespace(status_write_s=0.25)
+
+    def wait_sum() -> float:
+        return float(m.RECONCILE_WAIT._sum.get())
+
+    async def scenario() -> None:
+        q = WorkQueue(work, batch_seconds=0.2)
+        q.request(("ns", "quick"))
+        await asyncio.sleep(0.1)
+        q.request(("ns", "quick"))  # joins the pass the first request asked for
+        await q.drain()
+        q.request(("ns", "slow"))
+        await q.drain()
+
+    before = wait_sum()
+    with caplog.at_level(logging.INFO, logger="weightsync.operator.workqueue"):
+        asyncio.run(scenario())
+    assert 0.38 <= wait_sum() - before < 1.5  # 0.2 s + 0.2 s of batch windows, counted from each first request
+    slow = [r.getMessage() for r in caplog.records if "reconcile.slow" in r.getMessage()]
+    assert len(slow) == 1 and "job=ns/slow" in slow[0] and "status_write_s=0.250" in slow[0], slow
 
 
 def test_work_queue_retries_failures_with_backoff_and_forgets_deleted_jobs():
