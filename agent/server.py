@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 PIN_SECONDS = 60.0           # how long a metadata request keeps a version staged for the transfer to follow
 RENDEZVOUS_TIMEOUT = 60.0    # how long a source waits for every destination of a plan to join
+PLAN_MEMORY_VERSIONS = 3     # a plan that read none of a rank's last 3 versions no longer holds its staging whole
 
 
 class StagingError(ValueError):
@@ -213,15 +214,23 @@ class StagingStore:
         # rank -> (plan hash, arena): where the last plan that read this rank wants each tensor, so the next
         # publish lays its staging out like the buckets and they are sent from staging without a pack
         self._arenas: dict[int, tuple[str, SourceArena]] = {}
-        # rank -> the plans that read it: a rank read by one plan stages only the shards that plan sends from it
-        # (data-parallel replicas: once per shard owner); two plans (e.g. IPC groups that reach different
-        # trainer pods) may pick different owners, so such a rank stages every shard
-        self._plans_of: dict[int, set[str]] = {}
+        # rank -> {plan hash: the newest version it read}: a rank read by one plan stages only the shards that
+        # plan sends from it (data-parallel replicas: once per shard owner); two plans (e.g. IPC groups that
+        # reach different trainer pods) may pick different owners, so such a rank stages every shard. A plan
+        # that read none of the last PLAN_MEMORY_VERSIONS versions (replaced: bucketSizeMB or membership
+        # changed) no longer counts, so the rank goes back to staging its own shards only.
+        self._plans_of: dict[int, dict[str, int]] = {}
 
-    def prefer_arena(self, rank: int, plan: TransferPlan) -> None:
-        """Remember the source arena of `plan` for `rank` (computed once per plan)."""
+    def prefer_arena(self, rank: int, plan: TransferPlan, version: int | None = None) -> None:
+        """Remember the source arena of `plan` for `rank` (computed once per plan), and that `plan` read
+        `version` of it (None: the newest version any plan read)."""
         with self._lock:
-            self._plans_of.setdefault(rank, set()).add(plan.hash)
+            plans = self._plans_of.setdefault(rank, {})
+            v = version if version is not None else max(plans.values(), default=0)
+            plans[plan.hash] = max(v, plans.get(plan.hash, v))
+            newest = max(plans.values())
+            for h in [h for h, last in plans.items() if last <= newest - PLAN_MEMORY_VERSIONS]:
+                del plans[h]
             known = self._arenas.get(rank)
             if known is not None and known[0] == plan.hash:
                 return
@@ -816,7 +825,7 @@ class WeightServer:
                     # parallel replica whose shards another rank sends: it then stages nothing at all)
                     for r in self.store.ranks:
                         if r < rdv.plan.num_src:
-                            self.store.prefer_arena(r, rdv.plan)
+                            self.store.prefer_arena(r, rdv.plan, rdv.version)
                     missing = self.store.missing_for(rs, rdv.plan)
                     if missing:
                         raise StagingError(

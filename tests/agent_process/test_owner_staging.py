@@ -91,6 +91,39 @@ def test_a_replica_stages_only_what_it_sends_and_a_second_plan_stages_everything
         store.close()
 
 
+def test_a_replaced_plan_stops_holding_the_staging_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bucketSizeMB changes (a new plan, same owners): for a few versions the rank is read by two plans and
+    stages everything; once the old plan has read none of the last PLAN_MEMORY_VERSIONS versions, the rank
+    stages only its own shards again, in the new plan's arena."""
+    from weightsync.agent.server import PLAN_MEMORY_VERSIONS
+
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    src, old = _hsdp_plan(dp=2, fsdp=1, tp=1)
+    new = build_plan(src, [inference_layout(METAS, 1, 0)], 8 << 10)
+    assert new.hash != old.hash and set(new.source_arena(1).unsent) == set(old.source_arena(1).unsent)
+    store = StagingStore([1], "wsowner")
+    server = serve_staging(tmp_path / "agent.sock", store)
+    weights = {m.name: torch.randn(m.shape) for m in METAS}
+    unstaged: dict[int, set[str]] = {}
+    try:
+        with TrainerSession(tmp_path / "agent.sock", rank=1) as s:
+            for v in range(1, 4 + PLAN_MEMORY_VERSIONS + 1):
+                s.publish(weights, version=v)
+                sv = store.get(v)
+                assert sv is not None
+                unstaged[v] = set(sv.ranks[1].unstaged)
+                store.prefer_arena(1, old if v <= 2 else new, v)  # the new plan reads from version 3 on
+    finally:
+        server.close()
+        store.close()
+    owned_elsewhere = set(new.source_arena(1).unsent)
+    assert unstaged[1] == set()  # no plan yet
+    assert unstaged[2] == unstaged[3] == owned_elsewhere  # one plan: only its own shards
+    # versions 4 .. 3 + N: the old plan (last read version 2) still counts
+    assert all(unstaged[v] == set() for v in range(4, 3 + PLAN_MEMORY_VERSIONS))
+    assert unstaged[3 + PLAN_MEMORY_VERSIONS] == owned_elsewhere == unstaged[4 + PLAN_MEMORY_VERSIONS]
+
+
 @pytest.mark.parametrize("mode,layout", [("nccl", ["--dp", "2"]),
                                          ("gdr", ["--fsdp", "2", "--dp", "2", "--inference-tp", "2"])])
 def test_data_parallel_replicas_copy_each_byte_once_through_real_agents(mode: str, layout: list[str]) -> None:
