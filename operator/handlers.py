@@ -174,6 +174,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
                           loop=asyncio.get_running_loop())
     informers.on_change = STATE.on_change
     metrics.serve(cfg.metrics_port)
+    metrics.time_gc()
     if cfg.report_url is not None:
         STATE.report_server = ReportServer(_intake(STATE, reports).take, host=_listen_host(cfg.report_address),
                                            port=cfg.report_port)

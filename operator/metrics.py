@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +37,12 @@ STATUS_WRITE_DURATION = Histogram(
     "weightsync_operator_status_write_seconds",
     "Round trip of one job status write (the PATCH of the status subresource).",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+GC_PAUSE = Histogram(
+    "weightsync_operator_gc_pause_seconds",
+    "Full (generation 2) garbage collections of the operator process: every thread, the event loop included, "
+    "stops meanwhile, so a long one delays every pass.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 JOBS = Gauge("weightsync_operator_jobs", "WeightSyncJobs this operator instance currently tracks.")
 API_REQUESTS = Counter(
@@ -127,6 +135,28 @@ def forget_job(namespace: str, job: str) -> None:
 
 
 _started_port: int | None = None
+
+
+_gc_started: list[float] = []
+
+
+def _time_full_collections(phase: str, info: dict[str, Any]) -> None:
+    """gc.callbacks hook: times generation-2 collections (the cheap, frequent younger ones are skipped)."""
+    if info.get("generation") != 2:
+        return
+    if phase == "start":
+        _gc_started[:] = [time.perf_counter()]
+    elif _gc_started:
+        pause = time.perf_counter() - _gc_started.pop()
+        GC_PAUSE.observe(pause)
+        if pause > 0.25:
+            log.info("gc.full pause_s=%.3f collected=%s", pause, info.get("collected"))
+
+
+def time_gc() -> None:
+    """Measure the process's full garbage collections from now on (once per process)."""
+    if _time_full_collections not in gc.callbacks:
+        gc.callbacks.append(_time_full_collections)
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> None:

@@ -198,3 +198,20 @@ def test_change_log_lines_carry_json_fields(caplog):
     (rec,) = caplog.records
     assert rec.getMessage() == "created kind=Pod name=ns/j-trainer-0"
     assert (rec.action, rec.kind, rec.job, rec.object_name) == ("created", "Pod", "ns/j", "j-trainer-0")
+
+
+def test_full_garbage_collections_are_timed() -> None:
+    """A full collection stops every thread of the operator (its passes, the event loop): each one is counted
+    in weightsync_operator_gc_pause_seconds; the younger generations are not."""
+    import gc
+
+    from weightsync.operator import metrics as m
+
+    m.time_gc()
+    m.time_gc()  # once per process
+    assert gc.callbacks.count(m._time_full_collections) == 1
+    before = m.GC_PAUSE._sum.get(), sum(b.get() for b in m.GC_PAUSE._buckets)
+    gc.collect(0)
+    assert sum(b.get() for b in m.GC_PAUSE._buckets) == before[1]
+    gc.collect()
+    assert sum(b.get() for b in m.GC_PAUSE._buckets) == before[1] + 1 and m.GC_PAUSE._sum.get() > before[0]
