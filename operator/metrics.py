@@ -147,10 +147,7 @@ def _time_full_collections(phase: str, info: dict[str, Any]) -> None:
     if phase == "start":
         _gc_started[:] = [time.perf_counter()]
     elif _gc_started:
-        pause = time.perf_counter() - _gc_started.pop()
-        GC_PAUSE.observe(pause)
-        if pause > 0.25:
-            log.info("gc.full pause_s=%.3f collected=%s", pause, info.get("collected"))
+        GC_PAUSE.observe(time.perf_counter() - _gc_started.pop())  # (no logging here: it may hold its lock)
 
 
 def time_gc() -> None:
