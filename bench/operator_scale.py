@@ -47,7 +47,6 @@ import math
 import os
 import platform
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -98,8 +97,7 @@ def slow_passes(log_path: Path | None, offset: int) -> list[dict[str, Any]]:
         if "reconcile.slow" not in line:
             continue
         fields = dict(kv.split("=", 1) for kv in line.split("reconcile.slow", 1)[1].split() if "=" in kv)
-        stamp = re.match(r"\[([^\]]+)\]", line)  # kopf's plain format: [time] logger [LEVEL] message
-        out.append({"at": stamp.group(1) if stamp else None, "job": fields.get("job"),
+        out.append({"job": fields.get("job"),
                     **{k: float(fields[k]) for k in ("wait_s", "run_s", "status_write_s") if k in fields}})
     return out
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import kopf
 from weightsync.crds import contract
-from weightsync.operator import metrics, proofs
+from weightsync.operator import gcpolicy, metrics, proofs
 from weightsync.operator.common import JobRef
 from weightsync.operator.config import OperatorConfig
 from weightsync.operator.events import EventRecorder
@@ -60,6 +60,7 @@ class OperatorState:
     loop: asyncio.AbstractEventLoop
     report_server: ReportServer | None = None
     ready: bool = False  # the caches are synced: reconciles may start
+    caches_synced: asyncio.Event = field(default_factory=asyncio.Event)  # the same, for whoever waits on it
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
     def request_all(self) -> None:
@@ -150,6 +151,7 @@ async def _start_caches(state: OperatorState) -> None:
     if not synced:
         log.warning("watch caches not synced after 300 s; starting anyway (their retries continue)")
     state.ready = True
+    state.caches_synced.set()
     metrics.JOBS.set(len(state.informers.jobs()))
     log.info("watch caches synced jobs=%d", len(state.informers.jobs()), extra={"jobs": len(state.informers.jobs())})
     if state.guard.is_active:
@@ -174,7 +176,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
                           loop=asyncio.get_running_loop())
     informers.on_change = STATE.on_change
     metrics.serve(cfg.metrics_port)
-    metrics.time_gc()
+    gcpolicy.time_gc()
     if cfg.report_url is not None:
         STATE.report_server = ReportServer(_intake(STATE, reports).take, host=_listen_host(cfg.report_address),
                                            port=cfg.report_port)
@@ -187,6 +189,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.tasks.append(loop.create_task(_leadership_loop(STATE), name="leadership"))
     STATE.tasks.append(loop.create_task(_start_caches(STATE), name="caches"))
     STATE.tasks.append(loop.create_task(_resync_loop(STATE), name="resync"))
+    STATE.tasks.append(loop.create_task(gcpolicy.run(STATE.caches_synced), name="gc"))
     log.info(
         "operator started report_url=%s agent_image=%s node_gpu_count=%d resync_seconds=%s standalone=%s",
         cfg.report_url, cfg.agent_image, cfg.node_gpu_count, cfg.resync_seconds, opts.standalone,

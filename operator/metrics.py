@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -135,25 +133,6 @@ def forget_job(namespace: str, job: str) -> None:
 
 
 _started_port: int | None = None
-
-
-_gc_started: list[float] = []
-
-
-def _time_full_collections(phase: str, info: dict[str, Any]) -> None:
-    """gc.callbacks hook: times generation-2 collections (the cheap, frequent younger ones are skipped)."""
-    if info.get("generation") != 2:
-        return
-    if phase == "start":
-        _gc_started[:] = [time.perf_counter()]
-    elif _gc_started:
-        GC_PAUSE.observe(time.perf_counter() - _gc_started.pop())  # (no logging here: it may hold its lock)
-
-
-def time_gc() -> None:
-    """Measure the process's full garbage collections from now on (once per process)."""
-    if _time_full_collections not in gc.callbacks:
-        gc.callbacks.append(_time_full_collections)
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> None:

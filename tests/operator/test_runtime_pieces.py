@@ -205,13 +205,45 @@ def test_full_garbage_collections_are_timed() -> None:
     in weightsync_operator_gc_pause_seconds; the younger generations are not."""
     import gc
 
+    from weightsync.operator import gcpolicy
     from weightsync.operator import metrics as m
 
-    m.time_gc()
-    m.time_gc()  # once per process
-    assert gc.callbacks.count(m._time_full_collections) == 1
+    gcpolicy.time_gc()
+    gcpolicy.time_gc()  # once per process
+    assert gc.callbacks.count(gcpolicy._time_full_collections) == 1
     before = m.GC_PAUSE._sum.get(), sum(b.get() for b in m.GC_PAUSE._buckets)
     gc.collect(0)
     assert sum(b.get() for b in m.GC_PAUSE._buckets) == before[1]
     gc.collect()
     assert sum(b.get() for b in m.GC_PAUSE._buckets) == before[1] + 1 and m.GC_PAUSE._sum.get() > before[0]
+
+
+def test_frozen_caches_are_not_walked_by_a_full_collection_and_cycles_are_reclaimed_later() -> None:
+    """After a freeze, a full collection walks only what was allocated since (the cache's objects are out of
+    its reach, and reference counting still frees them); a cycle frozen while alive is reclaimed at the next
+    collect_all, not held for ever."""
+    import gc
+    import weakref
+
+    from weightsync.operator import gcpolicy
+
+    class Node:
+        pass
+
+    cache = [{"metadata": {"name": f"pod-{i}", "labels": {"a": "b"}}, "spec": {"containers": [{}]}}
+             for i in range(50_000)]
+    cyclic = Node()
+    cyclic.me = cyclic  # type: ignore[attr-defined]
+    gone = weakref.ref(cyclic)
+    try:
+        assert gcpolicy.freeze() >= 4 * len(cache)
+        assert len(gc.get_objects()) < len(cache)  # the collector no longer sees them
+        del cyclic
+        gc.collect()
+        assert gone() is not None  # frozen: not collected by an ordinary full collection
+        gcpolicy.collect_all()
+        assert gone() is None and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert gcpolicy.due(1000.0, 1000.0 - gcpolicy.COLLECT_EVERY_S) == "collect"
+    assert gcpolicy.due(1000.0, 1000.0 - gcpolicy.FREEZE_EVERY_S) == "freeze"
