@@ -92,9 +92,11 @@ class WorkQueue:
                     self.known.discard(key)  # the job is gone
                 if key not in self._again:
                     return
-                batch = self._again[key]
-                if batch > 0:
-                    await asyncio.sleep(batch)  # requests made during the pass, and those right after, join
+                # requests made during the pass, and those right after, join; the window runs from the first
+                # of them (as for a first pass), so time spent waiting for the pass to end is not added to it
+                left = self._again[key] - (time.monotonic() - self._asked.get(key, time.monotonic()))
+                if left > 0:
+                    await asyncio.sleep(left)
         finally:
             self._running.pop(key, None)
 

@@ -247,3 +247,25 @@ def test_frozen_caches_are_not_walked_by_a_full_collection_and_cycles_are_reclai
         gc.unfreeze()
     assert gcpolicy.due(1000.0, 1000.0 - gcpolicy.COLLECT_EVERY_S) == "collect"
     assert gcpolicy.due(1000.0, 1000.0 - gcpolicy.FREEZE_EVERY_S) == "freeze"
+
+
+def test_a_request_during_a_pass_waits_its_window_from_when_it_was_made() -> None:
+    """A report asks for a pass (0.3 s window) while a 0.4 s pass runs: the next pass starts right after the
+    running one (the window has passed meanwhile), not a whole window later."""
+    starts: list[float] = []
+
+    def work(ns: str, name: str) -> object:
+        starts.append(time.monotonic())
+        time.sleep(0.4 if len(starts) == 1 else 0.0)
+        return object()
+
+    async def scenario() -> None:
+        q = WorkQueue(work)
+        q.request(("ns", "a"))
+        await asyncio.sleep(0.05)
+        q.request(("ns", "a"), batch_seconds=0.3)
+        await q.drain()
+
+    asyncio.run(scenario())
+    assert len(starts) == 2
+    assert 0.38 <= starts[1] - starts[0] < 0.6  # before: 0.4 s pass + 0.3 s window = 0.7 s
