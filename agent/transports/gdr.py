@@ -497,7 +497,6 @@ class GdrTransport(Transport):
         self.num_slots = num_slots
         self.delta = delta
         self._own_endpoint = endpoint is None
-        self._nixl_arg = endpoint
         self._agent_name = agent_name
         self._nx: NixlEndpoint | None = endpoint
         self.stats = GdrStats()
