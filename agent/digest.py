@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +132,54 @@ class DigestStats:
     reused_bytes: int = 0  # sender: bytes whose leaves an earlier transfer of the same staged bytes computed
 
 
+Leaves = list[tuple[str, int]]
+LEAVES_WAIT_S = 60.0  # how long a transfer waits for another's leaves of a bucket before hashing it itself
+
+
+class SentLeaves:
+    """The leaves of one staged version and plan, by (bucket index, algorithm), shared by every transfer that
+    sends it (one per replica, concurrent or one after the other, and retries): the first to reach a bucket
+    hashes it, the others take its leaves, waiting for them while it hashes, instead of hashing the same bytes
+    again. Hashing waits on nothing, so a wait ends; a transfer that failed while hashing leaves the bucket to
+    the next one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[tuple[int, str], Leaves] = {}
+        self._busy: dict[tuple[int, str], threading.Event] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._done)
+
+    def get_or_compute(self, key: tuple[int, str], compute: Callable[[], Leaves]) -> tuple[Leaves, bool]:
+        """The leaves of `key` and whether another transfer computed them (False: `compute` ran here)."""
+        while True:
+            with self._lock:
+                known = self._done.get(key)
+                if known is not None:
+                    return known, True
+                busy = self._busy.get(key)
+                if busy is None:
+                    busy = self._busy[key] = threading.Event()
+                    mine = True
+                else:
+                    mine = False
+            if not mine:
+                if not busy.wait(LEAVES_WAIT_S):
+                    return compute(), False  # (not expected: hashing a bucket takes milliseconds)
+                continue
+            try:
+                leaves = compute()
+                with self._lock:
+                    self._done[key] = leaves
+                return leaves, False
+            finally:
+                with self._lock:
+                    self._busy.pop(key, None)
+                busy.set()
+
+
 @dataclass
 class DigestHooks(SyncHooks):
     """SyncHooks that carry every piece's leaf with its bucket and check it on arrival, wrapping the
@@ -149,21 +197,21 @@ class DigestHooks(SyncHooks):
     #: the trainer agent with the staged bytes, so that the transfers to the other replicas (and a retry) send
     #: the leaves the first transfer computed instead of hashing the same bytes once per replica. A receiver
     #: still hashes what landed and compares: bytes that changed in staging between two transfers fail there.
-    sent_leaves: MutableMapping[tuple[int, str], list[tuple[str, int]]] | None = None
+    sent_leaves: SentLeaves | None = None
 
     def on_send_bucket(self, version: int, bucket: BucketPlan, data: torch.Tensor) -> dict[str, Any] | None:
         meta = dict(self.inner.on_send_bucket(version, bucket, data) or {}) if self.inner is not None else {}
         t0 = time.perf_counter()
         algo = self.algorithm or default_algorithm(data)
-        known = self.sent_leaves.get((bucket.index, algo)) if self.sent_leaves is not None else None
-        if known is not None:
-            leaves = known
+        if self.sent_leaves is not None:
+            leaves, reused = self.sent_leaves.get_or_compute((bucket.index, algo),
+                                                             lambda: bucket_leaves(bucket, data, algo))
+        else:
+            leaves, reused = bucket_leaves(bucket, data, algo), False
+        if reused:
             self.stats.reused_bytes += bucket.data_nbytes
         else:
-            leaves = bucket_leaves(bucket, data, algo)
             self._count(leaves, bucket, t0)
-            if self.sent_leaves is not None:
-                self.sent_leaves[(bucket.index, algo)] = leaves
         meta["digest"] = {"algorithm": algo, "leaves": [fmt(v) for _, v in leaves]}
         return meta
 

@@ -27,7 +27,7 @@ import torch
 from weightsync.agent import protocol as P
 from weightsync.agent import staging
 from weightsync.agent.buckets import SMALL_ALIGNMENT, itemsize
-from weightsync.agent.digest import DigestHooks
+from weightsync.agent.digest import DigestHooks, SentLeaves
 from weightsync.agent.groups import epoch_of
 from weightsync.agent.link import AuthError, FrameError, Link, LinkError, LinkListener, LinkTimeout, Mailbox
 from weightsync.agent.metrics import AgentMetrics
@@ -57,7 +57,7 @@ class RankStage:
     snapshot_bytes: int = 0    # streamed: the trainer's snapshot of the rank's shards (0: none, held)
     #: the content digest's piece hashes of these bytes, per plan hash: computed by the first transfer, sent by
     #: every later one (the other replicas) without hashing again (DigestHooks.sent_leaves)
-    leaves: dict[str, dict[tuple[int, str], list[tuple[str, int]]]] = field(default_factory=dict)
+    leaves: dict[str, SentLeaves] = field(default_factory=dict)
 
     @property
     def streamed(self) -> bool:
@@ -837,7 +837,7 @@ class WeightServer:
                 # serialising them per agent could deadlock two trainer pods serving two replicas.
                 transport, world = self.transport_for({**rdv.group, "epoch": epoch}, rdv.plan, f"src{rdv.src}")
                 digest = DigestHooks(inner=ChecksumHooks() if self.verify else None,
-                                     sent_leaves=rs.leaves.setdefault(rdv.plan.hash, {}))
+                                     sent_leaves=rs.leaves.setdefault(rdv.plan.hash, SentLeaves()))
                 sender = WeightSender(rdv.plan, rdv.src, transport, rdv.peers, timeout=self.timeout,
                                       world=world, device=self.device, hooks=digest)
                 if rs.streamed:

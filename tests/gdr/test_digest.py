@@ -88,6 +88,55 @@ def test_hooks_check_every_piece_and_name_the_one_that_differs() -> None:
     assert old.unchecked and old.hex() == got.hex()
 
 
+def test_concurrent_transfers_of_one_staged_version_hash_each_bucket_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas' transfers send the same bucket at the same time (ring staging streams to both at once):
+    one hashes it, the other waits for those leaves instead of hashing the same bytes again, and both send
+    the same leaves. Hashing is slowed here so that the two really overlap."""
+    import threading
+    import time
+
+    bucket, data = _bucket()
+    calls: list[int] = []
+    real = D.bucket_leaves
+
+    def slow_leaves(*args: Any) -> Any:
+        calls.append(1)
+        time.sleep(0.2)
+        return real(*args)
+
+    monkeypatch.setattr(D, "bucket_leaves", slow_leaves)
+    shared = D.SentLeaves()
+    hooks = [D.DigestHooks(sent_leaves=shared) for _ in range(2)]
+    metas: list[Any] = [None, None]
+    go = threading.Barrier(2)
+
+    def send(i: int) -> None:
+        go.wait()
+        metas[i] = hooks[i].on_send_bucket(1, bucket, data)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(calls) == 1  # before: 2 (each transfer found no leaves yet and hashed)
+    assert metas[0] == metas[1] and metas[0] is not None
+    assert sorted([h.stats.reused_bytes for h in hooks]) == [0, bucket.data_nbytes]
+    assert sorted([h.stats.bytes for h in hooks]) == [0, bucket.data_nbytes]
+
+
+def test_a_transfer_that_fails_while_hashing_leaves_the_bucket_to_the_next() -> None:
+    shared = D.SentLeaves()
+
+    def broken() -> Any:
+        raise RuntimeError("staging unmapped")
+
+    with pytest.raises(RuntimeError):
+        shared.get_or_compute((0, "xxh3_128"), broken)
+    assert shared.get_or_compute((0, "xxh3_128"), lambda: [("k", 1)]) == ([("k", 1)], False)
+    assert shared.get_or_compute((0, "xxh3_128"), broken) == ([("k", 1)], True)
+
+
 def test_a_region_two_ranks_hold_counts_once_and_must_agree() -> None:
     d = D.Digest()
     d.add("k", 5)
