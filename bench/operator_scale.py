@@ -62,7 +62,7 @@ from typing import Any
 
 from weightsync.agent.podstatus import Observed, annotations_for, condition_for, desired_for, push_report
 from weightsync.crds import contract, desired, report_push, version_proof
-from weightsync.e2e.environment import start_environment
+from weightsync.e2e.environment import Environment, start_environment
 from weightsync.e2e.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -847,19 +847,24 @@ def percentile(values: list[float], q: float) -> float:
     return s[max(0, min(len(s) - 1, math.ceil(q / 100.0 * len(s)) - 1))]
 
 
+def apply_crd(env: Environment) -> None:
+    """Apply this tree's WeightSyncJob CRD and wait until the API server serves it."""
+    env.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / f"{contract.GROUP}_{contract.PLURAL}.yaml"))
+    deadline = time.monotonic() + 90
+    while env.kubectl("get", f"crd/{contract.CRD_NAME}", "-o",
+                      "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+                      check=False).stdout.strip() != "True":
+        if time.monotonic() > deadline:
+            raise RuntimeError("CRD not Established")
+        time.sleep(0.2)
+
+
 def replicas_mode(args: argparse.Namespace) -> dict[str, Any]:
     nodes = math.ceil((max(args.replicas) + 8) / 8) + 1
     work = Path(tempfile.mkdtemp(prefix="weightsync-bench-operator-"))
     env = start_environment(node_count=nodes, process_nodes=False)
     try:
-        env.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / f"{contract.GROUP}_{contract.PLURAL}.yaml"))
-        deadline = time.monotonic() + 90
-        while env.kubectl("get", f"crd/{contract.CRD_NAME}", "-o",
-                          "jsonpath={.status.conditions[?(@.type=='Established')].status}",
-                          check=False).stdout.strip() != "True":
-            if time.monotonic() > deadline:
-                raise RuntimeError("CRD not Established")
-            time.sleep(0.2)
+        apply_crd(env)
         api = env.api_client()
         results = [measure(env, api, r, work, args.resync, args.window) for r in args.replicas]
     finally:

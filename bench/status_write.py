@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
-from operator_scale import REPO, kwok_job_spec  # bench/ is the script's own directory: first on sys.path
+from operator_scale import apply_crd, kwok_job_spec  # bench/ is the script's own directory: first on sys.path
 from weightsync.crds import contract
 from weightsync.crds.models import MAX_REPLICAS_IN_STATUS
 from weightsync.e2e.environment import start_environment
@@ -41,14 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     env = start_environment(node_count=0, process_nodes=False)
     try:
-        env.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / f"{contract.GROUP}_{contract.PLURAL}.yaml"))
-        deadline = time.monotonic() + 90
-        while env.kubectl("get", f"crd/{contract.CRD_NAME}", "-o",
-                          "jsonpath={.status.conditions[?(@.type=='Established')].status}",
-                          check=False).stdout.strip() != "True":
-            if time.monotonic() > deadline:
-                raise RuntimeError("CRD not Established")
-            time.sleep(0.2)
+        apply_crd(env)
         env.kubectl("create", "namespace", "bench")
         body = {"apiVersion": f"{contract.GROUP}/{contract.VERSION}", "kind": contract.KIND,
                 "metadata": {"name": "big", "namespace": "bench"}, "spec": kwok_job_spec(256)}
