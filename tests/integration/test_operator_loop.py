@@ -305,10 +305,13 @@ def test_colocated_with_dra_builds_a_claim_template_and_pods_reference_it(kube, 
         assert pod["spec"]["resourceClaims"] == [{"name": "weightsync-gpus", "resourceClaimTemplateName": "dra-gpus"}]
         for c in pod["spec"]["containers"] + pod["spec"]["initContainers"][:1]:
             assert c["resources"]["claims"] == [{"name": "weightsync-gpus"}]
-    # The resource-claim controller (kube-controller-manager) makes one claim per pod from the template.
-    claims = wait_until(lambda: raw(kube, f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims")["items"]
-                        or None, what="ResourceClaims")
-    assert len(claims) == 2
+    # The resource-claim controller (kube-controller-manager) makes one claim per pod from the template, one
+    # after the other: wait for both (a list taken between the two creates holds one)
+    def claims() -> list[dict[str, Any]]:
+        return list(raw(kube, f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims")["items"])
+
+    wait_until(lambda: len(claims()) >= 2 or None, what="a ResourceClaim per pod")
+    assert sorted(c["metadata"]["name"].rsplit("-weightsync-gpus-", 1)[0] for c in claims()) == sorted(pods)
 
 
 @pytest.mark.parametrize("example, pods", [("separated-nccl.yaml", 4), ("colocated-ipc.yaml", 2)])
