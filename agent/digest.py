@@ -148,10 +148,6 @@ class SentLeaves:
         self._done: dict[tuple[int, str], Leaves] = {}
         self._busy: dict[tuple[int, str], threading.Event] = {}
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._done)
-
     def get_or_compute(self, key: tuple[int, str], compute: Callable[[], Leaves]) -> tuple[Leaves, bool]:
         """The leaves of `key` and whether another transfer computed them (False: `compute` ran here)."""
         while True:
