@@ -133,47 +133,37 @@ class DigestStats:
 
 
 Leaves = list[tuple[str, int]]
-LEAVES_WAIT_S = 60.0  # how long a transfer waits for another's leaves of a bucket before hashing it itself
 
 
 class SentLeaves:
     """The leaves of one staged version and plan, by (bucket index, algorithm), shared by every transfer that
     sends it (one per replica, concurrent or one after the other, and retries): the first to reach a bucket
     hashes it, the others take its leaves, waiting for them while it hashes, instead of hashing the same bytes
-    again. Hashing waits on nothing, so a wait ends; a transfer that failed while hashing leaves the bucket to
-    the next one."""
+    again (one gate per key, as agent/plan_cache.py builds a plan once). Hashing waits on nothing, so a wait
+    ends; a transfer that failed while hashing leaves the bucket to the next one."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._done: dict[tuple[int, str], Leaves] = {}
-        self._busy: dict[tuple[int, str], threading.Event] = {}
+        self._gates: dict[tuple[int, str], threading.Lock] = {}
 
     def get_or_compute(self, key: tuple[int, str], compute: Callable[[], Leaves]) -> tuple[Leaves, bool]:
         """The leaves of `key` and whether another transfer computed them (False: `compute` ran here)."""
-        while True:
+        with self._lock:
+            known = self._done.get(key)
+            if known is not None:
+                return known, True
+            gate = self._gates.setdefault(key, threading.Lock())
+        with gate:
             with self._lock:
                 known = self._done.get(key)
                 if known is not None:
                     return known, True
-                busy = self._busy.get(key)
-                if busy is None:
-                    busy = self._busy[key] = threading.Event()
-                    mine = True
-                else:
-                    mine = False
-            if not mine:
-                if not busy.wait(LEAVES_WAIT_S):
-                    return compute(), False  # (not expected: hashing a bucket takes milliseconds)
-                continue
-            try:
-                leaves = compute()
-                with self._lock:
-                    self._done[key] = leaves
-                return leaves, False
-            finally:
-                with self._lock:
-                    self._busy.pop(key, None)
-                busy.set()
+            leaves = compute()
+            with self._lock:
+                self._done[key] = leaves
+                self._gates.pop(key, None)
+            return leaves, False
 
 
 @dataclass

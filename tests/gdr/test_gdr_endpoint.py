@@ -156,7 +156,9 @@ def test_a_freed_staging_segment_is_deregistered(tmp_path: Path, monkeypatch: py
     """The pool replaces a slot (unlink): the NIXL registration of its memory goes with it, so the memory is
     really freed and a later segment mapped at the same address is never taken for the old registration."""
     monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    hooks_before = len(staging._FREED_HOOKS)
     nx = NixlEndpoint()
+    assert len(staging._FREED_HOOKS) == hooks_before + 1
     try:
         seg = staging.create_segment(1 << 20, "wsfreed")
         keep = staging.create_segment(1 << 20, "wskept")
@@ -168,5 +170,4 @@ def test_a_freed_staging_segment_is_deregistered(tmp_path: Path, monkeypatch: py
         assert nx.held_bytes() == 0 and nx._regs == []
     finally:
         nx.close()
-    late = staging.create_segment(4096, "wslate")
-    late.unlink()  # a closed endpoint no longer listens
+    assert len(staging._FREED_HOOKS) == hooks_before  # a closed endpoint no longer listens
