@@ -26,7 +26,7 @@ from weightsync.agent.client import (
     checksums,
     local_shards,
 )
-from weightsync.agent.engines.base import load_version
+from weightsync.agent.engines.base import EngineError, load_version
 from weightsync.agent.engines.custom import CustomEngineAdapter
 from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import Box, build_plan, shards_of
@@ -111,6 +111,9 @@ def test_an_app_that_connects_after_the_fetch_began_still_gets_pieces(tmp_path: 
                                 on_pieces=lambda v, p: None).start()
         asking.join(10)
         assert answer == [True]
+        # an app that never connects fails the fetch at once with the load's own error, not a silent "no"
+        with pytest.raises(EngineError, match="no Custom engine connected for rank 1"):
+            CustomEngineAdapter(registry, [1], prefix="wstest3", connect_timeout=0.2).loads_pieces()
     finally:
         if sess is not None:
             sess.close()
