@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
+import functools
 import logging
 import os
 import pickle
@@ -147,21 +149,73 @@ def _freed(t: torch.Tensor) -> None:
             log.exception("staging.freed_hook_failed")
 
 
+@functools.cache
+def _cuda_driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    for name, args in (("cuInit", [ctypes.c_uint]), ("cuDeviceGet", [ctypes.c_void_p, ctypes.c_int]),
+                       ("cuDevicePrimaryCtxRetain", [ctypes.c_void_p, ctypes.c_int]),
+                       ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]),
+                       ("cuCtxPushCurrent_v2", [ctypes.c_void_p]), ("cuCtxPopCurrent_v2", [ctypes.c_void_p]),
+                       ("cuMemHostRegister_v2", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]),
+                       ("cuMemHostUnregister", [ctypes.c_void_p]),
+                       ("cuGetErrorName", [ctypes.c_int, ctypes.c_void_p])):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
+def _driver_error(lib: ctypes.CDLL, err: int) -> str:
+    name = ctypes.c_char_p()
+    lib.cuGetErrorName(err, ctypes.byref(name))
+    return (name.value or b"?").decode() + f" ({err})"
+
+
+def _in_primary_context(call: Callable[[ctypes.CDLL], int]) -> tuple[int, str]:
+    """Run a CUDA driver call in the current device's primary context (the one torch uses), whatever is
+    current on this thread. Why the driver API: a failed runtime call (cudaHostRegister) leaves the runtime's
+    last error set, and torch then reports it from the next, unrelated CUDA call (seen on an H100: the first
+    torch.empty on the GPU after a refused registration raised 'invalid argument')."""
+    lib = _cuda_driver()
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    for err in (lib.cuInit(0), lib.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device())):
+        if err:
+            return err, _driver_error(lib, err)
+    err = lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    if err:
+        return err, _driver_error(lib, err)
+    try:
+        err = lib.cuCtxPushCurrent_v2(ctx)
+        if err:
+            return err, _driver_error(lib, err)
+        try:
+            err = call(lib)
+            return err, _driver_error(lib, err) if err else ""
+        finally:
+            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        lib.cuDevicePrimaryCtxRelease_v2(dev)
+
+
 def pin_host(t: torch.Tensor) -> bool:
-    """Page-lock host memory we did not allocate through torch (an mmap'ed segment) with cudaHostRegister,
-    so copies between it and a GPU run at full DMA speed. False (nothing done) without CUDA."""
+    """Page-lock host memory we did not allocate through torch (an mmap'ed segment), so copies between it and a
+    GPU run at full DMA speed. False (nothing done) without CUDA, or where the kernel refuses: it pins
+    memory-backed files (/dev/shm, an emptyDir with medium Memory) but not files on a disk."""
     if t.device.type != "cpu" or not t.numel() or not torch.cuda.is_available():
         return False
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(err) != 0:
-        log.warning("cudaHostRegister of %s bytes failed (error %s): staging stays pageable", t.numel(), int(err))
+    nbytes = t.numel() * t.element_size()
+    err, name = _in_primary_context(lambda lib: lib.cuMemHostRegister_v2(t.data_ptr(), nbytes, 0))
+    if err:
+        log.warning("staging.pin_failed bytes=%s error=%s dir=%s: staging stays pageable (host <-> GPU copies at "
+                    "pageable speed); is the staging volume memory-backed?", nbytes, name, shm_dir())
         return False
     return True
 
 
 def unpin_host(t: torch.Tensor) -> None:
     if t.numel():
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        err, name = _in_primary_context(lambda lib: lib.cuMemHostUnregister(t.data_ptr()))
+        if err:
+            log.warning("staging.unpin_failed error=%s", name)
 
 
 class ShmSegment(Segment):

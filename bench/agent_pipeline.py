@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/agent_pipeline.py --mode {nccl,ipc,gdr} --size-mb N \
         [--fsdp A [--dp R] --inference-tp B] [--bucket-mb M] [--versions V] \
-        [--staging {version,ring} [--depth D] [--snapshot {auto,copy,none}]] [--no-raw] --json
+        [--staging {version,ring} [--depth D] [--snapshot {auto,copy,none}]] [--device {cpu,cuda}] [--no-raw] --json
 
 What runs is what a pod runs: `--fsdp A` x `--dp R` trainer processes (TrainerSession, each publishing its FSDP
 Shard(0) chunk of a Llama-shaped bf16 model), their agent, an inference agent and `--inference-tp B`
@@ -12,9 +12,15 @@ colocated pod (IPC over POSIX shared memory, A == B). No Kubernetes: the agents 
 announcements. The trainers publish version v+1 only after every engine rank committed v, so every version
 is measured alone.
 
+`--device cuda` puts the trainers' weights, the engines' parameters and the agents' transport buffers
+(WEIGHTSYNC_AGENT_DEVICE) on GPUs: the trainer pod on GPU 0, the inference pod on GPU 1 where there is one
+(ProcessGroupNCCL needs a GPU per rank: `--mode nccl --device cuda` needs two), else GPU 0 too (IPC: one
+colocated pod; GDR: NIXL between two processes on one GPU).
+
 Then, in the same run and between the same pods, the raw transport with the same bytes in the same bucket
-sizes: gloo send/recv (nccl), NIXL READ (gdr), and for ipc a writer process copying into a shared-memory
-file and a reader process copying it out (the two copies any hand-off through shared memory needs).
+sizes: gloo send/recv (nccl; ProcessGroupNCCL with --device cuda), NIXL READ (gdr, of GPU memory with
+--device cuda), and for ipc a writer process copying into a shared-memory file and a reader process copying it
+out (the two copies any hand-off through shared memory needs; with --device cuda a CUDA IPC buffer).
 
 JSON fields (steady state: version 1 excluded, it forms groups, faults pages in and learns the layout):
   end_to_end_s       p50 of first publish call -> last engine rank committed
@@ -41,6 +47,7 @@ import datetime
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -93,7 +100,7 @@ def _committed(run: Path, version: int, ranks: int) -> bool:
 
 # -- app processes -------------------------------------------------------------------------------------
 def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, snapshot: str = "auto",
-                dp: int = 1) -> None:
+                dp: int = 1, device: str = "cpu") -> None:
     """Trainer rank `rank` of `fsdp` x `dp` (HSDP: `dp` replicas of an FSDP group of `fsdp`): its shard is FSDP
     chunk rank % fsdp, which the ranks of the other replicas hold too."""
     from weightsync.agent.client import TensorShard, TrainerSession
@@ -104,7 +111,7 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
     weights: dict[str, Any] = {}
     for s in trainer_layout(metas, fsdp_size=fsdp, fsdp_rank=rank % fsdp):
         meta = next(m for m in metas if m.name == s.name)
-        local = full_tensor(meta)[s.box.slices_within(Box.full(s.global_shape))].clone()
+        local = full_tensor(meta)[s.box.slices_within(Box.full(s.global_shape))].clone().to(device)
         weights[s.name] = TensorShard(local, s.global_shape, s.box.offset)
     with TrainerSession(rank=rank, ring_snapshot=snapshot) as session, \
             (run / f"trainer-{rank}.jsonl").open("a") as fh:
@@ -120,6 +127,8 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
             while not all((run / f"stepped-{v}-{r}").exists() for r in range(fsdp * dp)):
                 time.sleep(0.0005)
             t0 = time.time()
+            if device != "cpu":
+                torch.cuda.synchronize(device)  # the step's kernels are done before the clock starts
             res = session.publish(weights, v)
             fh.write(json.dumps({"rank": rank, "version": v, "t_start": t0, "t_published": time.time(),
                                  "streamed": res.streamed, "served": res.served}) + "\n")
@@ -127,22 +136,28 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
         threading.Event().wait()  # ring staging with a snapshot: the session streams the last version
 
 
-def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int) -> None:
+def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, device: str = "cpu") -> None:
     from weightsync.agent.client import InferenceSession
     from weightsync.agent.layout import inference_layout
     from weightsync.agent.plan import Box
 
     metas = model(size_mb)
     needs = inference_layout(metas, tp, rank)
-    params = {s.name: torch.empty(s.box.shape, dtype=getattr(torch, s.dtype)) for s in needs}
+    params = {s.name: torch.empty(s.box.shape, dtype=getattr(torch, s.dtype), device=device) for s in needs}
+
+    def loaded() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize(device)  # the engine's load is done before the agent reuses the buffer
 
     def on_bucket(version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         for n, t in tensors:
             params[n].copy_(t)  # the engine's own load
+        loaded()
 
     def on_pieces(version: int, pieces: list[tuple[str, tuple[slice, ...], torch.Tensor]]) -> None:
         for n, index, t in pieces:
             params[n][index].copy_(t)  # the engine's own load, of a tensor that arrives in pieces
+        loaded()
 
     def check() -> None:
         """The last version, bit for bit, once every engine rank committed it (a check while another rank is
@@ -154,7 +169,7 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int) -> No
             want = full_tensor(next(m for m in metas if m.name == s.name))[s.box.slices_within(
                 Box.full(s.global_shape))].clone()
             advance(want, versions)
-            if not torch.equal(want.view(torch.int16), params[s.name].view(torch.int16)):
+            if not torch.equal(want.view(torch.int16), params[s.name].cpu().view(torch.int16)):
                 bad.append(s.name)
         tmp = run / f"exact-{rank}.json.tmp"
         tmp.write_text(json.dumps({"bit_exact": not bad, "mismatched": bad[:5], "tensors": len(needs)}))
@@ -188,11 +203,17 @@ def _barrier(store: Any, name: str) -> None:
     store.wait([f"{name}/go"])
 
 
-def run_raw(kind: str, rank: int, ip: str, store_addr: str, nbytes: int, bucket: int, iters: int, out: Path) -> None:
+def run_raw(kind: str, rank: int, ip: str, store_addr: str, nbytes: int, bucket: int, iters: int, out: Path,
+            device: str = "cpu") -> None:
     """Rank 0 (trainer pod) -> rank 1 (inference pod): `nbytes` in `bucket`-sized pieces, `iters` timed
-    rounds after one warm-up; rank 1 writes the seconds of each round."""
+    rounds after one warm-up; rank 1 writes the seconds of each round. `device`: where the buffers live."""
     store = _store(store_addr, rank)
-    times = {"nccl": _raw_gloo, "gdr": _raw_nixl, "ipc": _raw_shm}[kind](store, rank, ip, nbytes, bucket, iters, out)
+    if device != "cpu":
+        torch.cuda.set_device(device)
+        raw = {"nccl": _raw_nccl, "gdr": _raw_nixl, "ipc": _raw_cuda_ipc}[kind]
+    else:
+        raw = {"nccl": _raw_gloo, "gdr": _raw_nixl, "ipc": _raw_shm}[kind]
+    times = raw(store, rank, ip, nbytes, bucket, iters, out, device)
     if rank == 1:
         out.write_text(json.dumps(times))
         store.set("bye", "1")
@@ -200,7 +221,8 @@ def run_raw(kind: str, rank: int, ip: str, store_addr: str, nbytes: int, bucket:
         store.wait(["bye"])  # rank 0 hosts the store: it leaves last
 
 
-def _raw_gloo(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path) -> list[float]:
+def _raw_gloo(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path,
+              device: str = "cpu") -> list[float]:
     import torch.distributed as dist
 
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
@@ -218,7 +240,63 @@ def _raw_gloo(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: i
     return times[1:]
 
 
-def _raw_shm(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path) -> list[float]:
+def _raw_nccl(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path,
+              device: str = "cpu") -> list[float]:
+    """ProcessGroupNCCL send/recv between the two pods' GPUs, from and into GPU memory."""
+    import torch.distributed as dist
+
+    pg: Any = dist.ProcessGroupNCCL(store, rank, 2)  # type: ignore[call-arg]  # options default
+    bufs = [torch.ones(n, dtype=torch.uint8, device=device) for _, n in _chunks(nbytes, bucket)]
+    times = []
+    for _ in range(iters + 1):
+        pg.barrier().wait()
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for b in bufs:
+            (pg.send([b], 1, 0) if rank == 0 else pg.recv([b], 0, 0)).wait()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def _raw_cuda_ipc(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path,
+                  device: str = "cpu") -> list[float]:
+    """`_raw_shm` on the GPU: the writer copies each bucket into a CUDA IPC buffer of two slots, the reader
+    (its own process, the handle opened) copies it out; each side synchronises before it signals."""
+    from weightsync.agent.transports.ipc import _cuda_handle, _open_cuda
+
+    if rank == 0:
+        shm = torch.empty(2 * bucket, dtype=torch.uint8, device=device)
+        store.set("handle", json.dumps(_cuda_handle(shm)))
+    else:
+        shm = _open_cuda(json.loads(store.get("handle")), 2 * bucket, torch.device(device))
+    mine = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    chunks = _chunks(nbytes, bucket)
+    times = []
+    for i in range(iters + 1):
+        _barrier(store, f"it{i}")
+        t0 = time.perf_counter()
+        for k, (o, n) in enumerate(chunks):
+            slot = shm[(k % 2) * bucket:(k % 2) * bucket + n]
+            if rank == 0:
+                if k >= 2:
+                    store.wait([f"r{i}/{k - 2}"])
+                slot.copy_(mine[o:o + n])
+                torch.cuda.synchronize(device)
+                store.set(f"w{i}/{k}", "1")
+            else:
+                store.wait([f"w{i}/{k}"])
+                mine[o:o + n].copy_(slot)
+                torch.cuda.synchronize(device)
+                store.set(f"r{i}/{k}", "1")
+        times.append(time.perf_counter() - t0)
+    _barrier(store, "ipc-done")  # the writer's buffer outlives the reader's mapping
+    del shm
+    return times[1:]
+
+
+def _raw_shm(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path,
+             device: str = "cpu") -> list[float]:
     """Writer copies each bucket into a shared-memory file, the reader (own mapping, own process) copies
     it out: two slots, like a double-buffered hand-off."""
     path = Path("/dev/shm") / f"{out.parent.name}-raw-shm"  # memory-backed, like the pod's staging volume
@@ -252,13 +330,15 @@ def _raw_shm(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: in
     return times[1:]
 
 
-def _raw_nixl(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path) -> list[float]:
-    """The reader READs the writer's registered buffer in bucket-sized descriptors, one request."""
+def _raw_nixl(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path,
+              device: str = "cpu") -> list[float]:
+    """The reader READs the writer's registered buffer (host or GPU memory) in bucket-sized descriptors, one
+    request."""
     from transport_ratio_extras import _read_streams
     from weightsync.agent.transports.gdr import NixlEndpoint, _desc, _mem_of, configure_ucx
 
     configure_ucx()
-    buf = torch.ones(nbytes, dtype=torch.uint8)
+    buf = torch.ones(nbytes, dtype=torch.uint8, device=device)
     nx = NixlEndpoint()
     reg = nx.register([buf])
     times = []
@@ -276,6 +356,8 @@ def _raw_nixl(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: i
             t0 = time.perf_counter()
             if rank == 1:
                 _read_streams(nx, remotes, [(0, (1,), nbytes)], buf, bucket, 120.0)
+                if device != "cpu":
+                    torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
             _barrier(store, f"done{i}")
     finally:
@@ -325,7 +407,8 @@ def copied_bytes(samples: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: int, staging: str = "version",
-        depth: int = 2, snapshot: str = "auto", with_raw: bool = True, dp: int = 1) -> dict[str, Any]:
+        depth: int = 2, snapshot: str = "auto", with_raw: bool = True, dp: int = 1,
+        device: str = "cpu") -> dict[str, Any]:
     from podprocs import Cluster, wait_for
     from weightsync.crds import contract
     from weightsync.e2e.procs import free_port
@@ -335,6 +418,7 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
     if mode == "ipc" and fsdp != tp:
         raise SystemExit("--mode ipc runs one colocated pod whose trainer and engine ranks are the same GPUs: "
                          f"--fsdp ({fsdp}) must equal --inference-tp ({tp})")
+    trainer_dev, inference_dev = pod_devices(mode, device)
     metas = model(size_mb)
     model_bytes = sum(int(torch.Size(m.shape).numel()) * 2 for m in metas)
     run_dir = Path(tempfile.mkdtemp(prefix="ws-bench-"))
@@ -354,13 +438,15 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
     try:
         for p in pods:
             c.start_agent(p, WEIGHTSYNC_LOG_LEVEL=os.environ.get("WEIGHTSYNC_LOG_LEVEL", "WARNING"),
-                          WEIGHTSYNC_STAGING=staging, WEIGHTSYNC_STAGING_DEPTH=str(depth))
+                          WEIGHTSYNC_STAGING=staging, WEIGHTSYNC_STAGING_DEPTH=str(depth),
+                          **{contract.ENV_AGENT_DEVICE: trainer_dev if p is t else inference_dev})
         for r in range(tp):
-            c.spawn(i, f"engine{r}", [sys.executable, me, "engine", "--rank", str(r), "--tp", str(tp), *common])
+            c.spawn(i, f"engine{r}", [sys.executable, me, "engine", "--rank", str(r), "--tp", str(tp), *common,
+                                      "--device", inference_dev])
         for r in range(fsdp * dp):
             c.spawn(t, f"trainer{r}", [sys.executable, me, "trainer", "--rank", str(r), "--fsdp", str(fsdp),
                                        "--dp", str(dp),
-                                       "--snapshot", snapshot, *common])
+                                       "--snapshot", snapshot, *common, "--device", trainer_dev])
         budget = 120 + size_mb / 5
         for v in range(1, versions + 1):
             (run_dir / f"go-{v}").touch()
@@ -380,8 +466,8 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
         procs = [c.spawn(pod, f"raw{k}", [sys.executable, me, "raw", "--kind", mode, "--rank", str(k), "--ip", pod.ip,
                                           "--store", f"{t.ip}:{port}", "--nbytes", str(model_bytes),
                                           "--bucket", str(bucket_mb * MiB), "--iters", str(RAW_ITERS),
-                                          "--out", str(raw_out)])
-                 for k, pod in ((0, t), (1, i))]
+                                          "--out", str(raw_out), "--device", dev])
+                 for k, pod, dev in ((0, t, trainer_dev), (1, i, inference_dev))]
         for proc in procs:
             if proc.wait(600) != 0:
                 raise RuntimeError(f"raw {mode} reference failed; see {run_dir}")
@@ -389,6 +475,25 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
     finally:
         c.stop_all()
     return _result(locals(), raw)
+
+
+def pod_devices(mode: str, device: str) -> tuple[str, str]:
+    """(trainer pod's device, inference pod's device): GPU 0 and GPU 1 where there is one, else both GPU 0."""
+    if device == "cpu":
+        return "cpu", "cpu"
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU here")
+    gpus = torch.cuda.device_count()
+    if mode == "nccl" and gpus < 2:
+        raise SystemExit("--mode nccl --device cuda needs two GPUs: ProcessGroupNCCL refuses two ranks on one GPU")
+    return "cuda:0", "cuda:0" if mode == "ipc" or gpus < 2 else "cuda:1"
+
+
+def _device_note(device: str) -> str:
+    if device == "cpu":
+        return "CPU tensors and buffers; steady-state figures exclude version 1"
+    return (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
+            "steady-state figures exclude version 1")
 
 
 def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
@@ -435,11 +540,14 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
         "snapshot": ns["snapshot"] if ns["staging"] == "ring" else None, "snapshot_bytes": int(snapshot_bytes),
         "trainer_held_for": sorted({str(d.get("streamed") or "copy into staging") for d in pubs}),
         "first_version_end_to_end_s": round(rows[0]["end_to_end_s"], 4),
-        "raw_kind": {"nccl": "gloo send/recv", "gdr": "NIXL READ",
-                     "ipc": "shared-memory hand-off: writer copy in + reader copy out"}[mode],
+        "device": ns["device"], "trainer_device": ns["trainer_dev"], "inference_device": ns["inference_dev"],
+        "raw_kind": ({"nccl": "gloo send/recv", "gdr": "NIXL READ",
+                      "ipc": "shared-memory hand-off: writer copy in + reader copy out"} if ns["device"] == "cpu" else
+                     {"nccl": "ProcessGroupNCCL send/recv", "gdr": "NIXL READ of GPU memory",
+                      "ipc": "CUDA IPC hand-off: writer copy in + reader copy out"})[mode],
         "per_version": rows,
         "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(),
-        "note": "CPU only (no GPU here); steady-state figures exclude version 1",
+        "note": _device_note(ns["device"]),
     }
 
 
@@ -450,11 +558,13 @@ def main(argv: list[str] | None = None) -> int:
     for flag, kind in (("--kind", str), ("--rank", int), ("--ip", str), ("--store", str), ("--nbytes", int),
                        ("--bucket", int), ("--iters", int), ("--out", str)):
         rp.add_argument(flag, type=kind, required=True)
+    rp.add_argument("--device", default="cpu")
     for name in ("trainer", "engine"):
         sp = sub.add_parser(name)
         for flag in ("--rank", "--size-mb", "--versions", "--fsdp" if name == "trainer" else "--tp"):
             sp.add_argument(flag, type=int, required=True)
         sp.add_argument("--run", required=True)
+        sp.add_argument("--device", default="cpu")
         if name == "trainer":
             sp.add_argument("--snapshot", default="auto")
             sp.add_argument("--dp", type=int, default=1)
@@ -471,20 +581,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=2, help="ring slots per transfer (--staging ring)")
     p.add_argument("--snapshot", choices=("auto", "copy", "none"), default="auto",
                    help="ring: what the trainer keeps (TrainerSession(ring_snapshot=...))")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where weights, engine parameters and agent buffers live (cuda: GPU 0, and GPU 1 if any)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw transport reference (raw_s, ratio: null)")
     p.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     a = p.parse_args(argv)
     if a.cmd == "trainer":
-        run_trainer(Path(a.run), a.rank, a.fsdp, a.size_mb, a.versions, a.snapshot, a.dp)
+        run_trainer(Path(a.run), a.rank, a.fsdp, a.size_mb, a.versions, a.snapshot, a.dp, a.device)
     elif a.cmd == "engine":
-        run_engine(Path(a.run), a.rank, a.tp, a.size_mb, a.versions)
+        run_engine(Path(a.run), a.rank, a.tp, a.size_mb, a.versions, a.device)
     elif a.cmd == "raw":
-        run_raw(a.kind, a.rank, a.ip, a.store, a.nbytes, a.bucket, a.iters, Path(a.out))
+        run_raw(a.kind, a.rank, a.ip, a.store, a.nbytes, a.bucket, a.iters, Path(a.out), a.device)
     else:
         if a.versions < 2:
             p.error("--versions must be at least 2 (version 1 is the warm-up)")
+        # a `timeout` or a Ctrl-C stops the pods' processes too (run()'s finally), not only this one
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         print(json.dumps(run(a.mode, a.size_mb, a.fsdp, a.inference_tp, a.bucket_mb, a.versions, a.staging, a.depth,
-                             a.snapshot, not a.no_raw, a.dp), indent=1))
+                             a.snapshot, not a.no_raw, a.dp, a.device), indent=1))
     return 0
 
 

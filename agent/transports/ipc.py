@@ -139,11 +139,14 @@ def _open_cuda(h: dict[str, Any], nbytes: int, device: torch.device) -> torch.Te
 
     b64 = base64.b64decode
     dev = device.index if device.index is not None else int(h["device"])
-    return rebuild_cuda_tensor(
+    t: torch.Tensor = rebuild_cuda_tensor(
         torch.Tensor, (nbytes,), (1,), 0, torch.storage.UntypedStorage, torch.uint8, dev,
         b64(h["handle"]), int(h["size"]), int(h["storage_offset"]), False, b64(h["ref_handle"]), int(h["ref_offset"]),
         b64(h["event_handle"]) if h["event_handle"] else b"", bool(h["event_sync"]),
     )
+    if t.untyped_storage().nbytes() != int(h["size"]):  # torch's per-process cache held another storage there
+        raise TransportError(f"CUDA IPC storage has {t.untyped_storage().nbytes()} bytes, the handle says {h['size']}")
+    return t
 
 
 class _ReleasePending(Pending[None]):
@@ -304,6 +307,10 @@ class IpcTransport(Transport):
         assert self._ctx is not None
         kind = handle.get("type")
         ident = f"{kind}:{handle.get('path') or handle.get('handle')}"
+        if kind == "cuda":
+            # a CUDA IPC handle names the allocator's whole block, which holds many tensors: the storage is the
+            # block's bytes [storage_offset, storage_offset + size)
+            ident += f"@{handle.get('storage_offset')}+{handle.get('size')}"
         if "slot" in handle:  # an owner slot now backed by another segment: unmap the one it replaced
             key = (bucket.src, int(handle["slot"]))
             old = self._slot_ident.get(key)

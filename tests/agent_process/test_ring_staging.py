@@ -220,10 +220,9 @@ def test_ring_store_streams_metadata_only_and_tells_trainers_what_it_drops(tmp_p
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_tensors_are_snapshot_on_the_device_and_streamed_into_pinned_host_slots(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        memory_staging_dir: Path) -> None:
     """The CUDA path of the two functions the CPU tests run: `auto` clones CUDA tensors on their GPU (the
     trainer is held for that only), and a fill copies device -> pinned host ring slot, synchronised."""
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
     w = {"row": torch.arange(32, dtype=torch.float32, device="cuda").reshape(4, 8),
          "b": torch.ones(1000, dtype=torch.bfloat16, device="cuda")}
     snap, n, hold = ring.snapshot_of(w, "auto")

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU tier in one call, on a machine with a CUDA GPU and PyTorch but no package index (the device machine):
+#   1. the `gpu` tests that run on the GPUs there (CUDA IPC, pinned staging, the ring's device snapshot, the SGLang
+#      adapter's CUDA paths against SGLang's own receive code; NCCL tests need 2-3 GPUs and say so);
+#   2. the product path on the GPU: bench/agent_pipeline.py --device cuda (IPC colocated, GDR over NIXL), each
+#      against its raw transport in the same run;
+#   3. the CPU product path on that machine's cores, next to the 2-core figures in docs/performance.md.
+#
+# What it needs beside the repo, in CARRY (default .devcarry, ignored by git; `bench/gpu_carry.sh` makes it):
+#   whl/*.whl        the pure-Python and cp312 wheels the image lacks (pydantic, kubernetes, kopf, msgspec, ...)
+#   nixl-slim.tgz    nixl + nixl_cu13 1.5.1 unpacked, without the nixl_ep extension (the carry limit is 64 MiB)
+#   engines/         the pinned sglang / vllm files the engine tests read (e2e/engines/released.py), and their
+#                    dist-info
+# Results go to $OUT (JSON per benchmark, the pytest log and junit XML), a table at the end of the output.
+set -uo pipefail
+CARRY=${CARRY:-.devcarry}
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+REPO=$(pwd)
+PY=${PY:-python3}
+
+echo "== machine"
+nvidia-smi -L || true
+nproc
+df -T /tmp /dev/shm | tail -n +2
+$PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
+"nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)'
+
+echo "== install the carried packages"
+SITE=/tmp/site
+mkdir -p "$SITE" /tmp/wspy/weightsync
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$CARRY"/whl/*.whl \
+  || exit 1
+tar xzf "$CARRY/nixl-slim.tgz" -C "$SITE" || exit 1
+cp -r "$CARRY"/engines/. "$SITE"/
+# the weightsync package as the editable install maps it (repo dirs -> weightsync.*), without the repo root on
+# sys.path (its operator/ would shadow the standard library's operator module)
+cp weightsync/__init__.py /tmp/wspy/weightsync/
+for d in agent crds operator e2e; do ln -sfn "$REPO/$d" "/tmp/wspy/weightsync/$d"; done
+export PYTHONPATH=/tmp/wspy:$SITE PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+$PY -c 'import weightsync.agent.main, weightsync.agent.transports.gdr, nixl, kopf; print("imports ok")' || exit 1
+
+echo "== gpu tests"
+timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -m gpu -p no:cacheprovider -q -o addopts=-ra \
+  --junitxml="$OUT/gpu-junit.xml" \
+  tests/agent/test_agent_gpu.py tests/agent_process/test_ring_staging.py \
+  tests/engines/test_sglang_gpu.py tests/engines/test_vllm_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
+
+bench() {  # NAME ARGS...: one agent_pipeline run, its JSON in $OUT/NAME.json (at most 8 files come back)
+  local name=$1; shift
+  echo "== bench $name: $*"
+  timeout "${BENCH_TIMEOUT:-170}" $PY bench/agent_pipeline.py "$@" --json >"$OUT/$name.json" 2>"/tmp/$name.log" \
+    || { echo "FAILED ($?)"; tail -20 "/tmp/$name.log"
+         run=$(ls -dt /tmp/ws-bench-* 2>/dev/null | head -1)  # the pods' own logs say where it stopped
+         [ -n "$run" ] && find "$run" -name '*.log' -exec sh -c 'echo "-- $1"; tail -n 12 "$1"' _ {} \; \
+           | tee -a "$OUT/failures.log" | tail -n 80; }
+}
+bench agent-pipeline-ipc-cuda-1024 --mode ipc --device cuda --size-mb 1024
+bench agent-pipeline-gdr-cuda-1024 --mode gdr --device cuda --size-mb 1024
+# UCX's own choice above; here the CUDA transports named (same-node GPU memory: cuda_ipc), tcp for wire-up
+UCX_TLS=cuda_ipc,cuda_copy,tcp bench agent-pipeline-gdr-cuda-ipc-tls-1024 --mode gdr --device cuda --size-mb 1024
+bench agent-pipeline-nccl-cpu-fsdp2-tp2-1024 --mode nccl --size-mb 1024 --fsdp 2 --inference-tp 2
+
+echo "== summary"
+$PY - "$OUT" <<'EOF'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("agent-pipeline-*.json")):
+    try:
+        d = json.loads(f.read_text())
+    except ValueError:
+        print(f"{f.stem}: no result")
+        continue
+    keys = ("end_to_end_s", "raw_s", "ratio", "trainer_blocked_s", "copies_per_byte", "peak_staging_bytes",
+            "bit_exact", "load_avg_1m")
+    print(f.stem, {k: d.get(k) for k in keys})
+EOF
+grep -E "passed|failed|error" "$OUT/pytest-gpu.log" | tail -3
