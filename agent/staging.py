@@ -154,7 +154,6 @@ def _cuda_driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     for name, args in (("cuInit", [ctypes.c_uint]), ("cuDeviceGet", [ctypes.c_void_p, ctypes.c_int]),
                        ("cuDevicePrimaryCtxRetain", [ctypes.c_void_p, ctypes.c_int]),
-                       ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]),
                        ("cuCtxPushCurrent_v2", [ctypes.c_void_p]), ("cuCtxPopCurrent_v2", [ctypes.c_void_p]),
                        ("cuMemHostRegister_v2", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]),
                        ("cuMemHostUnregister", [ctypes.c_void_p]),
@@ -170,30 +169,39 @@ def _driver_error(lib: ctypes.CDLL, err: int) -> str:
     return (name.value or b"?").decode() + f" ({err})"
 
 
-def _in_primary_context(call: Callable[[ctypes.CDLL], int]) -> tuple[int, str]:
-    """Run a CUDA driver call in the current device's primary context (the one torch uses), whatever is
-    current on this thread. Why the driver API: a failed runtime call (cudaHostRegister) leaves the runtime's
-    last error set, and torch then reports it from the next, unrelated CUDA call (seen on an H100: the first
-    torch.empty on the GPU after a refused registration raised 'invalid argument')."""
+@functools.cache
+def _primary_context(ordinal: int) -> int:
+    """The device's primary context (the one torch's runtime uses), retained once and never released: a
+    release that drops the last reference destroys the context, and every registration made in it with it
+    (seen on an H100: a pin in a process whose runtime had not made its context yet was gone at once)."""
     lib = _cuda_driver()
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    for err in (lib.cuInit(0), lib.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device())):
+    for err in (lib.cuInit(0), lib.cuDeviceGet(ctypes.byref(dev), ordinal),
+                lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)):
         if err:
-            return err, _driver_error(lib, err)
-    err = lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+            raise RuntimeError(_driver_error(lib, err))
+    return int(ctx.value or 0)
+
+
+def _in_primary_context(call: Callable[[ctypes.CDLL], int]) -> tuple[int, str]:
+    """Run a CUDA driver call in the current device's primary context, whatever is current on this thread.
+    Why the driver API: a failed runtime call (cudaHostRegister) leaves the runtime's last error set, and torch
+    then reports it from the next, unrelated CUDA call (seen on an H100: the first torch.empty on the GPU after
+    a refused registration raised 'invalid argument').
+    Returns (error code, its name); (0, "") on success."""
+    lib = _cuda_driver()
+    try:
+        ctx = _primary_context(torch.cuda.current_device())
+    except RuntimeError as exc:
+        return -1, str(exc)
+    err = lib.cuCtxPushCurrent_v2(ctypes.c_void_p(ctx))
     if err:
         return err, _driver_error(lib, err)
     try:
-        err = lib.cuCtxPushCurrent_v2(ctx)
-        if err:
-            return err, _driver_error(lib, err)
-        try:
-            err = call(lib)
-            return err, _driver_error(lib, err) if err else ""
-        finally:
-            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        err = call(lib)
+        return err, _driver_error(lib, err) if err else ""
     finally:
-        lib.cuDevicePrimaryCtxRelease_v2(dev)
+        lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
 def pin_host(t: torch.Tensor) -> bool:
