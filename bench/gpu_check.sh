@@ -46,7 +46,7 @@ timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -m gpu -p no:cacheprovider -q -o ad
   tests/agent/test_agent_gpu.py tests/agent_process/test_ring_staging.py \
   tests/engines/test_sglang_gpu.py tests/engines/test_vllm_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 # the engine stand-ins' own output (a crash there shows in the test only as a dropped connection)
-find /tmp/pytest-of-* -name 'standin-*.log' -newer "$OUT/pytest-gpu.log" -o -name 'standin-*.log' 2>/dev/null \
+find /tmp/pytest-of-* -name 'standin-*.log' 2>/dev/null \
   | while read -r f; do echo "-- $f"; tail -n 30 "$f"; done >>"$OUT/failures.log"
 
 bench() {  # NAME ARGS...: one agent_pipeline run, its JSON in $OUT/NAME.json (at most 8 files come back)
