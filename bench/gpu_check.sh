@@ -11,7 +11,8 @@
 #   nixl-slim.tgz    nixl + nixl_cu13 1.5.1 unpacked, without the nixl_ep extension (the carry limit is 64 MiB)
 #   engines/         the pinned sglang / vllm files the engine tests read (e2e/engines/released.py), and their
 #                    dist-info
-# Results go to $OUT (JSON per benchmark, the pytest log and junit XML), a table at the end of the output.
+# Results go to $OUT (bench-results.json, cuda-ipc-namespaces.json, the pytest log and junit XML, diagnostics.log with
+# the pods' and stand-ins' logs of what failed), a table at the end of the output.
 set -uo pipefail
 CARRY=${CARRY:-.devcarry}
 OUT=${OUT:-/tmp/gpu-check}
@@ -40,6 +41,9 @@ for d in agent crds operator e2e; do ln -sfn "$REPO/$d" "/tmp/wspy/weightsync/$d
 export PYTHONPATH=/tmp/wspy:$SITE PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 $PY -c 'import weightsync.agent.main, weightsync.agent.transports.gdr, nixl, kopf; print("imports ok")' || exit 1
 
+echo "== CUDA IPC across namespaces"
+timeout 120 $PY bench/cuda_ipc_namespaces.py --json | tee "$OUT/cuda-ipc-namespaces.json"
+
 echo "== gpu tests"
 timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -m gpu -p no:cacheprovider -q -o addopts=-ra \
   --junitxml="$OUT/gpu-junit.xml" \
@@ -47,38 +51,49 @@ timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -m gpu -p no:cacheprovider -q -o ad
   tests/engines/test_sglang_gpu.py tests/engines/test_vllm_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 # the engine stand-ins' own output (a crash there shows in the test only as a dropped connection)
 find /tmp/pytest-of-* -name 'standin-*.log' 2>/dev/null \
-  | while read -r f; do echo "-- $f"; tail -n 30 "$f"; done >>"$OUT/failures.log"
+  | while read -r f; do echo "-- $f"; tail -n 30 "$f"; done >>"$OUT/diagnostics.log"
 
-bench() {  # NAME ARGS...: one agent_pipeline run, its JSON in $OUT/NAME.json (at most 8 files come back)
+RES=/tmp/gpu-results  # one JSON per run, merged into $OUT/bench-results.json (at most 8 files come back)
+mkdir -p "$RES"
+bench() {  # NAME ARGS...: one agent_pipeline run
   local name=$1; shift
   echo "== bench $name: $*"
-  timeout "${BENCH_TIMEOUT:-170}" $PY bench/agent_pipeline.py "$@" --json >"$OUT/$name.json" 2>"/tmp/$name.log" \
+  timeout "${BENCH_TIMEOUT:-170}" $PY bench/agent_pipeline.py "$@" --json >"$RES/$name.json" 2>"/tmp/$name.log" \
     || { echo "FAILED ($?)"; tail -20 "/tmp/$name.log"
          run=$(ls -dt /tmp/ws-bench-* 2>/dev/null | head -1)  # the pods' own logs say where it stopped
          [ -n "$run" ] && find "$run" -name '*.log' -exec sh -c 'echo "-- $1"; tail -n 12 "$1"' _ {} \; \
-           | tee -a "$OUT/failures.log" | tail -n 80; }
+           | tee -a "$OUT/diagnostics.log" | tail -n 80; }
 }
 if [ "${QUICK:-}" = 1 ]; then  # the short form: IPC at 256 MiB only
   bench agent-pipeline-ipc-cuda-256 --mode ipc --device cuda --size-mb 256
 else
 bench agent-pipeline-ipc-cuda-1024 --mode ipc --device cuda --size-mb 1024
 bench agent-pipeline-gdr-cuda-1024 --mode gdr --device cuda --size-mb 1024
-# UCX's own choice above; here the CUDA transports named (same-node GPU memory: cuda_ipc), tcp for wire-up
-UCX_TLS=cuda_ipc,cuda_copy,tcp bench agent-pipeline-gdr-cuda-ipc-tls-1024 --mode gdr --device cuda --size-mb 1024
+# UCX's own choice above (0.46 GB/s raw on an H100: why?); here the CUDA transports named (same-node GPU memory:
+# cuda_ipc), tcp for wire-up, and UCX's protocol choice printed into the pods' logs, kept in diagnostics.log
+UCX_TLS=cuda_ipc,cuda_copy,tcp UCX_PROTO_INFO=y \
+  bench agent-pipeline-gdr-cuda-ipc-tls-1024 --mode gdr --device cuda --size-mb 1024
+run=$(ls -dt /tmp/ws-bench-* 2>/dev/null | head -1)
+[ -n "$run" ] && grep -rh -i -m 40 "ucp\|proto\|cuda_ipc\|cuda_copy" "$run" >>"$OUT/diagnostics.log"
 bench agent-pipeline-nccl-cpu-fsdp2-tp2-1024 --mode nccl --size-mb 1024 --fsdp 2 --inference-tp 2
+# the 16-core anomaly (3.9 s here against 0.6 s on 2 cores): the same with 2 intra-op threads per process
+OMP_NUM_THREADS=2 bench agent-pipeline-nccl-cpu-fsdp2-tp2-1024-omp2 --mode nccl --size-mb 1024 --fsdp 2 \
+  --inference-tp 2
 fi
 
 echo "== summary"
-$PY - "$OUT" <<'EOF'
+$PY - "$RES" "$OUT/bench-results.json" <<'EOF'
 import json, pathlib, sys
+merged = {}
 for f in sorted(pathlib.Path(sys.argv[1]).glob("agent-pipeline-*.json")):
     try:
-        d = json.loads(f.read_text())
+        d = merged[f.stem] = json.loads(f.read_text())
     except ValueError:
         print(f"{f.stem}: no result")
         continue
     keys = ("end_to_end_s", "raw_s", "ratio", "trainer_blocked_s", "copies_per_byte", "peak_staging_bytes",
             "bit_exact", "load_avg_1m")
     print(f.stem, {k: d.get(k) for k in keys})
+pathlib.Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
 EOF
 grep -E "passed|failed|error" "$OUT/pytest-gpu.log" | tail -3

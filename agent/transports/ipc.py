@@ -28,6 +28,7 @@ import mmap
 import os
 import re
 import secrets
+import weakref
 from typing import Any
 
 import torch
@@ -123,22 +124,48 @@ class _ShmSegment:
             os.unlink(self.path)
 
 
+#: Who exported a CUDA handle: a colocated agent is both the trainer's stager and the engine's receiver, and CUDA
+#: refuses to open a process's own IPC handle ("invalid device context", seen on an H100), so such a handle is
+#: resolved here, to the exported tensor (held by its sender until the bucket is released), instead.
+_PROCESS = secrets.token_hex(8)
+_OWN_EXPORTS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _cuda_storage_key(h: dict[str, Any]) -> str:
+    """A CUDA IPC handle names the allocator's whole block, which holds many tensors: a storage is the block's
+    bytes [storage_offset, storage_offset + size)."""
+    return f"{h.get('handle')}@{h.get('storage_offset')}+{h.get('size')}"
+
+
 def _cuda_handle(t: torch.Tensor) -> dict[str, Any]:
     """A JSON-able CUDA IPC handle for the whole storage of `t` (no pickle on the wire)."""
     storage = t.untyped_storage()
     (device, handle, size, st_offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
     b64 = base64.b64encode
-    return {"type": "cuda", "device": int(device), "handle": b64(handle).decode(), "size": int(size),
-            "storage_offset": int(st_offset), "offset": t.data_ptr() - storage.data_ptr(),
-            "ref_handle": b64(ref_handle).decode(), "ref_offset": int(ref_offset),
-            "event_handle": b64(event_handle).decode() if event_handle else "", "event_sync": bool(event_sync)}
+    h = {"type": "cuda", "device": int(device), "handle": b64(handle).decode(), "size": int(size),
+         "storage_offset": int(st_offset), "offset": t.data_ptr() - storage.data_ptr(),
+         "ref_handle": b64(ref_handle).decode(), "ref_offset": int(ref_offset),
+         "event_handle": b64(event_handle).decode() if event_handle else "", "event_sync": bool(event_sync),
+         "process": _PROCESS}
+    _OWN_EXPORTS[_cuda_storage_key(h)] = t
+    return h
 
 
 def _open_cuda(h: dict[str, Any], nbytes: int, device: torch.device) -> torch.Tensor:
+    """The whole storage a handle names, as `nbytes` uint8 on `device`: mapped from the exporting process, or
+    this process's own tensor when it exported the handle itself."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     b64 = base64.b64decode
     dev = device.index if device.index is not None else int(h["device"])
+    if h.get("process") == _PROCESS:
+        own = _OWN_EXPORTS.get(_cuda_storage_key(h))
+        if own is None:
+            raise TransportError("this process's own CUDA export is gone (its sender released it)")
+        # the export bumped the storage's IPC ref counter, which a mapping in another process would take over
+        torch.UntypedStorage._release_ipc_counter(b64(h["ref_handle"]), int(h["ref_offset"]), device=dev)
+        whole = torch.empty(0, dtype=torch.uint8, device=own.device)
+        return whole.set_(own.untyped_storage(), 0, (nbytes,), (1,))
     t: torch.Tensor = rebuild_cuda_tensor(
         torch.Tensor, (nbytes,), (1,), 0, torch.storage.UntypedStorage, torch.uint8, dev,
         b64(h["handle"]), int(h["size"]), int(h["storage_offset"]), False, b64(h["ref_handle"]), int(h["ref_offset"]),
@@ -150,10 +177,11 @@ def _open_cuda(h: dict[str, Any], nbytes: int, device: torch.device) -> torch.Te
 
 
 class _ReleasePending(Pending[None]):
-    def __init__(self, transport: IpcTransport, bucket: BucketPlan) -> None:
+    def __init__(self, transport: IpcTransport, bucket: BucketPlan, keep: torch.Tensor | None = None) -> None:
         self._t = transport
         self._bucket = bucket
         self._left = list(bucket.dsts)
+        self._keep = keep  # the exported tensor stays alive until every reader released it
 
     def wait(self, timeout: float | None = None) -> None:
         while self._left:
@@ -164,6 +192,7 @@ class _ReleasePending(Pending[None]):
             except Exception as exc:
                 raise TransportError(f"destination rank {d} did not release bucket {self._bucket.index}: {exc}") from exc
             self._left.pop(0)
+        self._keep = None
 
 
 class _OpenPending(Pending[torch.Tensor]):
@@ -266,10 +295,10 @@ class IpcTransport(Transport):
         assert t is not None
         return t
 
-    def _announce(self, bucket: BucketPlan, handle: dict[str, Any]) -> Pending[None]:
+    def _announce(self, bucket: BucketPlan, handle: dict[str, Any], keep: torch.Tensor | None = None) -> Pending[None]:
         for d in bucket.dsts:
             self._peer(dst(d)).send("ipc.bucket", index=bucket.index, version=self._version, handle=handle)
-        return _ReleasePending(self, bucket)
+        return _ReleasePending(self, bucket, keep)
 
     def start_send(self, bucket: BucketPlan, slot: int) -> Pending[None]:
         seg = self._send[slot]
@@ -293,7 +322,7 @@ class IpcTransport(Transport):
     def start_send_from(self, bucket: BucketPlan, data: torch.Tensor) -> Pending[None] | None:
         if data.device.type == "cuda":
             torch.cuda.current_stream(data.device).synchronize()
-            return self._announce(bucket, _cuda_handle(data))
+            return self._announce(bucket, _cuda_handle(data), keep=data)
         lo = data.data_ptr()
         for path, mapping in self._shared:
             base = mapping.data_ptr()
@@ -306,11 +335,7 @@ class IpcTransport(Transport):
     def _open(self, handle: dict[str, Any], bucket: BucketPlan, slot: int) -> torch.Tensor:
         assert self._ctx is not None
         kind = handle.get("type")
-        ident = f"{kind}:{handle.get('path') or handle.get('handle')}"
-        if kind == "cuda":
-            # a CUDA IPC handle names the allocator's whole block, which holds many tensors: the storage is the
-            # block's bytes [storage_offset, storage_offset + size)
-            ident += f"@{handle.get('storage_offset')}+{handle.get('size')}"
+        ident = f"{kind}:{_cuda_storage_key(handle) if kind == 'cuda' else handle.get('path')}"
         if "slot" in handle:  # an owner slot now backed by another segment: unmap the one it replaced
             key = (bucket.src, int(handle["slot"]))
             old = self._slot_ident.get(key)

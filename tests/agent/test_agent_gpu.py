@@ -87,3 +87,39 @@ def test_custom_engine_receive_slots_on_gpu_are_cuda_ipc_segments() -> None:
     dead = alloc.reap()
     assert len(dead) == 1
     dead[0].unlink()
+
+
+def test_a_colocated_agent_opens_its_own_cuda_export() -> None:
+    """A colocated agent stages the trainer's version and hands it to its own engine: it opens a handle it
+    exported itself, which CUDA refuses ('invalid device context'), so the handle resolves to the exported
+    memory in this process: the same bytes, no copy."""
+    from weightsync.agent.transports.ipc import _cuda_handle, _open_cuda
+
+    t = torch.arange(1 << 12, dtype=torch.int32, device="cuda")
+    view = t[256:512]
+    h = _cuda_handle(view)
+    whole = _open_cuda(h, int(h["size"]), torch.device("cuda"))
+    assert whole.data_ptr() == t.untyped_storage().data_ptr() and whole.numel() == int(h["size"])
+    got = whole[h["offset"]: h["offset"] + view.numel() * 4].view(torch.int32)
+    assert torch.equal(got, view)
+    view.add_(1)  # it is the exported memory itself
+    assert torch.equal(got, view)
+
+
+@pytest.mark.parametrize("mode", ["ipc", "gdr"])
+def test_the_product_path_on_the_gpu_is_bit_exact_with_one_copy(mode: str) -> None:
+    """bench/agent_pipeline.py --device cuda, small: trainer weights, agent buffers and engine parameters on
+    the GPU, through real agent, trainer and engine processes (ipc: one colocated pod, the agent opening its
+    own export; gdr: NIXL between two pods' GPU memory)."""
+    import json
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "agent_pipeline.py"
+    out = subprocess.run([sys.executable, str(bench), "--mode", mode, "--device", "cuda", "--size-mb", "16",
+                          "--bucket-mb", "2", "--versions", "3", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["bit_exact"] is True and result["trainer_device"] == "cuda:0"
+    assert result["copies_per_byte"] <= 1.01

@@ -53,13 +53,44 @@ class _Model:
         self.loaded.extend((n, t.detach().to("cpu", copy=True)) for n, t in weights)
 
 
-def engine_main(port: int, workers: int, out: str) -> None:
-    """vLLM's engine side on GPUs 0..workers-1 behind the routes the adapter calls."""
-    from vllm.utils.nccl import unpinned_nccl_env
+def ipc_engine_class(code: Any) -> Any:
+    """vLLM 0.33's IPCWeightTransferEngine, executed from the installed wheel: its receive_weights rebuilds the
+    adapter's CUDA IPC handles (torch's rebuild_cuda_tensor, keyed by the GPU's UUID) or unpacks a packed buffer
+    with vLLM's own PackedBufferImporter / packed_ipc_consumer."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+    pt = code.packed
+    return released.extract("vllm", WT + "ipc_engine.py", ["IPCWeightTransferEngine"], {
+        "torch": torch, "Any": Any, "WeightTransferConfig": object, "rebuild_cuda_tensor": rebuild_cuda_tensor,
+        "WeightTransferEngine": code.base.WeightTransferEngine,
+        "IPCWeightTransferInitInfo": code.ipc.IPCWeightTransferInitInfo,
+        "IPCWeightTransferUpdateInfo": code.ipc.IPCWeightTransferUpdateInfo,
+        "PackedBufferImporter": pt.PackedBufferImporter, "packed_ipc_consumer": pt.packed_ipc_consumer,
+    }, module_suffix="gpu").IPCWeightTransferEngine
+
+
+def engine_main(port: int, workers: int, out: str, backend: str = "nccl") -> None:
+    """vLLM's engine side on GPUs 0..workers-1 behind the routes the adapter calls (`backend`: nccl or ipc)."""
     sys.modules["vllm.model_executor.model_loader.mtp_validation"] = released.load_file(
         "vllm", "model_executor/model_loader/mtp_validation.py")
     code = vllm_code()
+    models = [_Model() for _ in range(workers)]
+    if backend == "ipc":
+        engines = [ipc_engine_class(code)(None, _vllm_config(workers, r), torch.device("cuda", r), models[r])
+                   for r in range(workers)]
+    else:
+        engines = _nccl_engines(code, workers, models)
+    _serve(port, workers, out, models, engines)
+
+
+def _vllm_config(workers: int, rank: int) -> Any:
+    return types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=workers,
+                                                                       rank=rank), model_config=None)
+
+
+def _nccl_engines(code: Any, workers: int, models: list[_Model]) -> list[Any]:
+    from vllm.utils.nccl import unpinned_nccl_env
+
     wrap = code.wrap
     common = released.extract("vllm", WT + "nccl_common.py", [
         "decode_nccl_unique_id", "NCCLWeightTransferInitInfo", "_worker_group_rank", "stateless_init_process_group",
@@ -67,12 +98,11 @@ def engine_main(port: int, workers: int, out: str) -> None:
         {**code.common.__dict__, "NCCL_UNIQUE_ID_BYTES": wrap.NCCL_UNIQUE_ID_BYTES, "unpinned_nccl_env": unpinned_nccl_env,
          "torch": torch}, module_suffix="gpu")
     code.nccl.worker_init_process_group = common.worker_init_process_group
-    models = [_Model() for _ in range(workers)]
-    engines = []
-    for r in range(workers):
-        cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=workers,
-                                                                          rank=r), model_config=None)
-        engines.append(code.nccl.NCCLWeightTransferEngine(None, cfg, torch.device("cuda", r), models[r]))
+    return [code.nccl.NCCLWeightTransferEngine(None, _vllm_config(workers, r), torch.device("cuda", r), models[r])
+            for r in range(workers)]
+
+
+def _serve(port: int, workers: int, out: str, models: list[_Model], engines: list[Any]) -> None:
     state: dict[str, Any] = {"version": "default", "active": False, "versions": {}}
 
     def on_workers(fn: Callable[[Any], None]) -> None:
@@ -154,13 +184,13 @@ def engine_main(port: int, workers: int, out: str) -> None:
 
 
 class Engine:
-    def __init__(self, tmp: Path, workers: int) -> None:
+    def __init__(self, tmp: Path, workers: int, backend: str = "nccl") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.out = tmp / "engine-loaded.pt"
         self.log = tmp / "engine.log"
         code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_vllm_gpu as t; "
-                f"t.engine_main({self.port}, {workers}, {str(self.out)!r})")
+                f"t.engine_main({self.port}, {workers}, {str(self.out)!r}, {backend!r})")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONSAFEPATH": "1"})
         deadline = time.monotonic() + 180
@@ -204,6 +234,29 @@ def test_nccl_backend_loads_bit_exact_into_vllms_receiver(tmp_path: Path, worker
             for rank in got:
                 assert [n for n, _ in rank] == [n for n, _ in items]
                 assert all(_same(x, y.cpu()) for (_, x), (_, y) in zip(rank, items, strict=True))
+        a.shutdown()
+    finally:
+        a.close()
+        eng.close()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_ipc_backend_loads_bit_exact_into_vllms_receiver(tmp_path: Path, packed: bool) -> None:
+    """One GPU: the adapter exports CUDA IPC handles keyed by the GPU's UUID (packed: one buffer per bucket),
+    and vLLM's IPCWeightTransferEngine in another process rebuilds and loads them, bit for bit."""
+    if _gpus() < 1:
+        pytest.fail("the gpu tier needs a CUDA GPU")
+    eng = Engine(tmp_path, 1, backend="ipc")
+    a = vllm.VLLMAdapter(eng.url, backend="ipc", devices=["cuda:0"], packed=packed, timeout=120)
+    try:
+        assert a.check_engine_version() == released.installed_version("vllm")
+        for v in (1, 2):
+            items = [(n, t.to("cuda:0") if v == 2 else t) for n, t in _weights(v)]  # CPU and GPU sources
+            load_version(a, v, _buckets(items), pause_generation=True)
+            assert a.served_version() == v
+            (rank,) = eng.loaded()[str(v)]
+            assert [n for n, _ in rank] == [n for n, _ in items]
+            assert all(_same(x, y.cpu()) for (_, x), (_, y) in zip(rank, items, strict=True))
         a.shutdown()
     finally:
         a.close()
