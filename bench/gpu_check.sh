@@ -69,6 +69,8 @@ if [ "${QUICK:-}" = 1 ]; then  # the short form: IPC at 256 MiB only
 else
 bench agent-pipeline-ipc-cuda-1024 --mode ipc --device cuda --size-mb 1024
 bench agent-pipeline-gdr-cuda-1024 --mode gdr --device cuda --size-mb 1024
+# whole versions hold 2 x the shard in the trainer's GPU memory; the ring holds depth x bucket
+bench agent-pipeline-ring-gdr-cuda-1024 --mode gdr --device cuda --size-mb 1024 --staging ring
 # UCX's own choice above (0.46 GB/s raw on an H100: why?); here the CUDA transports named (same-node GPU memory:
 # cuda_ipc), tcp for wire-up, and UCX's protocol choice printed into the pods' logs, kept in diagnostics.log
 UCX_TLS=cuda_ipc,cuda_copy,tcp UCX_PROTO_INFO=y \

@@ -162,6 +162,8 @@ def _open_cuda(h: dict[str, Any], nbytes: int, device: torch.device) -> torch.Te
         own = _OWN_EXPORTS.get(_cuda_storage_key(h))
         if own is None:
             raise TransportError("this process's own CUDA export is gone (its sender released it)")
+        if own.untyped_storage().nbytes() != nbytes:
+            raise TransportError(f"own CUDA export has {own.untyped_storage().nbytes()} bytes, the handle says {nbytes}")
         # the export bumped the storage's IPC ref counter, which a mapping in another process would take over
         torch.UntypedStorage._release_ipc_counter(b64(h["ref_handle"]), int(h["ref_offset"]), device=dev)
         whole = torch.empty(0, dtype=torch.uint8, device=own.device)
