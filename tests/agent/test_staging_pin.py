@@ -1,0 +1,105 @@
+"""Host staging's pin, on the CPU up to the CUDA driver call (the `gpu` tier runs it against a real driver:
+tests/agent/test_agent_gpu.py). A recording stand-in for libcuda checks what the GPU run cannot show in
+one assertion: the primary context is retained once and never released, every push is popped, a refused
+registration is a warning naming the directory and the driver's error, and nothing is left registered."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from weightsync.agent import staging
+
+
+class _Fn:
+    """One driver entry point: records its calls, returns the code `rc` gives (default 0)."""
+
+    def __init__(self, lib: _Driver, name: str) -> None:
+        self.lib, self.name = lib, name
+
+    def __call__(self, *args: Any) -> int:
+        self.lib.calls.append(self.name)
+        return self.lib.rc.get(self.name, 0)
+
+
+class _Driver:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.rc: dict[str, int] = {}
+        self.registered: set[int] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("cu"):
+            fn = _Fn(self, name)
+            if name == "cuGetErrorName":
+                return lambda err, out: self.calls.append(name) or 0
+            if name == "cuMemHostRegister_v2":
+                return lambda ptr, n, flags: self._register(ptr, n, flags)
+            if name == "cuMemHostUnregister":
+                return lambda ptr: self._unregister(ptr)
+            return fn
+        raise AttributeError(name)
+
+    def _register(self, ptr: int, n: int, flags: int) -> int:
+        self.calls.append("cuMemHostRegister_v2")
+        if ptr in self.registered:
+            return 712  # CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+        rc = self.rc.get("cuMemHostRegister_v2", 0)
+        if rc == 0:
+            self.registered.add(ptr)
+        return rc
+
+    def _unregister(self, ptr: int) -> int:
+        self.calls.append("cuMemHostUnregister")
+        if ptr not in self.registered:
+            return 713
+        self.registered.discard(ptr)
+        return 0
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[_Driver]:
+    lib = _Driver()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(staging, "_cuda_driver", lambda: lib)
+    staging._primary_context.cache_clear()
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    yield lib
+    staging._primary_context.cache_clear()
+
+
+def test_pins_retain_the_primary_context_once_and_balance_every_push(driver: _Driver) -> None:
+    segs = [staging.create_segment(1 << 16, "wspin") for _ in range(3)]
+    assert all(isinstance(s, staging.ShmSegment) and s.pinned for s in segs)
+    for s in segs:
+        s.unlink()
+    assert not driver.registered and all(not s.pinned for s in segs)
+    assert driver.calls.count("cuDevicePrimaryCtxRetain") == 1  # once per device, never released
+    assert not any("Release" in c for c in driver.calls)
+    assert driver.calls.count("cuCtxPushCurrent_v2") == driver.calls.count("cuCtxPopCurrent_v2") == 6
+    assert driver.calls.count("cuMemHostRegister_v2") == driver.calls.count("cuMemHostUnregister") == 3
+
+
+def test_a_refused_pin_is_a_warning_and_staging_stays_pageable(driver: _Driver,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    driver.rc["cuMemHostRegister_v2"] = 1  # CUDA_ERROR_INVALID_VALUE: the kernel refused (a disk-backed file)
+    with caplog.at_level(logging.WARNING, logger=staging.log.name):
+        seg = staging.create_segment(1 << 16, "wspin")
+    assert isinstance(seg, staging.ShmSegment) and not seg.pinned
+    assert "staging.pin_failed" in caplog.text and str(staging.shm_dir()) in caplog.text
+    seg.unlink()
+    assert "cuMemHostUnregister" not in driver.calls  # nothing to undo
+    assert driver.calls.count("cuCtxPushCurrent_v2") == driver.calls.count("cuCtxPopCurrent_v2")
+
+
+def test_a_driver_without_a_device_leaves_staging_pageable(driver: _Driver) -> None:
+    driver.rc["cuDeviceGet"] = 101  # CUDA_ERROR_INVALID_DEVICE
+    seg = staging.create_segment(1 << 16, "wspin")
+    assert not seg.pinned and "cuMemHostRegister_v2" not in driver.calls
+    seg.unlink()
+
