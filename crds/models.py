@@ -240,7 +240,8 @@ class Staging(_Model):
 
     mode: Literal["Version", "Ring"] = Field(
         default="Version",
-        description="Version: the trainer agent stages whole versions (memory: 2 x the trainer pod's shard bytes); "
+        description="Version: the trainer agent stages whole versions (memory: 2 x the trainer pod's shard bytes, in "
+        "GPU memory for a Colocated job with GPUs, whose agent stages on the GPUs it shares; host memory otherwise); "
         "publish holds the trainer for one copy. Ring: every transfer streams through `depth` bucket-sized slots "
         "that the trainer fills (memory: depth x bucketSizeMB per trainer rank, whatever the model size); the "
         "trainer is held only for a device snapshot when its tensors are on a GPU, else until the version is "
