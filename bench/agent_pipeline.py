@@ -259,10 +259,36 @@ def _raw_nccl(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: i
     return times[1:]
 
 
+def _handoff(store: Any, rank: int, shm: torch.Tensor, mine: torch.Tensor, bucket: int, iters: int,
+             sync: Any = None) -> list[float]:
+    """The double-buffered hand-off both ipc references time: the writer (rank 0) copies each bucket of
+    `mine` into slot k % 2 of `shm`, the reader copies it out of its own mapping; `sync` (CUDA) runs after
+    each copy, before the other side is told."""
+    times = []
+    for i in range(iters + 1):
+        _barrier(store, f"it{i}")
+        t0 = time.perf_counter()
+        for k, (o, n) in enumerate(_chunks(mine.numel(), bucket)):
+            slot = shm[(k % 2) * bucket:(k % 2) * bucket + n]
+            if rank == 0:
+                if k >= 2:
+                    store.wait([f"r{i}/{k - 2}"])
+                slot.copy_(mine[o:o + n])
+            else:
+                store.wait([f"w{i}/{k}"])
+                mine[o:o + n].copy_(slot)
+            if sync is not None:
+                sync()
+            store.set(f"{'w' if rank == 0 else 'r'}{i}/{k}", "1")
+        times.append(time.perf_counter() - t0)
+    _barrier(store, "handoff-done")  # the writer's buffer outlives the reader's mapping
+    return times[1:]
+
+
 def _raw_cuda_ipc(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path,
                   device: str = "cpu") -> list[float]:
-    """`_raw_shm` on the GPU: the writer copies each bucket into a CUDA IPC buffer of two slots, the reader
-    (its own process, the handle opened) copies it out; each side synchronises before it signals."""
+    """`_raw_shm` on the GPU: the hand-off through a CUDA IPC buffer of two slots, its handle opened by the
+    reader's own process; each side synchronises before it signals."""
     from weightsync.agent.transports.ipc import _cuda_handle, _open_cuda
 
     if rank == 0:
@@ -271,28 +297,7 @@ def _raw_cuda_ipc(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iter
     else:
         shm = _open_cuda(json.loads(store.get("handle")), 2 * bucket, torch.device(device))
     mine = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    chunks = _chunks(nbytes, bucket)
-    times = []
-    for i in range(iters + 1):
-        _barrier(store, f"it{i}")
-        t0 = time.perf_counter()
-        for k, (o, n) in enumerate(chunks):
-            slot = shm[(k % 2) * bucket:(k % 2) * bucket + n]
-            if rank == 0:
-                if k >= 2:
-                    store.wait([f"r{i}/{k - 2}"])
-                slot.copy_(mine[o:o + n])
-                torch.cuda.synchronize(device)
-                store.set(f"w{i}/{k}", "1")
-            else:
-                store.wait([f"w{i}/{k}"])
-                mine[o:o + n].copy_(slot)
-                torch.cuda.synchronize(device)
-                store.set(f"r{i}/{k}", "1")
-        times.append(time.perf_counter() - t0)
-    _barrier(store, "ipc-done")  # the writer's buffer outlives the reader's mapping
-    del shm
-    return times[1:]
+    return _handoff(store, rank, shm, mine, bucket, iters, sync=lambda: torch.cuda.synchronize(device))
 
 
 def _raw_shm(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path,
@@ -306,28 +311,10 @@ def _raw_shm(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: in
         os.close(fd)
     _barrier(store, "shm-made")
     shm = torch.from_file(str(path), shared=True, size=2 * bucket, dtype=torch.uint8)
-    mine = torch.ones(nbytes, dtype=torch.uint8)
-    chunks = _chunks(nbytes, bucket)
-    times = []
-    for i in range(iters + 1):
-        _barrier(store, f"it{i}")
-        t0 = time.perf_counter()
-        for k, (o, n) in enumerate(chunks):
-            slot = shm[(k % 2) * bucket:(k % 2) * bucket + n]
-            if rank == 0:
-                if k >= 2:
-                    store.wait([f"r{i}/{k - 2}"])
-                slot.copy_(mine[o:o + n])
-                store.set(f"w{i}/{k}", "1")
-            else:
-                store.wait([f"w{i}/{k}"])
-                mine[o:o + n].copy_(slot)
-                store.set(f"r{i}/{k}", "1")
-        times.append(time.perf_counter() - t0)
-    _barrier(store, "shm-done")
+    times = _handoff(store, rank, shm, torch.ones(nbytes, dtype=torch.uint8), bucket, iters)
     if rank == 0:
         path.unlink()
-    return times[1:]
+    return times
 
 
 def _raw_nixl(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: int, out: Path,

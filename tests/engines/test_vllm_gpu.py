@@ -223,10 +223,16 @@ def test_nccl_backend_loads_bit_exact_into_vllms_receiver(tmp_path: Path, worker
     eng = Engine(tmp_path, workers)
     a = vllm.VLLMAdapter(eng.url, backend="nccl", device=f"cuda:{workers}", packed=packed,
                          packed_buffer_size_bytes=limit, timeout=120)
+    _two_versions_bit_exact(a, eng, f"cuda:{workers}", workers)
+
+
+def _two_versions_bit_exact(a: vllm.VLLMAdapter, eng: Engine, device: str, workers: int) -> None:
+    """Versions 1 (CPU sources) and 2 (sources on `device`) through the adapter: every engine worker loaded
+    the tensors in order, bit for bit; then the adapter shuts the transfer down."""
     try:
         assert a.check_engine_version() == released.installed_version("vllm")
         for v in (1, 2):
-            items = [(n, t.to(f"cuda:{workers}") if v == 2 else t) for n, t in _weights(v)]  # CPU and GPU sources
+            items = [(n, t.to(device) if v == 2 else t) for n, t in _weights(v)]
             load_version(a, v, _buckets(items), pause_generation=True)
             assert a.served_version() == v
             got = eng.loaded()[str(v)]
@@ -248,16 +254,4 @@ def test_ipc_backend_loads_bit_exact_into_vllms_receiver(tmp_path: Path, packed:
         pytest.fail("the gpu tier needs a CUDA GPU")
     eng = Engine(tmp_path, 1, backend="ipc")
     a = vllm.VLLMAdapter(eng.url, backend="ipc", devices=["cuda:0"], packed=packed, timeout=120)
-    try:
-        assert a.check_engine_version() == released.installed_version("vllm")
-        for v in (1, 2):
-            items = [(n, t.to("cuda:0") if v == 2 else t) for n, t in _weights(v)]  # CPU and GPU sources
-            load_version(a, v, _buckets(items), pause_generation=True)
-            assert a.served_version() == v
-            (rank,) = eng.loaded()[str(v)]
-            assert [n for n, _ in rank] == [n for n, _ in items]
-            assert all(_same(x, y.cpu()) for (_, x), (_, y) in zip(rank, items, strict=True))
-        a.shutdown()
-    finally:
-        a.close()
-        eng.close()
+    _two_versions_bit_exact(a, eng, "cuda:0", 1)
