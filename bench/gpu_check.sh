@@ -24,13 +24,13 @@ echo "== machine"
 nvidia-smi -L || true
 nproc
 df -T /tmp /dev/shm | tail -n +2
-$PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
 "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)'
 
 echo "== install the carried packages"
 SITE=/tmp/site
 mkdir -p "$SITE" /tmp/wspy/weightsync
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$CARRY"/whl/*.whl \
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$CARRY"/whl/*.whl \
   || exit 1
 tar xzf "$CARRY/nixl-slim.tgz" -C "$SITE" || exit 1
 cp -r "$CARRY"/engines/. "$SITE"/
@@ -39,13 +39,13 @@ cp -r "$CARRY"/engines/. "$SITE"/
 cp weightsync/__init__.py /tmp/wspy/weightsync/
 for d in agent crds operator e2e; do ln -sfn "$REPO/$d" "/tmp/wspy/weightsync/$d"; done
 export PYTHONPATH=/tmp/wspy:$SITE PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
-$PY -c 'import weightsync.agent.main, weightsync.agent.transports.gdr, nixl, kopf; print("imports ok")' || exit 1
+"$PY" -c 'import weightsync.agent.main, weightsync.agent.transports.gdr, nixl, kopf; print("imports ok")' || exit 1
 
 echo "== CUDA IPC across namespaces"
-timeout 120 $PY bench/cuda_ipc_namespaces.py --json | tee "$OUT/cuda-ipc-namespaces.json"
+timeout 120 "$PY" bench/cuda_ipc_namespaces.py --json | tee "$OUT/cuda-ipc-namespaces.json"
 
 echo "== gpu tests"
-timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -m gpu -p no:cacheprovider -q -o addopts=-ra \
+timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -m gpu -p no:cacheprovider -q -o addopts=-ra \
   --junitxml="$OUT/gpu-junit.xml" \
   tests/agent/test_agent_gpu.py tests/agent_process/test_ring_staging.py \
   tests/engines/test_sglang_gpu.py tests/engines/test_vllm_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
@@ -53,14 +53,17 @@ timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -m gpu -p no:cacheprovider -q -o ad
 find /tmp/pytest-of-* -name 'standin-*.log' 2>/dev/null \
   | while read -r f; do echo "-- $f"; tail -n 30 "$f"; done >>"$OUT/diagnostics.log"
 
+latest_run() {  # the newest agent_pipeline run directory (its pods' logs)
+  find /tmp -maxdepth 1 -name 'ws-bench-*' -printf '%T@ %p\n' | sort -n | tail -n 1 | cut -d' ' -f2-
+}
 RES=/tmp/gpu-results  # one JSON per run, merged into $OUT/bench-results.json (at most 8 files come back)
 mkdir -p "$RES"
 bench() {  # NAME ARGS...: one agent_pipeline run
   local name=$1; shift
   echo "== bench $name: $*"
-  timeout "${BENCH_TIMEOUT:-170}" $PY bench/agent_pipeline.py "$@" --json >"$RES/$name.json" 2>"/tmp/$name.log" \
+  timeout "${BENCH_TIMEOUT:-170}" "$PY" bench/agent_pipeline.py "$@" --json >"$RES/$name.json" 2>"/tmp/$name.log" \
     || { echo "FAILED ($?)"; tail -20 "/tmp/$name.log"
-         run=$(ls -dt /tmp/ws-bench-* 2>/dev/null | head -1)  # the pods' own logs say where it stopped
+         run=$(latest_run)  # the pods' own logs say where it stopped
          [ -n "$run" ] && find "$run" -name '*.log' -exec sh -c 'echo "-- $1"; tail -n 12 "$1"' _ {} \; \
            | tee -a "$OUT/diagnostics.log" | tail -n 80; }
 }
@@ -75,7 +78,7 @@ bench agent-pipeline-ring-gdr-cuda-1024 --mode gdr --device cuda --size-mb 1024 
 # cuda_ipc), tcp for wire-up, and UCX's protocol choice printed into the pods' logs, kept in diagnostics.log
 UCX_TLS=cuda_ipc,cuda_copy,tcp UCX_PROTO_INFO=y \
   bench agent-pipeline-gdr-cuda-ipc-tls-1024 --mode gdr --device cuda --size-mb 1024
-run=$(ls -dt /tmp/ws-bench-* 2>/dev/null | head -1)
+run=$(latest_run)
 [ -n "$run" ] && grep -rh -i -m 40 "ucp\|proto\|cuda_ipc\|cuda_copy" "$run" >>"$OUT/diagnostics.log"
 bench agent-pipeline-nccl-cpu-fsdp2-tp2-1024 --mode nccl --size-mb 1024 --fsdp 2 --inference-tp 2
 # the 16-core anomaly (3.9 s here against 0.6 s on 2 cores): the same with 2 intra-op threads per process
@@ -84,7 +87,7 @@ OMP_NUM_THREADS=2 bench agent-pipeline-nccl-cpu-fsdp2-tp2-1024-omp2 --mode nccl 
 fi
 
 echo "== summary"
-$PY - "$RES" "$OUT/bench-results.json" <<'EOF'
+"$PY" - "$RES" "$OUT/bench-results.json" <<'EOF'
 import json, pathlib, sys
 merged = {}
 for f in sorted(pathlib.Path(sys.argv[1]).glob("agent-pipeline-*.json")):
