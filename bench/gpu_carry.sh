@@ -6,7 +6,7 @@
 #   CARRY/engines/       the pinned sglang / vllm files the engine tests read, with their dist-info (found by
 #                        running those tests here with an audit hook on open(); a missing file fails the test
 #                        loudly with EngineCodeMissing, never silently)
-# Usage: bash bench/gpu_carry.sh [CARRY]   (default .devcarry; add it to .git/info/exclude)
+# Usage: bash bench/gpu_carry.sh [CARRY]   (default .devcarry, which .gitignore ignores)
 set -euo pipefail
 CARRY=${1:-.devcarry}
 VPY=${VPY:-.venv/bin/python}
