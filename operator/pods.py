@@ -168,6 +168,33 @@ def _app_mounts(container: dict[str, Any]) -> list[dict[str, Any]]:
     return [m for m in mounts if m["mountPath"] not in taken]
 
 
+DEV_SHM = "/dev/shm"
+
+
+def shared_dev_shm(containers: Iterable[dict[str, Any]]) -> str | None:
+    """The volume the app containers of a Colocated GPU pod mount at /dev/shm, if any (None: they all use the
+    pod's own). Why one for all: the agent, the trainer and the engine pass torch CUDA IPC handles, and torch
+    keeps each export's reference count in a file in the exporter's /dev/shm that the receiver opens by name,
+    so a container with a /dev/shm of its own cannot open the others' handles. Raises TemplateError when
+    containers mount different volumes there."""
+    names = {str(m.get("name")): str(c.get("name")) for c in containers for m in c.get("volumeMounts") or []
+             if str(m.get("mountPath", "")).rstrip("/") == DEV_SHM}
+    if len(names) > 1:
+        mounts = ", ".join(f"{vol!r} in {ctr!r}" for vol, ctr in sorted(names.items()))
+        raise TemplateError(f"containers mount different volumes at {DEV_SHM} ({mounts}); a Colocated job with GPUs "
+                            "passes CUDA IPC handles between its containers, and they need one /dev/shm: mount the "
+                            "same volume in each, or none")
+    return next(iter(names), None)
+
+
+def _mount_dev_shm(containers: Iterable[dict[str, Any]], volume: str) -> None:
+    """Mount `volume` at /dev/shm in every container that does not mount one there yet."""
+    for c in containers:
+        mounts = c.setdefault("volumeMounts", [])
+        if not any(str(m.get("mountPath", "")).rstrip("/") == DEV_SHM for m in mounts):
+            mounts.append({"name": volume, "mountPath": DEV_SHM})
+
+
 def _agent_mounts() -> list[dict[str, Any]]:
     return [
         {"name": VOL_SOCKET, "mountPath": contract.SOCKET_DIR},
@@ -443,6 +470,9 @@ def build_pod(
             # by GPU UUID, so indices may differ); CUDA IPC between containers needs them in one PID namespace.
             _add_env(agent, contract.ENV_AGENT_DEVICE, "cuda")
             pspec["shareProcessNamespace"] = True
+            dev_shm = shared_dev_shm(pspec["containers"])
+            if dev_shm is not None:
+                _mount_dev_shm([*pspec["containers"], agent], dev_shm)
     pspec["initContainers"] = [agent, *(pspec.get("initContainers") or [])]
     pspec["volumes"] = (pspec.get("volumes") or []) + _volumes(job, spec)
     if use_claim:

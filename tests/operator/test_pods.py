@@ -325,6 +325,41 @@ def test_colocated_gpu_pods_share_a_pid_namespace_and_the_agent_works_on_cuda(jo
         assert contract.ENV_AGENT_DEVICE not in _env(_agent(pod))
 
 
+def _with_dev_shm(container: str, image: str, volume: str) -> dict:
+    """A template whose one container mounts `volume` (an in-memory emptyDir) at /dev/shm."""
+    return {"spec": {"volumes": [{"name": volume, "emptyDir": {"medium": "Memory"}}],
+                     "containers": [{"name": container, "image": image,
+                                     "volumeMounts": [{"name": volume, "mountPath": "/dev/shm"}]}]}}
+
+
+def _dev_shm(container):
+    return [m["name"] for m in container.get("volumeMounts") or [] if m["mountPath"] == "/dev/shm"]
+
+
+def test_a_colocated_gpu_pod_gives_every_container_the_dev_shm_one_of_them_mounts(job, colocated, separated, cfg):
+    """torch keeps a CUDA IPC export's reference count in a file in the exporter's /dev/shm, opened by name on
+    the other side: the trainer's volume at /dev/shm (a common way to enlarge it) becomes the engine's and
+    the agent's too, or no handle would open between them."""
+    spec = colocated(trainer={"template": _with_dev_shm("trainer", "trainer:1", "dshm")})
+    for pod in _pods(job, spec, cfg).values():
+        trainer, engine = pod["spec"]["containers"]
+        assert _dev_shm(trainer) == _dev_shm(engine) == _dev_shm(_agent(pod)) == ["dshm"]
+    for pod in _pods(job, colocated(), cfg).values():  # none mounted: every container keeps the pod's own
+        assert not any(_dev_shm(c) for c in [*pod["spec"]["containers"], _agent(pod)])
+    sep = separated(inference={"template": _with_dev_shm("engine", "engine:1", "dshm")})
+    for name, pod in _pods(job, sep, cfg).items():  # separated: no CUDA IPC between containers, nothing added
+        assert _dev_shm(_agent(pod)) == []
+        assert _dev_shm(pod["spec"]["containers"][0]) == (["dshm"] if "inference" in name else [])
+
+
+def test_colocated_containers_with_different_dev_shm_volumes_are_refused(job, colocated, cfg):
+    spec = colocated(trainer={"template": _with_dev_shm("trainer", "trainer:1", "dshm")},
+                     inference={"template": _with_dev_shm("engine", "engine:1", "engine-shm")})
+    with pytest.raises(TemplateError, match=r"different volumes at /dev/shm \('dshm' in 'trainer', "
+                                            r"'engine-shm' in 'engine'\)"):
+        _pods(job, spec, cfg)
+
+
 def test_colocated_with_dra_shares_one_claim(job, colocated, cfg):
     spec = colocated(
         placement={"mode": "Colocated", "dra": {"deviceClassName": "gpu.nvidia.com"}},
