@@ -30,6 +30,11 @@ def gpu_standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     import test_sglang_released as t
 
     monkeypatch.setattr(t, "UNSHARE", MOUNT_ONLY)
+    # The engine container of a Colocated pod shares the pod's /dev/shm with the agent (the pod's IPC
+    # namespace), and torch's CUDA IPC needs it: each export's reference count is a file in the exporter's
+    # /dev/shm that the receiver opens by name. On an H100 the stand-in with a private /dev/shm failed to
+    # open the handles ("mapping of buffer object failed"); bench/cuda_ipc_namespaces.py isolates why.
+    monkeypatch.setattr(t, "PRIVATE_DEV_SHM", False)
     made: list[Standin] = []
     yield lambda *a: made.append(Standin(tmp_path, "--device", "cuda", *a)) or made[-1]
     for s in made:

@@ -30,9 +30,14 @@ pytestmark = pytest.mark.engines
 UNSHARE = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child"]
 
 
+#: A private /dev/shm: another pod's view. The GPU tier turns it off: the engine container of a Colocated pod
+#: shares the pod's /dev/shm with the agent, and torch's CUDA IPC needs that (see tests/engines/test_sglang_gpu.py).
+PRIVATE_DEV_SHM = True
+
+
 def _in_own_namespaces(cmd: list[str]) -> list[str]:
-    """cmd in new mount + PID namespaces with a private /dev/shm: another container's view."""
-    inner = "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec " + " ".join(cmd)
+    """cmd in new mount + PID namespaces (UNSHARE), with a private /dev/shm unless PRIVATE_DEV_SHM is off."""
+    inner = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && " if PRIVATE_DEV_SHM else "") + "exec " + " ".join(cmd)
     return [*UNSHARE, "sh", "-c", inner]
 
 
