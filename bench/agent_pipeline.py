@@ -54,6 +54,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -260,7 +261,7 @@ def _raw_nccl(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: i
 
 
 def _handoff(store: Any, rank: int, shm: torch.Tensor, mine: torch.Tensor, bucket: int, iters: int,
-             sync: Any = None) -> list[float]:
+             sync: Callable[[], None] | None = None) -> list[float]:
     """The double-buffered hand-off both ipc references time: the writer (rank 0) copies each bucket of
     `mine` into slot k % 2 of `shm`, the reader copies it out of its own mapping; `sync` (CUDA) runs after
     each copy, before the other side is told."""

@@ -171,6 +171,10 @@ def _app_mounts(container: dict[str, Any]) -> list[dict[str, Any]]:
 DEV_SHM = "/dev/shm"
 
 
+def _at_dev_shm(mount: dict[str, Any]) -> bool:
+    return str(mount.get("mountPath", "")).rstrip("/") == DEV_SHM
+
+
 def shared_dev_shm(containers: Iterable[dict[str, Any]]) -> str | None:
     """The volume the app containers of a Colocated GPU pod mount at /dev/shm, if any (None: they all use the
     pod's own). Why one for all: the agent, the trainer and the engine pass torch CUDA IPC handles, and torch
@@ -178,7 +182,7 @@ def shared_dev_shm(containers: Iterable[dict[str, Any]]) -> str | None:
     so a container with a /dev/shm of its own cannot open the others' handles. Raises TemplateError when
     containers mount different volumes there."""
     names = {str(m.get("name")): str(c.get("name")) for c in containers for m in c.get("volumeMounts") or []
-             if str(m.get("mountPath", "")).rstrip("/") == DEV_SHM}
+             if _at_dev_shm(m)}
     if len(names) > 1:
         mounts = ", ".join(f"{vol!r} in {ctr!r}" for vol, ctr in sorted(names.items()))
         raise TemplateError(f"containers mount different volumes at {DEV_SHM} ({mounts}); a Colocated job with GPUs "
@@ -191,7 +195,7 @@ def _mount_dev_shm(containers: Iterable[dict[str, Any]], volume: str) -> None:
     """Mount `volume` at /dev/shm in every container that does not mount one there yet."""
     for c in containers:
         mounts = c.setdefault("volumeMounts", [])
-        if not any(str(m.get("mountPath", "")).rstrip("/") == DEV_SHM for m in mounts):
+        if not any(_at_dev_shm(m) for m in mounts):
             mounts.append({"name": volume, "mountPath": DEV_SHM})
 
 

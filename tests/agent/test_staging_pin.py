@@ -15,36 +15,25 @@ import torch
 from weightsync.agent import staging
 
 
-class _Fn:
-    """One driver entry point: records its calls, returns the code `rc` gives (default 0)."""
-
-    def __init__(self, lib: _Driver, name: str) -> None:
-        self.lib, self.name = lib, name
-
-    def __call__(self, *args: Any) -> int:
-        self.lib.calls.append(self.name)
-        return self.lib.rc.get(self.name, 0)
-
-
 class _Driver:
+    """Records every driver call. The calls with state (register / unregister) are methods; any other cu*
+    entry point returns the code `rc` names for it (default 0, success)."""
+
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.rc: dict[str, int] = {}
         self.registered: set[int] = set()
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("cu"):
-            fn = _Fn(self, name)
-            if name == "cuGetErrorName":
-                return lambda err, out: self.calls.append(name) or 0
-            if name == "cuMemHostRegister_v2":
-                return lambda ptr, n, flags: self._register(ptr, n, flags)
-            if name == "cuMemHostUnregister":
-                return lambda ptr: self._unregister(ptr)
-            return fn
-        raise AttributeError(name)
+        if not name.startswith("cu"):
+            raise AttributeError(name)
 
-    def _register(self, ptr: int, n: int, flags: int) -> int:
+        def call(*args: Any) -> int:
+            self.calls.append(name)
+            return self.rc.get(name, 0)
+        return call
+
+    def cuMemHostRegister_v2(self, ptr: int, n: int, flags: int) -> int:
         self.calls.append("cuMemHostRegister_v2")
         if ptr in self.registered:
             return 712  # CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
@@ -53,10 +42,10 @@ class _Driver:
             self.registered.add(ptr)
         return rc
 
-    def _unregister(self, ptr: int) -> int:
+    def cuMemHostUnregister(self, ptr: int) -> int:
         self.calls.append("cuMemHostUnregister")
         if ptr not in self.registered:
-            return 713
+            return 713  # CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
         self.registered.discard(ptr)
         return 0
 
