@@ -15,7 +15,9 @@ the digest names the bytes as this job's engines hold them, not a checkpoint for
 
 Checked before commit: the sender hashes every piece of a bucket and sends the leaves with it
 (`sync.bucket`); the receiver hashes the piece where it landed and refuses the version at the first leaf
-that differs, naming the tensor, its box and the source rank. A mismatch is never loaded into an engine,
+that differs, naming the tensor, its box and the source rank. One exception, which reads nothing twice:
+a bucket that lands in the very memory this process hashed it in (a Colocated pod's agent hands its own
+staging file to the engine over IPC) takes the leaves computed there (`HashedHere`). A mismatch is never loaded into an engine,
 let alone committed. CUDA buckets use the on-device weighted sum of agent/verify.py instead of xxh3 (no
 device-to-host copy); the sender names the algorithm and the receiver computes the same one.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 from .plan import BucketPlan
+from .staging import shm_location
 from .sync import SyncError, SyncHooks
 
 log = logging.getLogger(__name__)
@@ -129,10 +133,61 @@ class DigestStats:
     pieces: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    reused_bytes: int = 0  # sender: bytes whose leaves an earlier transfer of the same staged bytes computed
+    #: sender: bytes whose leaves an earlier transfer of the same staged bytes computed; receiver: bytes that
+    #: landed in the memory this process's sender hashed them in (HashedHere)
+    reused_bytes: int = 0
 
 
 Leaves = list[tuple[str, int]]
+MemoryKey = tuple[Any, ...]
+
+
+def memory_key(version: int, bucket: BucketPlan, data: torch.Tensor, algorithm: str) -> MemoryKey | None:
+    """What `data` (a bucket's bytes) is, however this process mapped it: its shared-memory file and offset,
+    with the version, bucket, source rank and algorithm. None for other memory (a wire's receive slot, a
+    pack buffer, GPU memory): only a file's name says that two mappings are the same bytes."""
+    where = shm_location(data)
+    if where is None:
+        return None
+    return (version, bucket.index, bucket.src, algorithm, *where, data.numel() * data.element_size())
+
+
+class HashedHere:
+    """The leaves this process computed over buckets in shared-memory files, by `memory_key`.
+
+    Why: in a Colocated pod one agent both stages the trainer's version and hands its buckets to the engine
+    over IPC, so the bucket its receiver gets is the very file region its sender hashed a moment before.
+    Hashing it again reads every byte a second time (about 30 ms per GiB on a CPU core) to learn nothing.
+    A receiver takes these leaves only for the same file region, version, bucket and source, and only when
+    the pieces' keys and leaves are the ones the bucket's metadata carries. A bucket that came over a wire
+    lands in other memory and is always hashed. Bounded in leaves (oldest first out)."""
+
+    MAX_LEAVES = 1 << 18
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[MemoryKey, Leaves] = OrderedDict()
+        self._count = 0
+
+    def put(self, key: MemoryKey | None, leaves: Leaves) -> None:
+        if key is None:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self._count += len(leaves) - (len(old) if old is not None else 0)
+            self._entries[key] = leaves
+            while self._count > self.MAX_LEAVES and len(self._entries) > 1:
+                _, gone = self._entries.popitem(last=False)
+                self._count -= len(gone)
+
+    def get(self, key: MemoryKey | None) -> Leaves | None:
+        if key is None:
+            return None
+        with self._lock:
+            return self._entries.get(key)
+
+
+HASHED_HERE = HashedHere()
 
 
 class SentLeaves:
@@ -189,11 +244,16 @@ class DigestHooks(SyncHooks):
         meta = dict(self.inner.on_send_bucket(version, bucket, data) or {}) if self.inner is not None else {}
         t0 = time.perf_counter()
         algo = self.algorithm or default_algorithm(data)
+
+        def compute() -> Leaves:
+            got = bucket_leaves(bucket, data, algo)
+            HASHED_HERE.put(memory_key(version, bucket, data, algo), got)  # over these very bytes
+            return got
+
         if self.sent_leaves is not None:
-            leaves, reused = self.sent_leaves.get_or_compute((bucket.index, algo),
-                                                             lambda: bucket_leaves(bucket, data, algo))
+            leaves, reused = self.sent_leaves.get_or_compute((bucket.index, algo), compute)
         else:
-            leaves, reused = bucket_leaves(bucket, data, algo), False
+            leaves, reused = compute(), False
         if reused:
             self.stats.reused_bytes += bucket.data_nbytes
         else:
@@ -220,8 +280,18 @@ class DigestHooks(SyncHooks):
                 for key, value in got:
                     self.digest.add(key, value)
             return
-        got = bucket_leaves(bucket, data, str(sent.get("algorithm") or XXH3_128))
+        algo = str(sent.get("algorithm") or XXH3_128)
         want = sent["leaves"]
+        here = HASHED_HERE.get(memory_key(version, bucket, data, algo))
+        if here is not None and [fmt(v) for _, v in here] == want and [k for k, _ in here] == [
+                piece_key(e.piece.name, e.piece.dtype, e.piece.global_shape, e.piece.box.offset, e.piece.box.shape)
+                for e in bucket.entries]:
+            self.stats.reused_bytes += bucket.data_nbytes  # landed where this process hashed it: not read again
+            if self.digest is not None:
+                for key, value in here:
+                    self.digest.add(key, value)
+            return
+        got = bucket_leaves(bucket, data, algo)
         if len(want) != len(got):
             raise DigestMismatch(f"{where}: {len(want)} piece digests for {len(got)} pieces")
         for (key, value), expected in zip(got, want, strict=True):

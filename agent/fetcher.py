@@ -346,6 +346,7 @@ class FetchResult:
     digest: str = ""  # the version's content digest as this agent received it (agent/digest.py)
     digest_checked: bool = True  # every piece was checked against its sender's leaf
     digest_bytes: int = 0  # bytes this agent hashed where they landed
+    digest_reused_bytes: int = 0  # bytes that landed where this agent's own sender hashed them (IPC, colocated)
 
 
 def reachable_sources(topo: Topology, group_name: str) -> set[int] | None:
@@ -530,7 +531,8 @@ def fetch_version(
     verified = sum(c.stats.bytes for c in checks.values() if c is not None)
     return FetchResult(version, nbytes, time.perf_counter() - t0, results, verified_bytes=verified,
                        digest=digest.hex(), digest_checked=not digest.unchecked,
-                       digest_bytes=sum(h.stats.bytes for h in hooks.values()))
+                       digest_bytes=sum(h.stats.bytes for h in hooks.values()),
+                       digest_reused_bytes=sum(h.stats.reused_bytes for h in hooks.values()))
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -920,6 +920,7 @@ class Agent:
         self.metrics.versions.labels("committed").inc()
         self.metrics.transfer_bytes.labels("received", self.mode).inc(res.bytes)
         self.metrics.digest_bytes.labels("received", "hashed").inc(res.digest_bytes)
+        self.metrics.digest_bytes.labels("received", "reused").inc(res.digest_reused_bytes)
         saved, delta_buckets = _wire_of(used)
         wire = max(0, res.bytes - saved)
         self.metrics.wire_bytes.labels(self.mode).inc(wire)

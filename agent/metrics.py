@@ -48,7 +48,9 @@ class AgentMetrics:
         self.digest_bytes = Counter(
             "weightsync_agent_digest_bytes_total", "Bytes the content digest covered, by side (sent, received) and "
             "whether their piece hashes were computed here (hashed) or sent as an earlier transfer of the same staged "
-            "version computed them (reused: the trainer agent hashes a version once, whatever the replicas)",
+            "version computed them (reused: the trainer agent hashes a version once, whatever the replicas; a "
+            "receiver, where the bucket landed in the very staging file its own agent hashed, as over IPC in a "
+            "Colocated pod)",
             ["side", "source"], registry=r)
         self.staging_bytes = Gauge(
             "weightsync_agent_staging_bytes", "Staging memory this agent holds now: shared segments and "

@@ -237,6 +237,7 @@ class ShmSegment(Segment):
         self.owner = owner
         self.tensor = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         self.pinned = False
+        _SHM_SEGMENTS.add(self)
 
     @classmethod
     def create(cls, size: int, prefix: str) -> ShmSegment:
@@ -405,23 +406,40 @@ class SharedSegments:
 
     def locate(self, t: torch.Tensor) -> tuple[Segment | MappedFile, int] | None:
         """(segment, byte offset) of a contiguous tensor lying wholly inside shared memory, else None."""
-        if not t.is_contiguous() or not t.numel():
-            return None
-        lo = t.data_ptr()
-        hi = lo + t.numel() * t.element_size()
         with self._lock:
             segs = [m for maps in self._segs.values() for m in maps]
-        for seg in segs:
-            base = seg.tensor
-            if not base.numel() or base.device != t.device:
-                continue
-            start = base.data_ptr()
-            if start <= lo and hi <= start + seg.size:
-                return seg, lo - start
+        return _locate_in(segs, t)
+
+
+def _locate_in(segs: Iterable[Segment | MappedFile], t: torch.Tensor) -> tuple[Segment | MappedFile, int] | None:
+    if not t.is_contiguous() or not t.numel():
         return None
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    for seg in segs:
+        base = seg.tensor
+        if not base.numel() or base.device != t.device:
+            continue
+        start = base.data_ptr()
+        if start <= lo and hi <= start + seg.size:
+            return seg, lo - start
+    return None
 
 
 SHARED = SharedSegments()
+
+#: Every staging segment this process maps (weakly; a closed one has an empty tensor and is skipped).
+_SHM_SEGMENTS: weakref.WeakSet[ShmSegment] = weakref.WeakSet()
+
+
+def shm_location(t: torch.Tensor) -> tuple[str, int] | None:
+    """(file name, byte offset) of a contiguous CPU tensor lying in a shared-memory file this process maps (a
+    staging segment, a receive slot, an IPC reader's mapping of a staging file), else None. Two mappings of one
+    file give the same answer: that is what says two tensors are the same bytes however they were mapped."""
+    if t.device.type != "cpu":
+        return None
+    found = SHARED.locate(t) or _locate_in(list(_SHM_SEGMENTS), t)
+    return (found[0].name, found[1]) if found is not None else None
 
 
 class SharedSlotAllocator:

@@ -385,13 +385,18 @@ def settled(urls: list[str], timeout: float = 10.0) -> list[dict[str, float]]:
 
 
 def copied_bytes(samples: list[dict[str, float]]) -> dict[str, float]:
-    by_stage: dict[str, float] = {}
+    return summed(samples, "weightsync_agent_copied_bytes_total", "stage")
+
+
+def summed(samples: list[dict[str, float]], metric: str, *labels: str) -> dict[str, float]:
+    """A counter summed over every agent's scrape, by the values of `labels` (joined by '/')."""
+    out: dict[str, float] = {}
     for s in samples:
         for key, v in s.items():
-            if key.startswith("weightsync_agent_copied_bytes_total{"):
-                stage = key.split('stage="', 1)[1].split('"', 1)[0]
-                by_stage[stage] = by_stage.get(stage, 0.0) + v
-    return by_stage
+            if key.startswith(metric + "{"):
+                k = "/".join(key.split(f'{label}="', 1)[1].split('"', 1)[0] for label in labels)
+                out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: int, staging: str = "version",
@@ -504,6 +509,8 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
     before, after = copied_bytes(scrapes[0]), copied_bytes(scrapes[-1])
     steady_versions = max(1, versions - 1)
     stages = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / (model_bytes * steady_versions) for k in after}
+    dig = [summed(sc, "weightsync_agent_digest_bytes_total", "side", "source") for sc in (scrapes[0], scrapes[-1])]
+    digest = {k: (dig[1].get(k, 0.0) - dig[0].get(k, 0.0)) / (model_bytes * steady_versions) for k in dig[1]}
     peak = sum(s.get("weightsync_agent_staging_peak_bytes{}", 0.0) for s in scrapes[-1])
     by_pod = {p.name: int(s.get("weightsync_agent_staging_peak_bytes{}", 0.0)) for p, s in zip(pods, scrapes[-1],
                                                                                               strict=True)}
@@ -521,6 +528,9 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
         "raw_gbps": round(model_bytes / raw_s / 1e9, 3) if raw else None,
         "copies_per_byte": round(sum(stages.values()), 3),
         "copies_per_byte_by_stage": {k: round(v, 3) for k, v in sorted(stages.items())},
+        # the content digest's reads of each byte (side/source: hashed = read, reused = leaves taken as computed)
+        "digest_reads_per_byte": round(sum(v for k, v in digest.items() if k.endswith("/hashed")), 3),
+        "digest_bytes_per_byte_by_source": {k: round(v, 3) for k, v in sorted(digest.items())},
         "peak_staging_bytes": int(peak), "peak_staging_bytes_by_pod": by_pod,
         "staging_bytes_at_end_by_pod": {p.name: int(s.get("weightsync_agent_staging_bytes{}", 0.0))
                                         for p, s in zip(pods, scrapes[-1], strict=True)},

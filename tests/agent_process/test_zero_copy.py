@@ -180,6 +180,14 @@ def test_a_resharded_layout_copies_each_byte_once_through_real_agents(mode: str)
     assert stages["publish"] == pytest.approx(1.0, abs=0.01)
     assert stages.get("pack", 0.0) == 0.0 and stages.get("unpack", 0.0) == 0.0
     assert stages.get("engine_pack", 0.0) == 0.0
+    # the content digest reads each byte once per side; over IPC the receiver's bucket is the very staging file
+    # region its own agent hashed as the sender, so it takes those leaves instead of reading the bytes again
+    digest = result["digest_bytes_per_byte_by_source"]
+    assert digest["sent/hashed"] == pytest.approx(1.0, abs=0.02)
+    hashed, reused = digest.get("received/hashed", 0.0), digest.get("received/reused", 0.0)
+    assert (hashed, reused) == ((0.0, pytest.approx(1.0, abs=0.02)) if mode == "ipc" else
+                                (pytest.approx(1.0, abs=0.02), 0.0)), digest
+    assert result["digest_reads_per_byte"] == pytest.approx(1.0 if mode == "ipc" else 2.0, abs=0.04)
 
 
 def test_trainer_stages_in_the_plan_arena_so_every_bucket_is_sent_in_place(tmp_path: Path,

@@ -155,3 +155,61 @@ def test_leaves_depend_on_the_key_and_on_every_byte() -> None:
     y[200] ^= 0x80
     assert a != D.leaf("t|uint8|256|0|256", y)
     assert D.leaf("k", x, D.WSUM) != D.leaf("k", y, D.WSUM)  # the on-device algorithm, computed on CPU here
+
+
+def test_a_bucket_that_lands_where_its_own_sender_hashed_it_is_not_read_again(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Colocated pod's agent stages the trainer's version and hands its buckets to the engine over IPC: the
+    receiver's bucket is its own second mapping of the staging file its sender hashed. It takes those leaves
+    instead of reading every byte again, and only for that file region, version, bucket and source, and only
+    with the leaves the bucket's metadata carries: anything else is hashed and checked as before."""
+    from weightsync.agent import staging
+    from weightsync.agent.transports.ipc import _ShmSegment
+
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    bucket, data = _bucket()
+    n = data.numel()
+    seg = staging.create_segment(n + 4096, "wstest")
+    assert isinstance(seg, staging.ShmSegment)
+    seg.tensor[4096 : 4096 + n].copy_(data)
+    sent = seg.tensor[4096 : 4096 + n]
+    reader = _ShmSegment(str(seg.path), seg.size, create=False)  # how an IPC reader maps the file
+    staging.SHARED.add(staging.MappedFile(str(seg.path), reader))
+    try:
+        assert reader.tensor is not None
+        landed = reader.tensor[4096 : 4096 + n]
+        assert landed.data_ptr() != sent.data_ptr()  # another mapping of the same bytes
+        assert staging.shm_location(landed) == staging.shm_location(sent) == (seg.name, 4096)
+        meta = D.DigestHooks().on_send_bucket(7, bucket, sent)
+        assert meta is not None
+        full = D.Digest()
+        D.DigestHooks(digest=full).on_recv_bucket(7, bucket, data.clone(), meta)  # private memory: hashed
+
+        calls: list[int] = []
+        real = D.bucket_leaves
+        monkeypatch.setattr(D, "bucket_leaves", lambda *a: calls.append(1) or real(*a))
+        got = D.Digest()
+        hooks = D.DigestHooks(digest=got)
+        hooks.on_recv_bucket(7, bucket, landed, meta)
+        assert calls == [] and hooks.stats.reused_bytes == bucket.data_nbytes and hooks.stats.bytes == 0
+        assert got.hex() == full.hex() and not got.unchecked
+
+        def hashed(version: int, where: torch.Tensor, m: Any) -> bool:
+            h = D.DigestHooks(digest=D.Digest())
+            before = len(calls)
+            h.on_recv_bucket(version, bucket, where, m)
+            return len(calls) == before + 1 and h.stats.reused_bytes == 0
+
+        assert hashed(8, landed, meta)            # another version in the same file region
+        assert hashed(7, data.clone(), meta)      # the same bytes in private memory (a wire's receive slot)
+        other = reader.tensor[: n]
+        other.copy_(data)
+        assert hashed(7, other, meta)             # the same bytes elsewhere in the file
+        forged = {**meta, "digest": {**meta["digest"], "leaves": ["0" * 32, *meta["digest"]["leaves"][1:]]}}
+        with pytest.raises(D.DigestMismatch, match="the sender computed"):
+            D.DigestHooks(digest=D.Digest()).on_recv_bucket(7, bucket, landed, forged)  # hashed, and refused
+        del landed, other  # the reader unmaps only once no view is left
+        reader.close()
+    finally:
+        staging.SHARED.forget(seg.name)
+        seg.unlink()
