@@ -69,6 +69,7 @@ bench: setup
 	$(VPY) bench/agent_pipeline.py --mode gdr --size-mb 1024 --json | tee bench/results/agent-pipeline-gdr.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --fsdp 2 --inference-tp 2 --json | tee bench/results/agent-pipeline-nccl-fsdp2-tp2.json
 	$(VPY) bench/agent_pipeline.py --mode gdr --size-mb 1024 --fsdp 2 --inference-tp 2 --json | tee bench/results/agent-pipeline-gdr-fsdp2-tp2.json
+	$(VPY) bench/agent_pipeline.py --mode ipc --size-mb 1024 --fsdp 2 --inference-tp 2 --json | tee bench/results/agent-pipeline-ipc-fsdp2-tp2.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --dp 2 --json | tee bench/results/agent-pipeline-nccl-dp2.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --json | tee bench/results/agent-pipeline-nccl-256.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --staging ring --json | tee bench/results/agent-pipeline-ring-nccl-256.json

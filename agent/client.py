@@ -313,6 +313,26 @@ def arena_offsets(shards: Sequence[LocalShard], layout: Any, size: int) -> list[
     return out
 
 
+def oversubscribed_threads(env: Mapping[str, str] | None = None) -> str | None:
+    """Why this rank's copy of CPU tensors into staging may stall, or None. The copy runs on torch's intra-op
+    threads (one per core by default); with several ranks on one pod (torchrun's LOCAL_WORLD_SIZE), each
+    running one per core, their OpenMP threads spin against each other. Measured with two ranks on two
+    cores (bench/agent_pipeline.py --mode ipc --fsdp 2 --inference-tp 2): the copy took up to 2 s instead
+    of 0.06 s. torchrun sets OMP_NUM_THREADS=1 per rank unless it is set; this catches the other launchers."""
+    env = os.environ if env is None else env
+    try:
+        local_ranks = int(env.get("LOCAL_WORLD_SIZE") or 1)
+    except ValueError:
+        return None
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local_ranks <= 1 or local_ranks * threads <= cores:
+        return None
+    return (f"{local_ranks} local ranks x {threads} intra-op threads each > {cores} cores: the copy into staging "
+            "runs on those threads and can stall for seconds; launch ranks as torchrun does (OMP_NUM_THREADS=1) "
+            f"or set OMP_NUM_THREADS to at most {max(1, cores // local_ranks)}")
+
+
 class TrainerSession:
     """A trainer rank's connection to its agent. Not thread-safe: one publish at a time per session.
 
@@ -344,6 +364,7 @@ class TrainerSession:
         self.session_id = uuid.uuid4().hex
         self._conn: local.LocalConn | None = None
         self._segments: dict[str, staging.Segment] = {}
+        self._threads_checked = False
 
     def _drop_connection(self) -> None:
         """Forget the agent: its connection and the staging segments it handed out."""
@@ -417,6 +438,11 @@ class TrainerSession:
         offsets, total = staging.pack_offsets(sizes)
         devices = {s.tensor.device.type for s in shards}
         device = "cpu" if devices <= {"cpu"} else str(next(s.tensor.device for s in shards if s.tensor.is_cuda))
+        if "cpu" in devices and not self._threads_checked:
+            self._threads_checked = True
+            why = oversubscribed_threads()
+            if why:
+                log.warning("trainer.threads_oversubscribed rank=%s %s", self.rank, why)
         conn = self._connection()
         reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total, "device": device,
                               "stream": True, "skip_unsent": True})
