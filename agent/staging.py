@@ -237,7 +237,8 @@ class ShmSegment(Segment):
         self.owner = owner
         self.tensor = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         self.pinned = False
-        _SHM_SEGMENTS.add(self)
+        with _SHM_LOCK:
+            _SHM_SEGMENTS.add(self)
 
     @classmethod
     def create(cls, size: int, prefix: str) -> ShmSegment:
@@ -428,8 +429,10 @@ def _locate_in(segs: Iterable[Segment | MappedFile], t: torch.Tensor) -> tuple[S
 
 SHARED = SharedSegments()
 
-#: Every staging segment this process maps (weakly; a closed one has an empty tensor and is skipped).
+#: Every staging segment this process maps (weakly; a closed one has an empty tensor and is skipped). The lock:
+#: a thread adding a segment while another lists them would change the set under its iteration.
 _SHM_SEGMENTS: weakref.WeakSet[ShmSegment] = weakref.WeakSet()
+_SHM_LOCK = threading.Lock()
 
 
 def shm_location(t: torch.Tensor) -> tuple[str, int] | None:
@@ -438,7 +441,9 @@ def shm_location(t: torch.Tensor) -> tuple[str, int] | None:
     file give the same answer: that is what says two tensors are the same bytes however they were mapped."""
     if t.device.type != "cpu":
         return None
-    found = SHARED.locate(t) or _locate_in(list(_SHM_SEGMENTS), t)
+    with _SHM_LOCK:
+        segs = list(_SHM_SEGMENTS)
+    found = SHARED.locate(t) or _locate_in(segs, t)
     return (found[0].name, found[1]) if found is not None else None
 
 
