@@ -433,7 +433,8 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
             c.start_agent(p, WEIGHTSYNC_LOG_LEVEL=os.environ.get("WEIGHTSYNC_LOG_LEVEL", "WARNING"),
                           WEIGHTSYNC_STAGING=staging, WEIGHTSYNC_STAGING_DEPTH=str(depth),
                           **{contract.ENV_AGENT_DEVICE: trainer_dev if p is t else inference_dev})
-        threads = {"engine": rank_threads(tp, threads_per_rank), "trainer": rank_threads(fsdp * dp, threads_per_rank)}
+        threads = {"engine": rank_threads("engine", tp, threads_per_rank),
+                   "trainer": rank_threads("trainer", fsdp * dp, threads_per_rank)}
         for r in range(tp):
             c.spawn(i, f"engine{r}", [sys.executable, me, "engine", "--rank", str(r), "--tp", str(tp), *common,
                                       "--device", inference_dev], **threads["engine"])
@@ -471,17 +472,19 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
     return _result(locals(), raw)
 
 
-def rank_threads(ranks: int, threads_per_rank: int | None) -> dict[str, str]:
-    """The environment one of a pod's `ranks` trainer (or engine) processes gets from its launcher: torchrun
-    sets OMP_NUM_THREADS=1 for each of several ranks when the variable is unset, and vLLM's and SGLang's GPU
-    workers limit their intra-op threads too; a rank alone keeps torch's default (one thread per core).
-    Without it, several ranks per pod each run as many OpenMP threads as there are cores, and their copies
-    spin against each other (the trainer's copy into staging took 2 s instead of 0.06 s here).
-    `threads_per_rank`: N > 0 forces N; 0 leaves every process torch's default, as no launcher does."""
+def rank_threads(role: str, ranks: int, threads_per_rank: int | None) -> dict[str, str]:
+    """The environment one of a pod's `ranks` trainer or engine processes runs with, as the real ones do:
+    torchrun sets OMP_NUM_THREADS=1 for each of several trainer ranks when the variable is unset (a rank
+    alone keeps torch's default, one thread per core); engines serve with one intra-op thread (vLLM's
+    `set_torch_threads_for_runtime`: idle OpenMP workers spin and steal the serving loop's cycles; SGLang's
+    GPU model runner calls `torch.set_num_threads(1)`). Without it, ranks each run one OpenMP thread per
+    core and their copies spin against each other and against the wire (the trainer's copy into staging
+    took 2 s instead of 0.06 s here). `threads_per_rank`: N > 0 forces N on both; 0 leaves every process
+    torch's default, as the bench did before."""
     if "OMP_NUM_THREADS" in os.environ:
         return {}
     if threads_per_rank is None:
-        return {"OMP_NUM_THREADS": "1"} if ranks > 1 else {}
+        return {"OMP_NUM_THREADS": "1"} if role == "engine" or ranks > 1 else {}
     return {"OMP_NUM_THREADS": str(threads_per_rank)} if threads_per_rank > 0 else {}
 
 
@@ -602,8 +605,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="where weights, engine parameters and agent buffers live (cuda: GPU 0, and GPU 1 if any)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw transport reference (raw_s, ratio: null)")
     p.add_argument("--threads-per-rank", type=int, default=None,
-                   help="OMP_NUM_THREADS of each trainer and engine process; default: as torchrun sets it (1 when a "
-                   "pod runs several ranks, else torch's default); 0: torch's default everywhere (oversubscribed)")
+                   help="OMP_NUM_THREADS of each trainer and engine process; default: as the real ones run (trainers "
+                   "as torchrun starts them: 1 when a pod runs several ranks, else torch's default; engines 1, as "
+                   "vLLM and SGLang serve); 0: torch's default everywhere (one thread per core)")
     p.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     a = p.parse_args(argv)
     if a.cmd == "trainer":
