@@ -58,3 +58,24 @@ def test_the_gpu_scripts_are_shellcheck_clean_and_refuse_a_machine_without_cuda(
         r = subprocess.run([sys.executable, str(bench / "agent_pipeline.py"), "--mode", "gdr", "--device", "cuda"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and "no CUDA GPU here" in r.stderr
+
+
+def test_the_pipeline_bench_runs_rank_processes_with_the_threads_their_launchers_give(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainers as torchrun starts them (1 intra-op thread each of several, torch's default alone), engines
+    with 1 as vLLM and SGLang serve; a set OMP_NUM_THREADS is left alone; --threads-per-rank overrides."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("agent_pipeline", Path(BENCH).parent / "agent_pipeline.py")
+    assert spec is not None and spec.loader is not None
+    ap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ap)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    one = {"OMP_NUM_THREADS": "1"}
+    assert ap.rank_threads("trainer", 1, None) == {}
+    assert ap.rank_threads("trainer", 2, None) == one
+    assert ap.rank_threads("engine", 1, None) == one and ap.rank_threads("engine", 4, None) == one
+    assert ap.rank_threads("trainer", 2, 0) == {} and ap.rank_threads("engine", 1, 0) == {}
+    assert ap.rank_threads("trainer", 1, 3) == {"OMP_NUM_THREADS": "3"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert ap.rank_threads("trainer", 2, None) == {} and ap.rank_threads("engine", 2, 1) == {}
