@@ -17,8 +17,8 @@ Checked before commit: the sender hashes every piece of a bucket and sends the l
 (`sync.bucket`); the receiver hashes the piece where it landed and refuses the version at the first leaf
 that differs, naming the tensor, its box and the source rank. One exception, which reads nothing twice:
 a bucket that lands in the very memory this process hashed it in (a Colocated pod's agent hands its own
-staging file to the engine over IPC) takes the leaves computed there (`HashedHere`). A mismatch is never loaded into an engine,
-let alone committed. CUDA buckets use the on-device weighted sum of agent/verify.py instead of xxh3 (no
+staging file to the engine over IPC) takes the leaves computed there (`HashedHere`). A mismatch is never
+loaded into an engine, let alone committed. CUDA buckets use the on-device weighted sum of agent/verify.py instead of xxh3 (no
 device-to-host copy); the sender names the algorithm and the receiver computes the same one.
 """
 
@@ -160,9 +160,10 @@ class HashedHere:
     Hashing it again reads every byte a second time (about 30 ms per GiB on a CPU core) to learn nothing.
     A receiver takes these leaves only for the same file region, version, bucket and source, and only when
     the pieces' keys and leaves are the ones the bucket's metadata carries. A bucket that came over a wire
-    lands in other memory and is always hashed. Bounded in leaves (oldest first out)."""
+    lands in other memory and is always hashed. A receiver reads an entry moments after its sender wrote it
+    (the bucket is in flight), so the table is small: bounded in leaves, oldest first out (a few MB)."""
 
-    MAX_LEAVES = 1 << 18
+    MAX_LEAVES = 1 << 16
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
