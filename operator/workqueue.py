@@ -4,10 +4,7 @@ Watch events arrive in bursts (creating ten pods yields dozens of pod events); e
 job X again". A request while X is being reconciled sets a flag so X runs once more afterwards, never
 concurrently. With a batch window, a reconcile starts that long after the first request, so the pod
 events of one version (every replica commits at about the same time) become one pass and one status
-write. While requests keep arriving the window stretches, to a third of it after the last one and at most
-three windows after the first: the reports of a version of 256 replicas arrive over about 0.15 s, and a
-pass that starts among them writes a status the next pass must replace, which then waits behind it.
-Failures are retried with exponential backoff. The reconcile itself is synchronous (the
+write. Failures are retried with exponential backoff. The reconcile itself is synchronous (the
 kubernetes client) and runs in a worker thread.
 """
 
@@ -27,10 +24,6 @@ Key = tuple[str, str]  # (namespace, name)
 
 #: a pass that took longer than this from its first request to its end is logged with where the time went
 SLOW_PASS_S = 0.5
-#: the batch window stretches while requests keep coming: to TRAILING x window after the newest one, at most
-#: MAX_STRETCH x window after the first
-TRAILING = 1 / 3
-MAX_STRETCH = 3.0
 
 
 class WorkQueue:
@@ -50,7 +43,6 @@ class WorkQueue:
         self._failures: dict[Key, int] = {}
         self._retry: dict[Key, asyncio.TimerHandle] = {}
         self._asked: dict[Key, float] = {}  # key -> when its next pass was first asked for (time.monotonic)
-        self._latest: dict[Key, float] = {}  # key -> when its next pass was last asked for
         self.known: set[Key] = set()
 
     def request(self, key: Key, batch_seconds: float | None = None) -> None:
@@ -58,9 +50,7 @@ class WorkQueue:
         the queue's): how long the pass waits for more requests to join it (agents' reports of one version
         arrive over a few hundred milliseconds: one pass and one status write for all, not one for each)."""
         self.known.add(key)
-        now = time.monotonic()
-        self._asked.setdefault(key, now)
-        self._latest[key] = now
+        self._asked.setdefault(key, time.monotonic())
         batch = self.batch_seconds if batch_seconds is None else batch_seconds
         if key in self._running:
             self._again[key] = max(self._again.get(key, 0.0), batch)
@@ -75,29 +65,16 @@ class WorkQueue:
         self.known.discard(key)
         self._failures.pop(key, None)
         self._asked.pop(key, None)
-        self._latest.pop(key, None)
         handle = self._retry.pop(key, None)
         if handle is not None:
             handle.cancel()
 
-    async def _gather(self, key: Key, batch: float) -> None:
-        """Wait out the batch window of `key`'s next pass (requests meanwhile join it): `batch` from its first
-        request, stretched while requests keep coming (see the module docstring)."""
-        first = self._asked.get(key, time.monotonic())
-        while True:
-            now = time.monotonic()
-            until = min(max(first + batch, self._latest.get(key, first) + TRAILING * batch), first + MAX_STRETCH * batch)
-            if until <= now:
-                return
-            await asyncio.sleep(until - now)
-
     async def _run(self, key: Key, batch: float) -> None:
         try:
             if batch > 0:
-                await self._gather(key, batch)
+                await asyncio.sleep(batch)  # requests meanwhile join this pass
             while True:
                 self._again.pop(key, None)
-                self._latest.pop(key, None)
                 asked = self._asked.pop(key, time.monotonic())
                 try:
                     result = await asyncio.to_thread(self._timed, key, asked)
@@ -117,7 +94,9 @@ class WorkQueue:
                     return
                 # requests made during the pass, and those right after, join; the window runs from the first
                 # of them (as for a first pass), so time spent waiting for the pass to end is not added to it
-                await self._gather(key, self._again[key])
+                left = self._again[key] - (time.monotonic() - self._asked.get(key, time.monotonic()))
+                if left > 0:
+                    await asyncio.sleep(left)
         finally:
             self._running.pop(key, None)
 
