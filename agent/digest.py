@@ -187,6 +187,9 @@ class HashedHere:
         with self._lock:
             return self._entries.get(key)
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
 
 HASHED_HERE = HashedHere()
 
@@ -240,6 +243,10 @@ class DigestHooks(SyncHooks):
     #: the leaves the first transfer computed instead of hashing the same bytes once per replica. A receiver
     #: still hashes what landed and compares: bytes that changed in staging between two transfers fail there.
     sent_leaves: SentLeaves | None = None
+    #: sender: where to record the leaves of buckets sent from a staging file, for a receiver in this process
+    #: (the agent's own IPC destination ranks) to take instead of hashing the same bytes again; None (every
+    #: transport but IPC): no receiver here reads them, nothing is recorded
+    hashed_here: HashedHere | None = None
 
     def on_send_bucket(self, version: int, bucket: BucketPlan, data: torch.Tensor) -> dict[str, Any] | None:
         meta = dict(self.inner.on_send_bucket(version, bucket, data) or {}) if self.inner is not None else {}
@@ -248,7 +255,8 @@ class DigestHooks(SyncHooks):
 
         def compute() -> Leaves:
             got = bucket_leaves(bucket, data, algo)
-            HASHED_HERE.put(memory_key(version, bucket, data, algo), got)  # over these very bytes
+            if self.hashed_here is not None:
+                self.hashed_here.put(memory_key(version, bucket, data, algo), got)  # over these very bytes
             return got
 
         if self.sent_leaves is not None:
@@ -283,7 +291,7 @@ class DigestHooks(SyncHooks):
             return
         algo = str(sent.get("algorithm") or XXH3_128)
         want = sent["leaves"]
-        here = HASHED_HERE.get(memory_key(version, bucket, data, algo))
+        here = HASHED_HERE.get(memory_key(version, bucket, data, algo)) if HASHED_HERE else None
         if here is not None and [fmt(v) for _, v in here] == want and [k for k, _ in here] == [
                 piece_key(e.piece.name, e.piece.dtype, e.piece.global_shape, e.piece.box.offset, e.piece.box.shape)
                 for e in bucket.entries]:

@@ -27,7 +27,7 @@ import torch
 from weightsync.agent import protocol as P
 from weightsync.agent import staging
 from weightsync.agent.buckets import SMALL_ALIGNMENT, itemsize
-from weightsync.agent.digest import DigestHooks, SentLeaves
+from weightsync.agent.digest import HASHED_HERE, DigestHooks, SentLeaves
 from weightsync.agent.groups import epoch_of
 from weightsync.agent.link import AuthError, FrameError, Link, LinkError, LinkListener, LinkTimeout, Mailbox
 from weightsync.agent.metrics import AgentMetrics
@@ -837,7 +837,8 @@ class WeightServer:
                 # serialising them per agent could deadlock two trainer pods serving two replicas.
                 transport, world = self.transport_for({**rdv.group, "epoch": epoch}, rdv.plan, f"src{rdv.src}")
                 digest = DigestHooks(inner=ChecksumHooks() if self.verify else None,
-                                     sent_leaves=rs.leaves.setdefault(rdv.plan.hash, SentLeaves()))
+                                     sent_leaves=rs.leaves.setdefault(rdv.plan.hash, SentLeaves()),
+                                     hashed_here=HASHED_HERE if transport.name == "ipc" else None)
                 sender = WeightSender(rdv.plan, rdv.src, transport, rdv.peers, timeout=self.timeout,
                                       world=world, device=self.device, hooks=digest)
                 if rs.streamed:

@@ -556,8 +556,7 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
         "snapshot": ns["snapshot"] if ns["staging"] == "ring" else None, "snapshot_bytes": int(snapshot_bytes),
         "trainer_held_for": sorted({str(d.get("streamed") or "copy into staging") for d in pubs}),
         # each rank process's intra-op threads (null: torch's default, one per core; rank_threads)
-        "omp_num_threads": {role: int(env["OMP_NUM_THREADS"]) if env else
-                            (int(os.environ["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in os.environ else None)
+        "omp_num_threads": {role: int(env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or 0) or None
                             for role, env in ns["threads"].items()},
         "first_version_end_to_end_s": round(rows[0]["end_to_end_s"], 4),
         "device": ns["device"], "trainer_device": ns["trainer_dev"], "inference_device": ns["inference_dev"],

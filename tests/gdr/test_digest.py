@@ -180,7 +180,7 @@ def test_a_bucket_that_lands_where_its_own_sender_hashed_it_is_not_read_again(
         landed = reader.tensor[4096 : 4096 + n]
         assert landed.data_ptr() != sent.data_ptr()  # another mapping of the same bytes
         assert staging.shm_location(landed) == staging.shm_location(sent) == (seg.name, 4096)
-        meta = D.DigestHooks().on_send_bucket(7, bucket, sent)
+        meta = D.DigestHooks(hashed_here=D.HASHED_HERE).on_send_bucket(7, bucket, sent)  # as over IPC
         assert meta is not None
         full = D.Digest()
         D.DigestHooks(digest=full).on_recv_bucket(7, bucket, data.clone(), meta)  # private memory: hashed
@@ -201,6 +201,9 @@ def test_a_bucket_that_lands_where_its_own_sender_hashed_it_is_not_read_again(
             return len(calls) == before + 1 and h.stats.reused_bytes == 0
 
         assert hashed(8, landed, meta)            # another version in the same file region
+        # a sender over any other transport records nothing: no receiver in its process reads its buckets
+        meta9 = D.DigestHooks().on_send_bucket(9, bucket, sent)
+        assert hashed(9, landed, meta9)
         assert hashed(7, data.clone(), meta)      # the same bytes in private memory (a wire's receive slot)
         other = reader.tensor[: n]
         other.copy_(data)
