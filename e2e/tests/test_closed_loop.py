@@ -339,6 +339,10 @@ def test_stale_replica_goes_not_ready_through_its_readiness_gate(cluster, kube, 
     name = body["metadata"]["name"]
     _served_at_least(kube, namespace, name, 2)
     stale = sorted(inference_pods(kube, namespace, name))[1]
+    # Ready first: a pod the runtime has not yet marked Ready after its first load would pass the NotReady
+    # wait below at once, with its synced gate already True.
+    wait(lambda: demo.pod_condition(inference_pods(kube, namespace, name)[stale], "Ready") == "True", 60,
+         f"{stale} Ready before its engine hangs")
     pid = demo.container_pid(inference_pods(kube, namespace, name)[stale], "engine")
     assert pid is not None
     os.killpg(pid, signal.SIGSTOP)  # a hung engine: its replica cannot load anything any more

@@ -83,8 +83,12 @@ def test_pod_asking_4_gpus_lands_on_a_matching_gpu_node(kube: Kube, namespace: s
         node = kube.core.read_node(node_name)
         assert node.metadata.labels[contract.LABEL_GPU_PRODUCT] == product
         assert int(node.status.allocatable[contract.RESOURCE_GPU]) >= 4
-        events = kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=gpu4").items
-        assert any(e.reason == "Scheduled" and node_name in (e.message or "") for e in events)
+        # The scheduler records its Scheduled event asynchronously, after the binding is visible.
+        scheduled = wait_until(
+            lambda: [e for e in kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=gpu4").items
+                     if e.reason == "Scheduled"],
+            timeout=30, what="a Scheduled event")
+        assert any(node_name in (e.message or "") for e in scheduled)
     finally:
         force_delete_pods(kube, namespace)
 
