@@ -254,6 +254,7 @@ class PodLink:
         self._want = Observed()
         self._written_ann: dict[str, str | None] = {}
         self._written_cond: tuple[str, str] | None = None
+        self._created: dt.datetime | None = None  # the pod's creationTimestamp
         self._cond = threading.Condition()
         self._dirty = False
         self._stop = threading.Event()
@@ -280,6 +281,8 @@ class PodLink:
         ann = dict(pod.metadata.annotations or {})
         first = not self.uid
         self.uid = str(pod.metadata.uid or "")
+        created = pod.metadata.creation_timestamp
+        self._created = created if isinstance(created, dt.datetime) else None
         self._written_ann = {k: v for k, v in ann.items() if k.startswith(f"{contract.GROUP}/")}
         if self.token is not None and not first:
             with self._cond:  # a re-read after a lost watch: the next write restores whatever is not ours
@@ -562,6 +565,13 @@ class PodLink:
                     self._in_flight = {}
         cond = condition_for(obs, dt.datetime.now(dt.timezone.utc))
         if cond is not None and (cond["status"], cond["reason"]) != self._written_cond:
+            if self._written_cond is not None and self._written_cond[0] == cond["status"]:
+                # only the reason changed: lastTransitionTime stays when the status last changed (the
+                # Kubernetes convention; the operator's Atomic drain check compares it with Ready's)
+                del cond["lastTransitionTime"]
+            elif self._written_cond is None and cond["status"] == "False" and self._created is not None:
+                # the pod's first synced condition, False: the gate has never been True on this pod
+                cond["lastTransitionTime"] = self._created.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
             status_body = {"status": {"conditions": [cond]}}  # strategic merge by type keeps the other conditions
             self._timed("status", lambda: self.api.patch_namespaced_pod_status(
                 self.name, self.namespace, status_body, _content_type="application/strategic-merge-patch+json"))

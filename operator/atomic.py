@@ -14,7 +14,12 @@ A round moves every serving replica from the committed version C to N (the train
    whose gate says Ready serves `committed-version`, so two Ready replicas never serve different versions.
 
 The drain makes the switch safe although pods are patched one by one: no replica can be Ready at N before
-every replica stopped being Ready at C. The price is a short gap with no Ready replica (the load from host
+every replica stopped being Ready at C. "Stopped" means the kubelet evaluated the pod's readiness gate after
+the gate turned False: a kubelet computes Ready from its own (possibly older) copy of the pod, so a replica
+whose gate turned True just before the drain (it had just loaded C) can still be made Ready at C once, after
+the gate is False again. A NotReady pod counts as drained when its Ready condition last changed at or after
+its gate did, or when the gate has been False for DRAIN_SETTLE_S (any kubelet has seen it by then); the
+operator checks again when that time is up (`AtomicRound.recheck_after`). The price is a short gap with no Ready replica (the load from host
 memory), which on-policy RL accepts (it waits for the new version anyway).
 
 A round whose prepare failed on a replica (its agent reports `sync-error`, e.g. a fetch, a checksum or the
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from weightsync.crds import contract
@@ -42,6 +48,11 @@ REASON_PREPARE_FAILED = "AtomicPrepareFailed"
 REASON_PREPARING = "AtomicPreparing"
 REASON_SWITCHING = "AtomicSwitching"
 PREPARE_GRACE_S = 60.0  # beyond the agents' own transfer deadline, before the operator calls a prepare overdue
+#: how long after a readiness gate turned False every kubelet has computed Ready from it (a kubelet reacts to a
+#: pod update within a watch event and one pod sync: well under a second; twice that here)
+DRAIN_SETTLE_S = 2.0
+#: conditions' lastTransitionTime has second precision: a gate that turned False at 12:00:00.9 reads 12:00:00
+TIME_PRECISION_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,9 @@ class AtomicRound:
     commit_set: frozenset[int] = frozenset()
     preparing: VersionKey | None = None   # the version the commit set prepares
     failure: PrepareFailure | None = None
+    #: the drain waits only for gates to settle (drain_wait): pass again after this many seconds
+    recheck_after: float | None = None
+    settling: tuple[str, ...] = ()  # the pods it waits for
 
     @property
     def switching(self) -> bool:
@@ -88,15 +102,29 @@ def _max(keys: Iterable[VersionKey | None]) -> VersionKey | None:
     return max(known) if known else None
 
 
-def drained(pod: Mapping[str, Any]) -> bool:
-    """The pod left the Service for the switch: NotReady, and its agent acknowledged the drain (its synced
-    condition says AtomicSwitching, written after it saw commit-version; it stays False until the committed
-    version moves), or it has no synced condition yet (a new pod: its agent reads commit-version before it
-    writes one). A NotReady pod whose agent did not acknowledge could still turn Ready on the old version."""
+def drain_wait(pod: Mapping[str, Any], now: datetime) -> float | None:
+    """0.0 once the pod left the Service for the switch; the seconds until it counts as gone when only its
+    gate's settling is missing; None while it is Ready or its agent has not acknowledged the drain.
+
+    Gone: NotReady, its agent acknowledged (its synced condition says AtomicSwitching, written after it saw
+    commit-version, False until the committed version moves; or it has no synced condition yet: a new pod's
+    agent reads commit-version before it writes one), and the kubelet has computed Ready from the gate as it
+    is now: Ready changed at or after the gate did, or the gate has been False for DRAIN_SETTLE_S. A NotReady
+    pod whose kubelet still holds an older, True gate could turn Ready on the old version."""
     if podstate.is_ready(pod):
-        return False
+        return None
     detail = podstate.condition_detail(pod, contract.POD_CONDITION_SYNCED)
-    return detail is None or detail[0] == contract.REASON_ATOMIC_SWITCHING
+    if detail is None:
+        return 0.0
+    if detail[0] != contract.REASON_ATOMIC_SWITCHING:
+        return None
+    gate_since = podstate.condition_since(pod, contract.POD_CONDITION_SYNCED)
+    if gate_since is None:
+        return 0.0  # a condition without a transition time (not written by an agent): nothing to compare
+    ready_since = podstate.condition_since(pod, "Ready")
+    if ready_since is not None and ready_since >= gate_since:
+        return 0.0
+    return max(0.0, DRAIN_SETTLE_S + TIME_PRECISION_S - (now - gate_since).total_seconds())
 
 
 def _replica_prepared(s: ReplicaState, pods: Mapping[str, Mapping[str, Any]]) -> VersionKey | None:
@@ -115,10 +143,13 @@ def _failure(s: ReplicaState, pods: Mapping[str, Mapping[str, Any]], version: Ve
 
 
 def decide(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]],
-           trainer: VersionKey | None, overdue: OverduePrepare | None = None) -> AtomicRound:
+           trainer: VersionKey | None, overdue: OverduePrepare | None = None,
+           now: datetime | None = None) -> AtomicRound:
     """The round's state from the observed pods (level-triggered: the operator's own commit annotations on
     the pods are its memory, so a restarted operator carries on). OVERDUE: the version whose prepare the
-    operator's clock says took too long (see PrepareClock)."""
+    operator's clock says took too long (see PrepareClock). NOW: wall-clock time (the drain compares it with
+    the pods' condition times)."""
+    now = now or datetime.now(timezone.utc)
     live = [pods[n] for s in states for n in s.pod_names if podstate.is_live(pods.get(n))]
     committed = _max(annotation_key(p, contract.ANN_COMMITTED_VERSION, contract.ANN_COMMITTED_EPOCH) for p in live)
     commit = _max(annotation_key(p, contract.ANN_COMMIT_VERSION, contract.ANN_COMMIT_EPOCH) for p in live)
@@ -131,10 +162,18 @@ def decide(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]],
         commit = committed
 
     if commit > committed:  # drain, then switch: final, never aborted
-        if all(drained(p) for p in live):
+        waits = {str((p.get("metadata") or {}).get("name")): drain_wait(p, now) for p in live}
+        recheck: float | None = None
+        settling: tuple[str, ...] = ()
+        if all(w == 0.0 for w in waits.values()):
             committed = commit
+        elif all(w is not None for w in waits.values()):
+            # only gates settling: no pod event will say when they have
+            recheck = max(w for w in waits.values() if w is not None)
+            settling = tuple(sorted(n for n, w in waits.items() if w))
         serving = frozenset(s.replica for s in states if s.serving and s.served_key in (committed, commit))
-        return AtomicRound(committed, commit, {s.replica: commit for s in states}, serving, commit)
+        return AtomicRound(committed, commit, {s.replica: commit for s in states}, serving, commit,
+                           recheck_after=recheck, settling=settling)
 
     commit_set = frozenset(s.replica for s in states if s.serving and s.ready and s.served_key == committed)
     newer = trainer if trainer is not None and trainer > committed else None

@@ -137,6 +137,15 @@ def condition_detail(pod: Pod, type_: str) -> tuple[str, str] | None:
     return None
 
 
+def condition_since(pod: Pod, type_: str) -> datetime | None:
+    """lastTransitionTime of a pod condition (second precision, as the API server stores it), None when
+    absent or unreadable."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return _parse_time(c.get("lastTransitionTime"))
+    return None
+
+
 def served_version(pod: Pod) -> int | None:
     return int_annotation(pod, contract.ANN_SERVED_VERSION)
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -84,6 +85,8 @@ class Outcome:
     status_write_s: float = 0.0  # round trip of the status PATCH (0 when nothing was written)
     problem: Problem | None = None
     status: Obj = field(default_factory=dict)
+    #: pass again after this many seconds even if nothing changes (an Atomic drain waiting for gates to settle)
+    recheck_after: float | None = None
 
     @property
     def changed(self) -> bool:
@@ -255,11 +258,18 @@ class Reconciler:
         states = replica_states(plan, pods)
         tv = trainer_version(plan, pods, prev_status.get("trainerVersion"), prev_status.get("trainerEpoch") or 0)
         overdue = None
+        now = datetime.now(timezone.utc)  # one instant for every decision of this pass
         if spec.update_policy.strategy == "Atomic":
+            round_ = atomic.decide(states, pods, tv, now=now)
             overdue = self._prepare_clock.overdue(
-                (job.namespace, job.name), atomic.decide(states, pods, tv).preparing, self.clock(),
+                (job.namespace, job.name), round_.preparing, self.clock(),
                 spec.transfer.timeout_seconds + atomic.PREPARE_GRACE_S)
-        annotations = desired_annotations(spec, plan, states, tv, generation, pods, overdue)
+            out.recheck_after = round_.recheck_after
+            if round_.settling:
+                log.info("atomic.drain_settling job=%s/%s version=%s pods=%s recheck_after_s=%.2f", job.namespace,
+                         job.name, round_.commit[1] if round_.commit else None, ",".join(round_.settling),
+                         round_.recheck_after or 0.0, extra={"job": f"{job.namespace}/{job.name}"})
+        annotations = desired_annotations(spec, plan, states, tv, generation, pods, overdue, now)
         try:
             desired_pods = self._memo(job, "pods", None, lambda: build_pods(job, spec, plan, self.cfg))
         except TemplateError as err:
@@ -289,8 +299,8 @@ class Reconciler:
             if podstate.is_live(p) and n in built and podstate.pod_annotations(p).get(contract.ANN_SPEC_HASH) != built[n]
         ]
         self._patch_outdated_pods(job, outdated, annotations, out)
-        status = aggregate(spec, job.generation, plan, pods, prev_status, generation, states=states, outdated=outdated,
-                           atomic_overdue=overdue)
+        status = aggregate(spec, job.generation, plan, pods, prev_status, generation, now=now, states=states,
+                           outdated=outdated, atomic_overdue=overdue)
         self._write_status(job, prev_status, ordered(status), out)
         m.record_job_status(job.namespace, job.name, out.status)
         if out.status_written:

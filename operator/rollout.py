@@ -16,6 +16,7 @@ spec.transfer.timeoutSeconds) costs no capacity, so one stuck engine cannot bloc
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from datetime import datetime
 from typing import Any
 
 from weightsync.crds import contract
@@ -72,13 +73,14 @@ def desired_annotations(
     membership_generation: int,
     pods: Mapping[str, Mapping[str, Any]] | None = None,
     atomic_overdue: atomic.OverduePrepare | None = None,
+    now: datetime | None = None,
 ) -> dict[str, dict[str, str]]:
     """Pod name -> the operator-owned annotations it should carry (`pods`: the observed pods, for sync errors).
     strategy Atomic: the targets and commit annotations of operator/atomic.py instead of waves."""
     pods = pods or {}
     commit_ann: dict[str, str] = {}
     if spec.update_policy.strategy == "Atomic":
-        round_ = atomic.decide(states, pods, trainer_version, atomic_overdue)
+        round_ = atomic.decide(states, pods, trainer_version, atomic_overdue, now)
         targets = round_.targets
         commit_ann = atomic.pod_annotations(round_)
     else:

@@ -168,7 +168,8 @@ def aggregate(
             "inference replicas are Ready",
         )
 
-    round_ = atomic.decide(states, pods, tv_key, atomic_overdue) if spec.update_policy.strategy == "Atomic" else None
+    round_ = (atomic.decide(states, pods, tv_key, atomic_overdue, now) if spec.update_policy.strategy == "Atomic"
+              else None)
     # Synced: every replica serves the newest published version.
     if round_ is not None and round_.failure is not None:
         put(contract.COND_SYNCED, "False", atomic.REASON_PREPARE_FAILED, round_.failure.message(round_.committed))

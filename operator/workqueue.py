@@ -91,6 +91,12 @@ class WorkQueue:
                 if result is None:
                     self.known.discard(key)  # the job is gone
                 if key not in self._again:
+                    recheck = getattr(result, "recheck_after", None)
+                    if recheck is not None and key in self.known:
+                        # nothing will change on its own to say so (an Atomic drain waiting for gates to
+                        # settle): pass again then; any request before that replaces this one
+                        loop = asyncio.get_running_loop()
+                        self._retry[key] = loop.call_later(max(0.05, float(recheck)), self._retry_fire, key)
                     return
                 # requests made during the pass, and those right after, join; the window runs from the first
                 # of them (as for a first pass), so time spent waiting for the pass to end is not added to it

@@ -98,6 +98,42 @@ def test_pod_link_round_trip(kube: Any, namespace: str) -> None:
         link.close()
 
 
+def test_synced_condition_transition_time_moves_only_when_its_status_does(kube: Any, namespace: str) -> None:
+    """Kubernetes' convention, which the operator's Atomic drain relies on (it compares the gate's
+    lastTransitionTime with Ready's): a new reason with the same status keeps the time of the last flip."""
+    name = "demo-inference-1-0"
+    kube.core.create_namespaced_pod(namespace, _pod(name))
+    link = PodLink(namespace, name, lambda d: None, AgentMetrics(), api=kube.core).start()
+
+    def synced() -> Any:
+        pod = kube.core.read_namespaced_pod(name, namespace)
+        return next(c for c in pod.status.conditions or [] if c.type == contract.POD_CONDITION_SYNCED)
+
+    try:
+        link.report(Observed(served_version=1, synced=False, synced_reason="NotCommittedVersion", synced_message="a"))
+        assert link.flush(10)
+        _wait(lambda: link.stats.counts["status"] == 1, 10, "the first status patch")
+        first = synced().last_transition_time
+        # never True on this pod: False since the pod exists
+        assert first == kube.core.read_namespaced_pod(name, namespace).metadata.creation_timestamp
+        time.sleep(1.1)  # the API server keeps whole seconds
+        link.report(Observed(served_version=1, synced=False, synced_reason=contract.REASON_ATOMIC_SWITCHING,
+                             synced_message="b"))
+        assert link.flush(10)
+        _wait(lambda: link.stats.counts["status"] == 2, 10, "the reason's status patch")
+        c = synced()
+        assert c.reason == contract.REASON_ATOMIC_SWITCHING and c.message == "b"
+        assert c.last_transition_time == first
+        time.sleep(1.1)
+        link.report(Observed(served_version=2, synced=True, synced_reason="CommittedVersion", synced_message="c"))
+        assert link.flush(10)
+        _wait(lambda: link.stats.counts["status"] == 3, 10, "the flip's status patch")
+        c = synced()
+        assert c.status == "True" and c.last_transition_time > first
+    finally:
+        link.close()
+
+
 def test_pod_link_proves_its_versions_and_rewrites_forged_ones(kube: Any, namespace: str) -> None:
     """With the job's token every version written carries a proof; a version someone else writes on the pod
     (before the agent starts or while it runs) is never signed: the agent removes or overwrites it."""

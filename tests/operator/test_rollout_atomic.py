@@ -3,6 +3,8 @@ prepare commits nothing and names the replica; a joining replica is not waited f
 
 from __future__ import annotations
 
+import datetime as dt
+
 from test_status import T0, cond, pod
 from weightsync.crds import contract
 from weightsync.operator import atomic
@@ -92,6 +94,49 @@ def test_every_replica_prepared_starts_the_drain_then_the_switch(separated):
     assert r.committed == (0, 2) and r.commit == (0, 2) and not r.switching
     assert _ann(ann, contract.ANN_COMMITTED_VERSION) == ["2"] * N
     assert _ann(ann, contract.ANN_TARGET_VERSION) == ["2"] * N
+
+
+def _since(p, type_, when):
+    """Set a condition's lastTransitionTime as the API server stores it (whole seconds)."""
+    c = next(c for c in p["status"]["conditions"] if c["type"] == type_)
+    c["lastTransitionTime"] = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return p
+
+
+def test_the_switch_waits_until_the_kubelet_has_seen_every_gate_turn_false(separated):
+    """The race the four-replica e2e test caught: replica 0 had just loaded the committed version (its gate
+    True, the kubelet not yet caught up: Ready still False) when the drain began and its gate turned False
+    again. A NotReady pod whose Ready condition is older than its gate's last change may still be made Ready
+    on the old version by a kubelet working from its older copy of the pod: not drained until Ready changed
+    after the gate did, or the gate has been False for DRAIN_SETTLE_S."""
+    spec = _spec(separated)
+    p = plan("demo", spec)
+    t = T0 + dt.timedelta(minutes=5)
+    gone = {f"r{i}": _inf(i, target=2, prepared=2, commit=(1, 2), ready=False) for i in range(N)}
+    for i in range(1, N):  # Ready left after the gate did: the kubelet saw it
+        _since(_since(gone[f"r{i}"], contract.POD_CONDITION_SYNCED, t), "Ready", t + dt.timedelta(seconds=1))
+    late = gone["r0"]
+    _since(_since(late, contract.POD_CONDITION_SYNCED, t), "Ready", T0)  # NotReady since it started
+    pods = _pods(p, **gone)
+    states = replica_states(p, pods)
+    settle = atomic.DRAIN_SETTLE_S + atomic.TIME_PRECISION_S
+    r = atomic.decide(states, pods, (0, 2), now=t + dt.timedelta(seconds=0.5))
+    assert r.committed == (0, 1) and r.commit == (0, 2)  # still draining
+    assert r.recheck_after is not None and abs(r.recheck_after - (settle - 0.5)) < 1e-6
+    assert r.settling == (_name(0),)
+    ann = desired_annotations(spec, p, states, (0, 2), 1, pods, now=t + dt.timedelta(seconds=0.5))
+    assert _ann(ann, contract.ANN_COMMITTED_VERSION) == ["1"] * N
+    # the gate has been False long enough: every kubelet has computed Ready from it
+    r = atomic.decide(states, pods, (0, 2), now=t + dt.timedelta(seconds=settle))
+    assert r.committed == (0, 2) and r.recheck_after is None
+    # or the kubelet changed Ready after the gate (it made the pod Ready once, then NotReady again)
+    _since(late, "Ready", t)
+    r = atomic.decide(states, pods, (0, 2), now=t + dt.timedelta(seconds=0.5))
+    assert r.committed == (0, 2) and r.recheck_after is None
+    # a pod still Ready: no recheck timer, its own change brings the operator back
+    pods = _pods(p, **{**gone, "r0": _inf(0, target=2, prepared=2, commit=(1, 2), ready=True)})
+    r = atomic.decide(replica_states(p, pods), pods, (0, 2), now=t)
+    assert r.committed == (0, 1) and r.recheck_after is None
 
 
 def test_a_failed_prepare_keeps_every_replica_on_the_committed_version(separated):

@@ -81,6 +81,30 @@ def test_work_queue_times_the_wait_before_a_pass_and_logs_a_slow_one(caplog: pyt
     assert len(slow) == 1 and "job=ns/slow" in slow[0] and "status_write_s=0.250" in slow[0], slow
 
 
+def test_work_queue_passes_again_when_a_pass_asks_for_a_recheck():
+    """An Atomic drain waiting only for readiness gates to settle gets no pod event when they have: the pass
+    says when to look again (Outcome.recheck_after), and a request before that replaces the timer."""
+    from types import SimpleNamespace
+
+    passes: list[float] = []
+
+    def work(ns: str, name: str) -> object:
+        passes.append(time.monotonic())
+        return SimpleNamespace(recheck_after=0.2 if len(passes) == 1 else None)
+
+    async def scenario() -> None:
+        q = WorkQueue(work)
+        q.request(("ns", "a"))
+        deadline = time.monotonic() + 5
+        while len(passes) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.4)  # the second pass asked for nothing more
+        await q.drain()
+
+    asyncio.run(scenario())
+    assert len(passes) == 2 and 0.18 <= passes[1] - passes[0] < 2.0
+
+
 def test_work_queue_retries_failures_with_backoff_and_forgets_deleted_jobs():
     attempts = []
 
