@@ -106,6 +106,9 @@ def _older(generated: dict[str, Any]) -> dict[str, Any]:
     del spec_props["paused"]
     spec_props["legacyKnob"] = {"type": "string", "description": "dropped from the models"}
     spec_props["placement"]["description"] = "an older description"
+    # releases before status.inferenceReplicas became an atomic list had it as a map list keyed by index
+    status_props = older["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    status_props["inferenceReplicas"].update({"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["index"]})
     old_version = {**copy.deepcopy(older["spec"]["versions"][0]), "name": "v1alpha0", "storage": False}
     older["spec"]["versions"].insert(0, old_version)
     older["spec"]["conversion"] = {"strategy": "Webhook", "webhook": {
@@ -144,6 +147,7 @@ def test_hook_upgrades_an_older_crd_to_the_generated_one(cluster: Any, kube: Any
         assert "crd established" in log and "Forbidden" not in log
         assert "spec.versions[name=v1alpha0] removed" in log, log
         assert 'spec.conversion.strategy: "Webhook" -> "None"' in log, log
+        assert "inferenceReplicas.x-kubernetes-list-map-keys removed" in log, log
         # The conversion was set by the other field manager: server-side apply keeps it, the replace drops it.
         assert "fields kept by other field managers" in log and "replacing the spec" in log, log
         assert _live_crd(cluster)["spec"]["conversion"] == {"strategy": "None"}
