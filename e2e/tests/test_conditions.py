@@ -16,6 +16,16 @@ from e2e_helpers import inference_pods, job, wait
 from weightsync.crds import contract
 from weightsync.e2e import demo
 
+
+def _events_once(kube: Any, namespace: str, name: str, reason: str) -> list[Any]:
+    """The job's Events once one with REASON is there: the operator posts them right after the status write
+    that carried the condition, so a test that saw the condition may list them a moment too early."""
+    def listed() -> list[Any] | None:
+        events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+        return events if any(e.reason == reason for e in events) else None
+
+    return list(wait(listed, 30, f"a {reason} Event on {name}"))
+
 pytestmark = [pytest.mark.e2e]
 
 START_TIMEOUT = 240.0
@@ -53,7 +63,7 @@ def test_wrong_engine_port_is_degraded_engine_unreachable_within_a_minute(cluste
     assert agent_started is not None
     since = (datetime.fromisoformat(d["lastTransitionTime"].replace("Z", "+00:00")) - agent_started).total_seconds()
     assert since <= 60, f"EngineUnreachable {since:.0f}s after the agent started (at most a minute)"
-    events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    events = _events_once(kube, namespace, name, "EngineUnreachable")
     assert any(e.reason == "EngineUnreachable" and e.type == "Warning" for e in events), [e.reason for e in events]
     assert not any(e.reason == "SyncFailed" for e in events), "EngineUnreachable must not show as SyncFailed first"
     print(f"EngineUnreachable {since:.0f}s after the agent started: {d['message'][:200]}")
@@ -118,7 +128,7 @@ def test_trainer_that_exits_successfully_completes_the_job(cluster, kube, namesp
              and x, 60, f"{name}: Ready=True after training")
     pods = demo.job_pods(kube.api, namespace, name)
     assert pods[f"{name}-trainer-0"]["status"]["phase"] == "Succeeded"
-    events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    events = _events_once(kube, namespace, name, "TrainerSucceeded")
     assert any(e.reason == "TrainerSucceeded" and e.type == "Normal" for e in events), [e.reason for e in events]
     code, answer = demo.engine_get(next(iter(inference_pods(kube, namespace, name).values())), "/predict?x=0.5")
     assert code == 200 and answer["version"] == 3, answer
