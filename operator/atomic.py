@@ -19,8 +19,8 @@ the gate turned False: a kubelet computes Ready from its own (possibly older) co
 whose gate turned True just before the drain (it had just loaded C) can still be made Ready at C once, after
 the gate is False again. A NotReady pod counts as drained when its Ready condition last changed at or after
 its gate did, or when the gate has been False for DRAIN_SETTLE_S (any kubelet has seen it by then); the
-operator checks again when that time is up (`AtomicRound.recheck_after`). The price is a short gap with no Ready replica (the load from host
-memory), which on-policy RL accepts (it waits for the new version anyway).
+operator checks again when that time is up (`AtomicRound.recheck_after`). The price is a short gap with no
+Ready replica (the load from host memory), which on-policy RL accepts (it waits for the new version anyway).
 
 A round whose prepare failed on a replica (its agent reports `sync-error`, e.g. a fetch, a checksum or the
 timeout of spec.transfer.timeoutSeconds) does not commit: every replica keeps serving C. The agents retry
