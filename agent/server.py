@@ -272,6 +272,23 @@ class StagingStore:
         seg = self.stage(rank, version, size, device, session=session)
         return {"segment": seg.handle(), **({"layout": arena.to_dict(skip_unsent=compact)} if arena else {})}
 
+    def make_spare(self, rank: int, version: int) -> None:
+        """`version` of `rank` was served: make the segment its next version will be copied into now, in the
+        background (staging.SegmentPool.make_spare), sized as the next stage request will ask. Not for a rank
+        whose plan stages only part of it (a data-parallel replica): that size depends on the client."""
+        arena = self.arena(rank)
+        if arena is not None and arena.unsent:
+            return
+        with self._lock:
+            sv = self._versions.get(version)
+            rs = sv.ranks.get(rank) if sv is not None else None
+            slot = rs.slot if rs is not None else None
+            if slot is None:
+                return
+            pool = next((p for p in self._pools.values() if slot in p._slots), None)
+        if pool is not None:
+            pool.make_spare(max(slot.segment.size, arena.nbytes if arena is not None else 0), user=rank)
+
     def arena(self, rank: int) -> SourceArena | None:
         """The staging layout the next publish of `rank` should use (None until a plan read the rank)."""
         with self._lock:
@@ -849,6 +866,7 @@ class WeightServer:
                     if isinstance(seg, staging.ShmSegment) and callable(getattr(transport, "register_shared", None)):
                         transport.register_shared(str(seg.path), seg.tensor)  # IPC hands buckets out of staging
                     stats = sender.send_version(rdv.version, rs.tensors())
+                    self.store.make_spare(rdv.src, rdv.version)  # the next version's segment, faulted in now
         except (SyncError, StagingError, LinkError, RingError) as exc:
             self._failures[gname] = self._failures.get(gname, 0) + 1
             self.metrics.versions.labels("serve_failed").inc()

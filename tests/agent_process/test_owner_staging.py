@@ -6,6 +6,7 @@ then real agent, trainer and engine processes (bench/agent_pipeline.py --dp)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -158,6 +159,48 @@ def test_a_slot_far_larger_than_needed_is_replaced_not_kept(tmp_path: Path, monk
         assert [s.segment.size for s in pool._slots] == [2 << 20]
     finally:
         pool.close()
+
+
+def test_a_ranks_second_segment_is_made_and_faulted_in_before_its_second_version(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Version 2 needs a second segment (version 1 is still served from the first). It is made and faulted
+    in once version 1 was served (the agent's server asks for it), so the trainer's copy of version 2 does
+    not allocate its pages; later versions alternate between the two, and no third segment is made."""
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    pool = staging.SegmentPool("wspool")
+    try:
+        first = pool.acquire(4 << 20, user=0)
+        pool.fill(first, 1)
+        assert len(list(tmp_path.iterdir())) == 1  # nothing more while version 1 is copied
+        assert pool.make_spare(first.segment.size, user=0)
+        assert not pool.make_spare(first.segment.size, user=0)  # one at a time
+        assert pool.wait_spares(10)
+        assert not pool.make_spare(first.segment.size, user=0)  # the rank has two segments now
+        files = sorted(p.name for p in tmp_path.iterdir())
+        assert len(files) == 2
+        spare = next(s for s in pool._slots if s is not first)
+        assert spare.user == 0 and spare.segment.size == first.segment.size
+        # resident: the kernel allocated every page (st_blocks counts 512-byte blocks actually held)
+        assert os.stat(tmp_path / spare.segment.name).st_blocks * 512 >= spare.segment.size
+        assert pool.acquire(4 << 20, user=0) is spare  # version 2: the spare, not a new segment
+        pool.fill(spare, 2)
+        pool.release(first)
+        assert pool.acquire(4 << 20, user=0) is first  # version 3: back to the first
+        assert sorted(p.name for p in tmp_path.iterdir()) == files
+    finally:
+        pool.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_spare_still_being_made_when_the_pool_closes_is_removed(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    pool = staging.SegmentPool("wspool")
+    pool.acquire(64 << 20, user=0)
+    assert pool.make_spare(64 << 20, user=0)
+    pool.close()
+    assert pool.wait_spares(30)
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_trainer_unmaps_staging_segments_the_agent_stopped_offering(tmp_path: Path,
