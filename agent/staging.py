@@ -626,7 +626,7 @@ class SegmentPool:
 
     def _make_spare(self, size: int, user: int) -> None:
         """The user's second segment, made and faulted in now (see the class doc), at the lowest CPU priority:
-        it uses cores the trainer's copy and the transfers leave idle, and never slows version 1."""
+        it takes only cores the trainer's next step and the transfers leave idle."""
         t0 = time.perf_counter()
         with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's nice value is its own
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
@@ -640,7 +640,8 @@ class SegmentPool:
             return
         with self._lock:
             self._spares.pop(user, None)
-            if self._closed:
+            # closed, or the next version's stage request came first and made its own segment: not a third
+            if self._closed or sum(1 for s in self._slots if s.user == user) != 1:
                 seg.unlink()
                 return
             self._slots.append(Slot(seg, user=user))

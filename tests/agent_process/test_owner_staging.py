@@ -203,6 +203,24 @@ def test_a_spare_still_being_made_when_the_pool_closes_is_removed(tmp_path: Path
     assert not list(tmp_path.iterdir())
 
 
+def test_a_spare_that_comes_after_the_next_versions_own_segment_is_dropped(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Version 2's stage request can come while the spare is still being made by the time it asks; if it made
+    its own segment, the spare would be a third one held for nothing."""
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    pool = staging.SegmentPool("wspool")
+    try:
+        first = pool.acquire(1 << 20, user=0)
+        pool.fill(first, 1)
+        second = staging.Slot(staging.create_segment(1 << 20, "wspool"), user=0)
+        pool._slots.append(second)  # as if version 2 had made its own while the spare thread started
+        pool._make_spare(1 << 20, user=0)
+        assert [s.segment.name for s in pool._slots] == [first.segment.name, second.segment.name]
+        assert len(list(tmp_path.iterdir())) == 2
+    finally:
+        pool.close()
+
+
 def test_the_trainer_unmaps_staging_segments_the_agent_stopped_offering(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
