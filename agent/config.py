@@ -126,6 +126,7 @@ class AgentConfig:
     delta_sync: bool = False  # spec.transfer.deltaSync.enabled: send changed words only (GDR transport)
     delta_max_changed_fraction: float = DEFAULT_DELTA_MAX_CHANGED_FRACTION
     lora: LoraSpec | None = None  # spec.inference.engine.lora: sync an adapter, not base weights
+    fan_out: str = "Direct"  # spec.transfer.fanOut: Relay forwards versions along a chain of replicas
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -167,6 +168,9 @@ class AgentConfig:
         verify = env.get(contract.ENV_VERIFY) or "None"
         if verify not in ("None", "Checksum"):
             raise ConfigError(f"{contract.ENV_VERIFY}={verify!r}: expected None or Checksum")
+        fan_out = env.get(contract.ENV_FAN_OUT) or "Direct"
+        if fan_out not in ("Direct", "Relay"):
+            raise ConfigError(f"{contract.ENV_FAN_OUT}={fan_out!r}: expected Direct or Relay")
         lora = None
         if env.get(contract.ENV_LORA):
             try:
@@ -208,6 +212,7 @@ class AgentConfig:
             delta_max_changed_fraction=_fraction(env, contract.ENV_DELTA_MAX_CHANGED_FRACTION,
                                                  DEFAULT_DELTA_MAX_CHANGED_FRACTION),
             lora=lora,
+            fan_out=fan_out,
         )
 
 

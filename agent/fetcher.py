@@ -29,6 +29,7 @@ from weightsync.agent.layout import LayoutError, TensorMeta, inference_layout
 from weightsync.agent.link import Link, LinkError, LinkTimeout, Mailbox, connect
 from weightsync.agent.plan import ShardTable, TensorShard, TransferPlan
 from weightsync.agent.plan_cache import PLANS
+from weightsync.agent.relay import RELAY_JOIN_S, RelayHub, RelayStream, RelayTap, parse_hop
 from weightsync.agent.staging import ReceiveSlots, SharedSlotAllocator
 from weightsync.agent.sync import PlacedTensors, SyncStats, WeightReceiver
 from weightsync.agent.transports.base import Transport, WorldMap
@@ -379,6 +380,43 @@ TransportFor = Callable[[dict[str, Any], TransferPlan, str], tuple[Transport, Wo
 EPOCH_TIMEOUT = 90.0  # the trainer answers with the epoch once every destination of its rank joined
 
 
+def _epochs(version: int, plan: TransferPlan, links: dict[int, dict[int, Mailbox]], all_links: list[Mailbox],
+            group: dict[str, Any], relay: RelayHub | None, streams: dict[int, RelayStream], topo: Topology,
+            port: int, token: bytes) -> dict[tuple[int, int], dict[str, Any]]:
+    """Every (destination rank, source rank)'s transport group and epoch, from the trainer's `ws.epoch`.
+
+    With fanOut Relay the frame may chain this replica (agent/relay.py): `relay_to` registers the source's
+    buckets to be forwarded (`streams`); `relay_from` replaces the trainer's link by one to the upstream
+    replica's agent, whose own `ws.epoch` then names the hop's group. Every relay link is opened before any
+    is waited on: the upstream starts a hop only once all destination ranks of the source joined it."""
+    pods = {p.name: p.ip or "" for rep in topo.inference for p in rep.pods}
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    upstream: dict[tuple[int, int], dict[str, Any]] = {}
+    for r in list(links):
+        for s, mb in list(links[r].items()):
+            h, _ = mb.get(P.EPOCH, timeout=EPOCH_TIMEOUT)
+            if relay is not None and h.get("relay_to") is not None and s not in streams:
+                to_group, to_pod, _ = parse_hop(h["relay_to"], pods)
+                streams[s] = relay.expect(version, s, plan, to_group, to_pod)
+            if h.get("relay_from") is None:
+                out[(r, s)] = {**group, "epoch": str(h.get("epoch"))}
+                continue
+            if relay is None:
+                raise ValueError(f"trainer rank {s} chained this replica behind another, which it did not offer")
+            from_group, from_pod, ip = parse_hop(h["relay_from"], pods)
+            mb.close()
+            link = connect(ip, port, token, timeout=10.0)
+            link.send({"kind": P.RELAY, "version": version, "src": s, "dst": r, "plan_hash": plan.hash})
+            relayed = Mailbox(link, name=f"relay{s}@{from_pod}->dst{r}")
+            links[r][s] = relayed
+            all_links.append(relayed)
+            upstream[(r, s)] = from_group
+    for (r, s), from_group in upstream.items():
+        h, _ = links[r][s].get(P.EPOCH, timeout=RELAY_JOIN_S + 10.0)
+        out[(r, s)] = {**from_group, "epoch": str(h.get("epoch"))}
+    return out
+
+
 def fetch_version(
     version: int,
     *,
@@ -400,9 +438,13 @@ def fetch_version(
     device: str = "cpu",
     timeout: float = 600.0,
     progress: Callable[[int, int, int, int], None] | None = None,
+    relay: RelayHub | None = None,
+    pod: str = "",
 ) -> FetchResult:
     """Fetch `version` for this agent's ranks of `replica` and load it into the engine; raises FetchError.
-    `progress(buckets_done, buckets, bytes_done, bytes_total)` is called after every bucket (any thread)."""
+    `progress(buckets_done, buckets, bytes_done, bytes_total)` is called after every bucket (any thread).
+    `relay` (spec.transfer.fanOut Relay): this agent may be chained with other replicas fetching the same
+    version (agent/relay.py); None: the trainer agents send to it directly."""
     t0 = time.perf_counter()
     rep = next((r for r in topo.inference if r.replica == replica), None)
     if rep is None:
@@ -442,6 +484,7 @@ def fetch_version(
     checks = {r: ChecksumHooks() if verify else None for r in my_ranks}
     hooks = {r: DigestHooks(inner=checks[r], digest=digest) for r in my_ranks}
     receivers: dict[int, WeightReceiver] = {}
+    streams: dict[int, RelayStream] = {}  # the sources this agent forwards to the next replica (relay_to)
     hand_pieces = loads_pieces(adapter)
     try:
         for r in my_ranks:
@@ -450,16 +493,17 @@ def fetch_version(
                     raise FetchError(f"trainer rank {s} has no pod IP yet")
                 link = connect(host_of[s], port, token, timeout=10.0)
                 P.send_transfer(link, {"kind": P.TRANSFER, "version": version, "src": s, "dst": r, "replica": replica,
-                                       "group": group, "plan_hash": plan.hash, "proposal": proposal}, inputs,
+                                       "group": group, "plan_hash": plan.hash, "proposal": proposal, "pod": pod,
+                                       "relay": relay is not None}, inputs,
                                 with_inputs=P.SENT_INPUTS.due(host_of[s], sessions, inputs.key))
                 mb = Mailbox(link, name=f"src{s}->dst{r}")
                 links[r][s] = mb
                 all_links.append(mb)
+        groups = _epochs(version, plan, links, all_links, group, relay, streams, topo, port, token)
         for r in my_ranks:
             by_src: dict[int, Transport] = {}
-            for s, mb in links[r].items():
-                h, _ = mb.get(P.EPOCH, timeout=EPOCH_TIMEOUT)
-                t, _ = transport_for({**group, "epoch": str(h.get("epoch"))}, plan, f"dst{r}<-src{s}")
+            for s in links[r]:
+                t, _ = transport_for(groups[(r, s)], plan, f"dst{r}<-src{s}")
                 if receive_allocator is not None:
                     # a transport that cannot receive into the shared slots (GDR with delta sync) takes its
                     # own receive buffers from the same allocator, so the engine still loads in place
@@ -470,14 +514,19 @@ def fetch_version(
             if check is not None and transport.can_refetch:
                 check.refetch = transport.refetch  # a checksum mismatch reads the bucket again before failing
             receivers[r] = WeightReceiver(plan, r, transport, links[r], timeout=timeout, device=device,
-                                          hooks=hooks[r], hand_pieces=hand_pieces)
-    except (LinkError, OSError) as exc:
+                                          hooks=hooks[r], hand_pieces=hand_pieces,
+                                          tap=RelayTap(streams, r) if streams else None)
+    except (LinkError, OSError, ValueError) as exc:
         P.SENT_INPUTS.forget(inputs.key)  # a trainer agent may lack them (restarted, evicted): send them again
+        for st in streams.values():
+            st.detach(f"this replica could not start version {version}: {exc}")
         for mb in all_links:
             mb.close()
         raise FetchError(f"connecting to the trainer agents for version {version}: {exc}") from None
     except BaseException:
         P.SENT_INPUTS.forget(inputs.key)
+        for st in streams.values():
+            st.detach(f"this replica could not start version {version}")
         for mb in all_links:
             mb.close()
         raise

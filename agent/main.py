@@ -40,6 +40,7 @@ from weightsync.agent.layout import LayoutError
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.plan import TensorShard, TransferPlan
 from weightsync.agent.podstatus import Desired, PodLink, synced_state
+from weightsync.agent.relay import RelayHub, RelayServer
 from weightsync.agent.ring import RingStaging, staging_mode_from_env
 from weightsync.agent.server import StagedVersion, StagingError, StagingStore, WeightServer
 from weightsync.agent.staging import cleanup_stale, shm_dir
@@ -305,6 +306,9 @@ class Agent:
         self.mode = topo.mode if cfg.transfer_mode == "Auto" else cfg.transfer_mode
         self.verify = "Checksum" in (cfg.verify, topo.verify)
         self.delta = delta_config(cfg, self.mode)
+        self.fan_out = cfg.fan_out == "Relay" and self.mode == "NCCL"
+        if cfg.fan_out == "Relay" and not self.fan_out:
+            log.warning("fanOut Relay ignored: transfer mode %s sends to each replica directly", self.mode)
         # group formation and single bucket operations: a dead peer must not hold a trainer for 10 minutes
         self.cache = TransportCache(mode=self.mode, job=cfg.job, pod_ip=cfg.pod_ip, transport_port=cfg.transport_port,
                                     timeout=min(cfg.timeout_seconds, TRANSPORT_TIMEOUT), delta=self.delta,
@@ -330,12 +334,23 @@ class Agent:
                 host=cfg.pod_ip, port=cfg.control_port, token=self.token, pod=cfg.pod_name, store=self.store,
                 transport_for=lambda g, p, role: self.cache.get(g, p, role=role), metrics=self.metrics, mode=self.mode,
                 generation=lambda: self.watcher.current.generation, verify=self.verify, device=cfg.device,
-                timeout=cfg.timeout_seconds,
+                timeout=cfg.timeout_seconds, fan_out=self.fan_out,
+                replicas=lambda: len(self.watcher.current.inference),
             )
             if self.mode == "NCCL" and self.tmember.index == 0:
                 self.cache.host_store()
         self.adapter: EngineAdapter | None = None
         self.peers: TrainerPeers | None = None
+        # fanOut Relay (agent/relay.py): an inference pod's agent forwards what it receives to the next
+        # replica of a chain, on the control port a pod that serves no trainer rank leaves free
+        self.relay: RelayServer | None = None
+        self._relay_next = True  # offer to relay on the next fetch (not right after a failed one: direct then)
+        if self.fan_out and self.islot is not None and self.server is None:
+            hub = RelayHub(lambda g, p, role: self.cache.get(g, p, role=role), device=cfg.device,
+                           timeout=cfg.timeout_seconds,
+                           on_forwarded=lambda n: self.metrics.transfer_bytes.labels("relayed", self.mode).inc(n))
+            self.relay = RelayServer(cfg.pod_ip, cfg.control_port, self.token, hub,
+                                     on_reject=lambda why: self.metrics.rejected_frames.labels(why).inc())
         if self.islot is not None:
             self.adapter = make_adapter(cfg, self.registry, self.islot.member.ranks, self.islot.replica.tensor)
             self.peers = TrainerPeers(topo, port=cfg.control_port, token=self.token, pod=cfg.pod_name,
@@ -365,6 +380,8 @@ class Agent:
         self.health.start()
         if self.server is not None:
             self.server.start()
+        if self.relay is not None:
+            self.relay.start()
         if self.cfg.kube_enabled:
             self.pod = PodLink(self.cfg.namespace, self.cfg.pod_name, self._on_desired, self.metrics,
                                token=self.token,
@@ -390,6 +407,8 @@ class Agent:
             closer()
         if self.server is not None:
             self.server.close()
+        if self.relay is not None:
+            self.relay.close()
         if self.peers is not None:
             self.peers.close()
         if self.pod is not None:
@@ -876,10 +895,13 @@ class Agent:
                 pause_generation=pause, port=self.cfg.control_port, token=self.token,
                 expand_aliases=self.cfg.engine_type == "Custom", verify=self.verify, device=self.cfg.device,
                 timeout=self.cfg.timeout_seconds, progress=self._progress_reporter(v),
+                relay=self.relay.hub if self.relay is not None and self._relay_next else None, pod=self.cfg.pod_name,
             )
 
         if hold is not None:
+            self._relay_next = False  # set again once the prepare succeeded
             self._hold(version, lambda v: fetch(v, False), hold)
+            self._relay_next = self._prepare_failed is None
             return
         prev, prev_epoch = self.served, self.served_epoch
         self.restore_version = prev
@@ -887,6 +909,7 @@ class Agent:
         try:
             res = fetch(version, self.cfg.pause_generation)
         except (FetchError, EngineError, StagingError) as exc:
+            self._relay_next = False  # the next attempt asks the trainer agents directly
             self._loading = False
             self.restore_version = None
             if getattr(self.adapter, "needs_restore", False):
@@ -910,6 +933,7 @@ class Agent:
             self._wake.set()
             return
         self._loading = False
+        self._relay_next = True
         took = time.perf_counter() - t0
         self.served = version
         self.served_epoch = trainer_epoch

@@ -17,8 +17,19 @@ Transfer link (one per (source rank, destination rank) per version, short-lived)
     i -> t  ws.transfer {version, src, dst, replica, group, plan_hash, proposal, plan_key, inputs_parts}
                         + payload: part 1 of the binary plan inputs (none when inputs_parts is 0)
     i -> t  ws.inputs   {part}  + payload      parts 2..inputs_parts (inputs bigger than one frame)
-    t -> i  ws.epoch    {src, epoch}              once every destination of the source rank joined
+    t -> i  ws.epoch    {src, epoch, relay_to?, relay_from?}
+                                                  once every destination of the source rank joined; with
+                                                  spec.transfer.fanOut Relay it may place the replica in a
+                                                  chain (agent/relay.py): relay_to {group, pod} forward this
+                                                  source's buckets; relay_from {group, pod} take them from
+                                                  that pod instead (the trainer then closes this link)
     then the sync protocol (sync.begin/ready/go/.../ack) through a Mailbox on both ends.
+
+Relay link (fanOut Relay: downstream inference agent -> its upstream's control port, per (src, dst) and version):
+    d -> u  ws.relay    {version, src, dst, plan_hash}
+    u -> d  ws.epoch    {src, epoch}              once every destination rank of the source joined and the
+                                                  upstream's own transfer expects them; then sync as above,
+                                                  the upstream playing the source rank
 
 Why the inference side computes the plan and ships its inputs: only it knows the destination layouts,
 and only the union of every trainer pod's metadata gives the sources; the trainer rebuilds the plan from
@@ -66,6 +77,7 @@ SERVED = "ws.served"
 TRANSFER = "ws.transfer"
 INPUTS = "ws.inputs"
 EPOCH = "ws.epoch"
+RELAY = "ws.relay"
 
 INPUTS_WAIT = 60.0            # how long a key-only transfer link waits for a sibling link's inputs to build
 MAX_INPUTS_BYTES = 256 << 20  # plan inputs a serving agent accepts (70k tensors x 256 ranks: 29 MB)

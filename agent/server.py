@@ -32,6 +32,7 @@ from weightsync.agent.groups import epoch_of
 from weightsync.agent.link import AuthError, FrameError, Link, LinkError, LinkListener, LinkTimeout, Mailbox
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.plan import Box, SourceArena, TensorShard, TransferPlan
+from weightsync.agent.relay import FANOUT_GATHER_S, chain_links
 from weightsync.agent.ring import RingError, RingStaging
 from weightsync.agent.sync import ShardPieces, SyncError, WeightSender
 from weightsync.agent.transports.base import Transport, WorldMap
@@ -635,6 +636,14 @@ class _Rendezvous:
     group: dict[str, Any] = field(default_factory=dict)
     started: bool = False
     created: float = field(default_factory=time.monotonic)
+    replica: int = -1
+    pods: set[str] = field(default_factory=set)  # the pods the destination links came from (their hello)
+    relay_ok: bool = True  # every destination offered to relay (fanOut Relay, and its last fetch did not fail)
+
+    @property
+    def relay_pod(self) -> str | None:
+        """The one pod holding every destination of this source, which can then forward all its buckets."""
+        return next(iter(self.pods)) if self.relay_ok and len(self.pods) == 1 else None
 
 
 class WeightServer:
@@ -643,8 +652,14 @@ class WeightServer:
     def __init__(self, *, host: str, port: int, token: bytes, pod: str, store: StagingStore,
                  transport_for: Callable[[dict[str, Any], TransferPlan, str], tuple[Transport, WorldMap | None]],
                  metrics: AgentMetrics, mode: str, generation: Callable[[], int], verify: bool = False,
-                 device: str = "cpu", timeout: float = 600.0) -> None:
+                 device: str = "cpu", timeout: float = 600.0, fan_out: bool = False,
+                 replicas: Callable[[], int] | None = None) -> None:
         self.verify = verify
+        #: spec.transfer.fanOut Relay: replicas fetching a version together are chained (agent/relay.py)
+        self.fan_out = fan_out
+        self.replicas = replicas or (lambda: 0)
+        self._fans: dict[tuple[int, int, str], list[_Rendezvous]] = {}
+        self._fan_cond = threading.Condition()
         self.device = torch.device(device)
         self.pod = pod
         self.store = store
@@ -805,12 +820,65 @@ class WeightServer:
                 old.close()
             rdv.peers[dst] = mb
             rdv.proposals[dst] = proposal
+            pod = h.get("pod")
+            rdv.pods.add(pod if isinstance(pod, str) and pod else link.peer)
+            rdv.relay_ok = rdv.relay_ok and h.get("relay") is True
+            replica = h.get("replica")
+            rdv.replica = replica if isinstance(replica, int) else -1
             if set(rdv.peers) == rdv.expected and not rdv.started:
                 rdv.started = True
                 del self._rdv[key]
                 run = rdv
         if run is not None:
-            self._send(run)
+            self._dispatch(run)
+
+    # --- fan-out (spec.transfer.fanOut Relay, agent/relay.py) --------------------------------------------
+    def _dispatch(self, rdv: _Rendezvous) -> None:
+        """Send to `rdv`'s replica, or, with Relay, chain the replicas whose transfers of the same version,
+        source rank and plan complete within FANOUT_GATHER_S: the first is sent to, the others forward."""
+        if not self.fan_out or rdv.relay_pod is None:
+            self._send(rdv)
+            return
+        key = (rdv.version, rdv.src, rdv.plan.hash)
+        with self._fan_cond:
+            fan = self._fans.get(key)
+            if fan is not None:  # another thread gathers this fan-out: it chains this replica too
+                fan.append(rdv)
+                self._fan_cond.notify_all()
+                return
+            fan = self._fans[key] = [rdv]
+            deadline = time.monotonic() + FANOUT_GATHER_S
+            want = self.replicas()
+            while len(fan) < want:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._fan_cond.wait(left)
+            del self._fans[key]
+        chain = sorted(fan, key=lambda r: r.replica)  # the same order for every source rank
+        if len(chain) == 1:
+            self._send(rdv)
+            return
+        gname = str(rdv.group.get("name"))
+        links = chain_links(
+            [(r.group, r.relay_pod or "", list(r.proposals.values())) for r in chain],
+            lambda props: epoch_of(self.session, rdv.src, props, self._failures.get(gname, 0)))
+        log.info("serve.fan_out version=%s src=%s chain=%s", rdv.version, rdv.src, [r.relay_pod for r in chain])
+        for member, (relay_from, relay_to) in zip(chain[1:], links[1:], strict=True):
+            self._redirect(member, relay_from, relay_to)
+        self._send(chain[0], relay_to=links[0][1])
+
+    def _redirect(self, rdv: _Rendezvous, relay_from: dict[str, Any], relay_to: dict[str, Any] | None) -> None:
+        """Tell a chained replica to take this source's buckets from the replica before it (and pass them to
+        the one after it); this source sends it nothing."""
+        extra = {"relay_from": relay_from, **({"relay_to": relay_to} if relay_to else {})}
+        for mb in rdv.peers.values():
+            try:
+                mb.send(P.EPOCH, src=rdv.src, epoch="relay", **extra)
+            except LinkError as exc:
+                log.info("serve.redirect_failed version=%s src=%s peer=%s: %s", rdv.version, rdv.src, mb.name, exc)
+            mb.close()
+        self.metrics.versions.labels("relayed").inc()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -821,13 +889,14 @@ class WeightServer:
                     mb.abort(f"not every destination of version {rdv.version} joined within {RENDEZVOUS_TIMEOUT:.0f}s")
                     mb.close()
 
-    def _send(self, rdv: _Rendezvous) -> None:
+    def _send(self, rdv: _Rendezvous, relay_to: dict[str, Any] | None = None) -> None:
         t0 = time.perf_counter()
         gname = str(rdv.group.get("name"))
         epoch = epoch_of(self.session, rdv.src, list(rdv.proposals.values()), self._failures.get(gname, 0))
+        extra = {"relay_to": relay_to} if relay_to else {}
         try:
             for mb in rdv.peers.values():
-                mb.send(P.EPOCH, src=rdv.src, epoch=epoch)
+                mb.send(P.EPOCH, src=rdv.src, epoch=epoch, **extra)
             with self.store.reading(rdv.version) as sv:
                 rs = sv.ranks.get(rdv.src)
                 if rs is None:

@@ -75,13 +75,28 @@ class PlacedTensors(list[tuple[str, torch.Tensor]]):
 
 
 class BucketStream(Protocol):
-    """Where a streamed version's buckets come from (agent/ring.py `RingSource`): `fill(k, bucket, slot)`
-    writes bucket k (plan order) into ring slot `slot` (of `depth`) and returns its bytes, which stay valid
-    until that slot is filled again."""
+    """Where a streamed version's buckets come from (agent/ring.py `RingSource`, agent/relay.py `RelayStream`):
+    `fill(k, bucket, slot)` writes bucket k (plan order) into ring slot `slot` (of `depth`) and returns its
+    bytes, which stay valid until that slot is filled again. A stream may also have `sent(bucket, pending)`,
+    which gets each bucket's send in flight and returns the Pending the sender waits for."""
 
     depth: int
 
     def fill(self, k: int, bucket: BucketPlan, slot: int) -> torch.Tensor: ...
+
+
+class BucketTap(Protocol):
+    """A receiver's buckets, lent to a relay (agent/relay.py `RelayTap`): `offer` once a bucket's checks
+    passed, `settle` before its memory is reused (returns once the relay is done with it), `done` with each
+    source's sync.done metadata, `fail` when this receive failed."""
+
+    def offer(self, bucket: BucketPlan, data: torch.Tensor, meta: dict[str, Any] | None) -> None: ...
+
+    def settle(self, bucket: BucketPlan) -> None: ...
+
+    def done(self, src: int, meta: dict[str, Any] | None) -> None: ...
+
+    def fail(self, reason: str) -> None: ...
 
 
 class SyncError(RuntimeError):
@@ -463,6 +478,9 @@ class WeightSender(_Endpoint):
             pending = self.transport.start_send_from(bucket, data)
             if pending is None:
                 raise SyncError(f"transport {self.transport.name} declined a send from ring staging")
+            handed = getattr(stream, "sent", None)
+            if handed is not None:  # a relay (agent/relay.py): its receiver waits for the forward too
+                pending = handed(bucket, pending)
             inflight[slot] = pending
             stats.direct_buckets += 1
             self._count(stats, bucket)
@@ -503,9 +521,13 @@ class WeightReceiver(_Endpoint):
         hooks: SyncHooks | None = None,
         world: WorldMap | None = None,
         hand_pieces: bool = False,
+        tap: BucketTap | None = None,
     ) -> None:
         super().__init__(plan, dst(rank), transport, _mailboxes(peers), device, timeout, hooks, world)
         self.rank = rank
+        #: a relay that forwards this rank's buckets to another replica (fanOut Relay): each bucket is
+        #: offered once checked and its memory reused only once the relay settled it
+        self.tap = tap
         #: hand the pieces of a tensor that arrives in pieces on where they landed (PlacedTensors), for an
         #: engine that loads them into place itself, instead of assembling it here (a copy, `unpack`)
         self.hand_pieces = hand_pieces
@@ -582,15 +604,21 @@ class WeightReceiver(_Endpoint):
                 if h.get("buckets") != expect:
                     raise SyncError(f"source rank {s} says it sent {h.get('buckets')} buckets, expected {expect}")
                 metas[s] = h.get("meta")
+                if self.tap is not None:
+                    self.tap.done(s, h.get("meta"))
             self.hooks.on_recv_done(version, metas)
             for s in self.srcs:
                 self.peers[s].send("sync.ack", version=version)
         except PlanMismatch as exc:
+            if self.tap is not None:
+                self.tap.fail(str(exc))
             self._abort_all(self.srcs, str(exc))
             raise
         except Exception as exc:
             which = f"version {version}" if version >= 0 else "a version"
             msg = f"destination rank {self.rank} failed to receive {which} while {where}: {exc}"
+            if self.tap is not None:
+                self.tap.fail(msg)
             self._abort_all(self.srcs, msg)
             cls = PeerFailed if isinstance(exc, (LinkError, TransportError)) else SyncError
             raise cls(msg) from exc
@@ -690,6 +718,8 @@ class WeightReceiver(_Endpoint):
                                                 target)
             del data, target  # every view of the bucket must be gone before the transport releases it
             stats.load_seconds += time.perf_counter() - tl
+            if self.tap is not None:
+                self.tap.settle(bucket)  # forwarded (or the relay detached): the memory may be reused
             self.transport.release_recv(bucket, slot)
             if slot >= 0:
                 free.append(slot)
@@ -718,6 +748,8 @@ class WeightReceiver(_Endpoint):
         """Verify, unpack (views), assemble split tensors and hand complete ones to `on_bucket`. Returns the
         bytes copied on the way (0 when the bucket is handed on where it landed)."""
         self.hooks.on_recv_bucket(version, bucket, data, meta)
+        if self.tap is not None:
+            self.tap.offer(bucket, data, meta)  # checked: a relay may forward it while the engine loads it
         copied = 0
         if target is not None and not direct:
             target.copy_(data)  # one memcpy for the whole bucket instead of one per tensor

@@ -224,6 +224,7 @@ TOPOLOGY_KEYS: Final = (LABEL_HOSTNAME, LABEL_NVLINK_DOMAIN, LABEL_RACK, LABEL_Z
 ENV_AGENT_DEVICE: Final = "WEIGHTSYNC_AGENT_DEVICE"           # "cpu" (default) or "cuda[:N]": transport buffers
 ENV_TIMEOUT_SECONDS: Final = "WEIGHTSYNC_TIMEOUT_SECONDS"     # spec.transfer.timeoutSeconds: bound on one version's sync
 # spec.transfer.deltaSync (set only when enabled; absent means full buckets). Only the GDR transport sends deltas.
+ENV_FAN_OUT: Final = "WEIGHTSYNC_FAN_OUT"              # Direct (default) | Relay (spec.transfer.fanOut)
 ENV_STAGING: Final = "WEIGHTSYNC_STAGING"              # trainer agent: version (default) | ring (spec.transfer.staging)
 ENV_STAGING_DEPTH: Final = "WEIGHTSYNC_STAGING_DEPTH"  # ring slots per transfer (default 2)
 ENV_DELTA_SYNC: Final = "WEIGHTSYNC_DELTA_SYNC"                                # "true"/"false": send changed words only

@@ -255,6 +255,10 @@ def _delta_mode_ok(t: TransferSpec) -> bool:
     return t.delta_sync is None or not t.delta_sync.enabled or t.mode not in ("IPC", "NCCL")
 
 
+def _relay_over_a_network(t: TransferSpec) -> bool:
+    return t.fan_out != "Relay" or t.mode in ("Auto", "NCCL")
+
+
 def _ring_without_delta(t: TransferSpec) -> bool:
     return t.staging is None or t.staging.mode != "Ring" or t.delta_sync is None or not t.delta_sync.enabled
 
@@ -280,6 +284,15 @@ class TransferSpec(_Model):
             "staging.mode Version or set deltaSync.enabled=false",
             check=_ring_without_delta,
             field_path=".staging",
+        ),
+        Rule(
+            cel="!(has(self.fanOut) && self.fanOut == 'Relay' && has(self.mode) && "
+            "(self.mode == 'IPC' || self.mode == 'GDR'))",
+            message="spec.transfer.fanOut Relay needs transfer.mode NCCL (or Auto resolving to NCCL): IPC moves "
+            "no bytes between pods and GDR replicas read the trainer's memory directly; use fanOut Direct or "
+            "transfer.mode NCCL",
+            check=_relay_over_a_network,
+            field_path=".fanOut",
         ),
     )
 
@@ -314,6 +327,15 @@ class TransferSpec(_Model):
         description="Optional: send only the words of a bucket that changed since the previous version. "
         "Only the GDR transport sends deltas: refused with an explicit mode IPC or NCCL; with mode Auto "
         "resolving to IPC or NCCL full buckets are sent (the agent logs it once).",
+    )
+    fan_out: Literal["Direct", "Relay"] = Field(
+        default="Direct",
+        alias="fanOut",
+        description="Direct | Relay. Direct: every trainer rank sends each version to every inference replica. "
+        "Relay: the replicas fetching one version together form a chain, the trainer sends each byte to the "
+        "first and each replica forwards every bucket it checked to the next (trainer egress once per version, "
+        "not once per replica). NCCL transfers between single-pod replicas only; others are sent directly "
+        "(docs/placement-and-transfer.md, \"Fan-out\").",
     )
     staging: Staging | None = Field(
         default=None,

@@ -1,0 +1,54 @@
+"""spec.transfer.fanOut Relay through real agent processes (agent/relay.py): the trainer agent sends each
+version once, the replicas forward it along a chain, and every replica still serves the trainer's bytes.
+
+Each pod is its own process on its own loopback address (podprocs), the chain's hops are gloo groups like
+the trainer's, and the digest leaves every replica checks are the trainer's, forwarded with each bucket."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from podprocs import Cluster, engine_version, get_json, get_text, metric_value, wait_for
+from test_demo_processes import engine_sums, trainer_sums
+from weightsync.crds import contract
+
+REPLICAS = 3
+
+
+def _bytes(pod_metrics: str, direction: str) -> float:
+    return metric_value(pod_metrics, "weightsync_agent_transfer_bytes_total", f'direction="{direction}"') or 0.0
+
+
+def test_relay_chain_sends_each_version_once_and_every_replica_is_bit_exact(tmp_path: Path,
+                                                                           clusters: list[Cluster]) -> None:
+    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1, verify="Checksum")
+    c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = "640"  # several 1 MiB buckets per version
+    c.extra_env[contract.ENV_FAN_OUT] = "Relay"
+    c.extra_env["WEIGHTSYNC_FANOUT_GATHER_SECONDS"] = "1.0"  # the replicas' fetches start within a second here
+    clusters.append(c)
+    # versions far enough apart that every replica fetches each one (a replica that skips one is not chained)
+    t, infs = c.start_separated(REPLICAS, "--versions", "3", "--interval", "4")
+
+    for p in infs:
+        wait_for(lambda p=p: engine_version(p) == 3, 120, f"{p.name} serving version 3", c)
+    want = trainer_sums(t, 3)
+    for p in infs:
+        version, got = engine_sums(p.demo_url)
+        assert version == 3 and got == want, f"{p.name} is not bit-exact with the trainer's version 3"
+
+    _, tm = get_text(f"{t.metrics_url}/metrics")
+    ims = [get_text(f"{p.metrics_url}/metrics")[1] for p in infs]
+    sent = _bytes(tm, "sent")
+    received = [_bytes(m, "received") for m in ims]
+    relayed = [_bytes(m, "relayed") for m in ims]
+    assert all(r > 0 for r in received), received
+    # every replica received every version it loaded; the trainer sent about one replica's worth, not three
+    assert sent < 0.5 * sum(received), (sent, received)
+    # the chain runs by replica index: 0 -> 1 -> 2; the last one forwards nothing
+    assert relayed[0] > 0 and relayed[1] > 0 and relayed[2] == 0, relayed
+    assert (metric_value(tm, "weightsync_agent_versions_total", 'result="relayed"') or 0) >= 2
+    for m in ims:
+        assert (metric_value(m, "weightsync_agent_verified_bytes_total") or 0) > 0  # checksums forwarded, checked
+    assert "relay.done" in c.log_text(infs[0], "agent")
+    code, health = get_json(f"{infs[2].metrics_url}/healthz")
+    assert code == 200 and health["served"] == 3
