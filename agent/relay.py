@@ -138,16 +138,18 @@ class RelayStream:
     (a sync.BucketStream): `offer` (receiver, after its checks) -> `fill` (sender) -> `sent` (sender,
     the forward in flight) -> `settle` (receiver, before the bucket's memory is reused)."""
 
-    def __init__(self, key: RelayKey, plan: TransferPlan, downstream: str, *, join_s: float = RELAY_JOIN_S,
-                 lag_s: float = RELAY_LAG_S) -> None:
+    def __init__(self, key: RelayKey, plan: TransferPlan, downstream: str, *, join_s: float | None = None,
+                 lag_s: float | None = None) -> None:
         self.key = key
         self.version, self.src, _ = key
         self.plan = plan
         self.downstream = downstream
         self.depth = max(1, len(plan.buckets_from(self.src)))  # the receivers bound what is in flight
-        self.join_s = join_s
-        self.lag_s = lag_s
+        self.join_s = RELAY_JOIN_S if join_s is None else join_s
+        self.lag_s = RELAY_LAG_S if lag_s is None else lag_s
         self.created = time.monotonic()
+        self.started_at: float | None = None
+        self.on_detach: list[Callable[[str], None]] = []
         self._cond = threading.Condition()
         self._offered: dict[int, tuple[torch.Tensor, dict[str, Any] | None]] = {}
         self._pending: dict[int, _SharedPending] = {}
@@ -164,17 +166,22 @@ class RelayStream:
                 self._cond.notify_all()
 
     def settle(self, bucket: BucketPlan) -> None:
-        """Block until the forward of `bucket` completed (its memory may then be reused), or detach."""
+        """Block until the forward of `bucket` completed (its memory may then be reused), or detach: the
+        downstream must have joined within join_s of this relay's start, and take each bucket within lag_s."""
+        entered = time.monotonic()
         with self._cond:
             while self.detached is None and bucket.index not in self._pending:
-                if not self.started:
-                    left = self.created + self.join_s - time.monotonic()
-                    if left <= 0:
-                        self._detach_locked(f"downstream {self.downstream} did not join within {self.join_s:.0f}s")
-                        break
-                    self._cond.wait(left)
+                if self.started_at is None:
+                    deadline = self.created + self.join_s
+                    why = f"downstream {self.downstream} did not join within {self.join_s:g}s"
                 else:
-                    self._cond.wait(0.5)
+                    deadline = max(entered, self.started_at) + self.lag_s
+                    why = f"downstream {self.downstream} did not take bucket {bucket.index} within {self.lag_s:g}s"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._detach_locked(why)
+                    break
+                self._cond.wait(left)
             pending = self._pending.pop(bucket.index, None)
             self._offered.pop(bucket.index, None)
         if pending is None:
@@ -183,7 +190,7 @@ class RelayStream:
             pending.wait(self.lag_s)
         except Exception as exc:
             self.detach(f"forwarding bucket {bucket.index} to {self.downstream} did not complete within "
-                        f"{self.lag_s:.0f}s: {exc}")
+                        f"{self.lag_s:g}s: {exc}")
 
     def finish(self, meta: dict[str, Any] | None) -> None:
         """The source confirmed the version (its sync.done metadata, forwarded with ours)."""
@@ -200,6 +207,11 @@ class RelayStream:
             self.detached = reason
             log.warning("relay.detached version=%s src=%s downstream=%s reason=%s", self.version, self.src,
                         self.downstream, reason)
+            for cb in self.on_detach:  # unblock the relay sender (its downstream links are aborted)
+                try:
+                    cb(reason)
+                except Exception:
+                    log.debug("relay.on_detach failed", exc_info=True)
         self._offered.clear()
         self._cond.notify_all()
 
@@ -242,6 +254,7 @@ class RelayStream:
     def start(self) -> None:
         with self._cond:
             self.started = True
+            self.started_at = time.monotonic()
             self._cond.notify_all()
 
 
@@ -311,8 +324,11 @@ class RelayHub:
     its RelayServer accepts (`join`); a relay runs once every destination rank of the source joined."""
 
     def __init__(self, transport_for: TransportFor, *, device: str = "cpu", timeout: float = 600.0,
-                 on_forwarded: Callable[[int], None] | None = None) -> None:
+                 on_forwarded: Callable[[int], None] | None = None, join_s: float | None = None,
+                 lag_s: float | None = None) -> None:
         self.transport_for = transport_for
+        self.join_s = RELAY_JOIN_S if join_s is None else join_s
+        self.lag_s = RELAY_LAG_S if lag_s is None else lag_s
         self.device = device
         self.timeout = timeout
         self.on_forwarded = on_forwarded
@@ -324,7 +340,7 @@ class RelayHub:
         """A fetch of ours was told to forward source rank `src` (ws.epoch relay_to); its receivers offer
         every bucket to the stream returned."""
         key = (version, src, plan.hash)
-        stream = RelayStream(key, plan, downstream)
+        stream = RelayStream(key, plan, downstream, join_s=self.join_s, lag_s=self.lag_s)
         with self._lock:
             self._expire()
             relay = self._relays.setdefault(key, _Relay(key))
@@ -367,11 +383,14 @@ class RelayHub:
         for key, relay in list(self._relays.items()):
             if relay.running:
                 continue
-            if now - relay.created > RELAY_JOIN_S or (relay.stream is not None and relay.stream.detached):
+            if now - relay.created > self.join_s or (relay.stream is not None and relay.stream.detached):
                 del self._relays[key]
-                why = relay.stream.detached if relay.stream is not None and relay.stream.detached else (
-                    f"no relay of version {key[0]} from source rank {key[1]} (plan {key[2][:12]}) formed here "
-                    f"within {RELAY_JOIN_S:.0f}s")
+                if relay.stream is None:
+                    why = (f"no relay of version {key[0]} from source rank {key[1]} (plan {key[2][:12]}) is expected "
+                           f"here: the upstream's own transfer did not ask for one within {self.join_s:g}s")
+                else:
+                    why = relay.stream.detached or (f"downstream {relay.stream.downstream} did not join within "
+                                                    f"{self.join_s:g}s")
                 for mb in relay.peers.values():
                     mb.abort(why)
                     mb.close()
@@ -390,10 +409,11 @@ class RelayHub:
         try:
             for mb in relay.peers.values():
                 mb.send(P.EPOCH, src=src, epoch=relay.group.get("epoch"))
+            stream.on_detach.append(lambda why: self._cut(relay, why))
+            stream.start()
             transport, world = self.transport_for(relay.group, stream.plan, f"relay-src{src}")
             sender = WeightSender(stream.plan, src, transport, relay.peers, timeout=self.timeout, world=world,
                                   device=self.device, hooks=_ForwardHooks(stream))
-            stream.start()
             stats: SyncStats = sender.send_version(version, {}, stream=stream)
         except (SyncError, LinkError, OSError) as exc:
             stream.detach(f"the relay sender failed: {exc}")
@@ -411,6 +431,13 @@ class RelayHub:
             self.on_forwarded(stats.bytes)
         log.info("relay.done version=%s src=%s downstream=%s bytes=%s seconds=%.3f", version, src,
                  stream.downstream, stats.bytes, time.perf_counter() - t0)
+
+    @staticmethod
+    def _cut(relay: _Relay, why: str) -> None:
+        """A detached relay: tell the downstream and close its links, so the relay sender stops waiting."""
+        for mb in relay.peers.values():
+            mb.abort(f"the relay detached this replica: {why}")
+            mb.close()
 
     def sweep(self) -> None:
         """Abort links and expectations that waited longer than RELAY_JOIN_S for their other half."""
