@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/agent_pipeline.py --mode {nccl,ipc,gdr} --size-mb N \
         [--fsdp A [--dp R] --inference-tp B] [--bucket-mb M] [--versions V] \
-        [--staging {version,ring} [--depth D] [--snapshot {auto,copy,none}]] [--device {cpu,cuda}] [--no-raw] --json
+        [--staging {version,ring} [--depth D] [--snapshot {auto,copy,none}]] [--device {cpu,cuda}] [--no-raw] \
+        [--replicas N [--fan-out {direct,relay}]] [--trainer-egress-gbps G] --json
 
 What runs is what a pod runs: `--fsdp A` x `--dp R` trainer processes (TrainerSession, each publishing its FSDP
 Shard(0) chunk of a Llama-shaped bf16 model), their agent, an inference agent and `--inference-tp B`
@@ -10,7 +11,11 @@ Custom engine processes (InferenceSession, each loading its TP shard), every age
 process on its own loopback "pod" address (separated pods: NCCL over gloo, or GDR over NIXL/UCX), or one
 colocated pod (IPC over POSIX shared memory, A == B). No Kubernetes: the agents follow the trainer's
 announcements. The trainers publish version v+1 only after every engine rank committed v, so every version
-is measured alone.
+is measured alone. `--replicas N` runs N such inference pods (one replica each); `--fan-out relay` sets
+spec.transfer.fanOut Relay on every agent (agent/relay.py): the replicas fetching a version are chained and the
+trainer sends it once. `--trainer-egress-gbps G` caps what leaves the trainer pod's address at G Gbit/s (an htb
+class on the loopback device, for the agents and the raw reference alike; needs root and `tc`), as a trainer
+node's NIC caps it: on loopback nothing else is the bottleneck that fan-out removes.
 
 `--device cuda` puts the trainers' weights, the engines' parameters and the agents' transport buffers
 (WEIGHTSYNC_AGENT_DEVICE) on GPUs: the trainer pod on GPU 0, the inference pod on GPU 1 where there is one
@@ -38,6 +43,11 @@ JSON fields (steady state: version 1 excluded, it forms groups, faults pages in 
   snapshot_bytes     ring: memory the trainers hold as snapshots of the last version (device memory on GPUs;
                      0 when the trainer is held instead: CPU tensors with --snapshot auto or none)
   bit_exact          every engine rank's tensors equal the trainer's last version, byte for byte
+  replicas, fan_out  inference replicas, and how they are fed (direct: the trainer sends to each; relay: a chain)
+  trainer_egress_gbps  the cap on the trainer pod's egress (null: none)
+  trainer_sent_per_byte  bytes the trainer agent sent per model byte and version (what leaves the trainer pod:
+                     N with direct fan-out to N replicas, 1 with relay); `relayed_per_byte`: bytes the inference
+                     agents forwarded per model byte and version (N - 1 with relay)
 """
 
 from __future__ import annotations
@@ -95,8 +105,11 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _committed(run: Path, version: int, ranks: int) -> bool:
-    return len({d["rank"] for d in _read_jsonl(run / "commits.jsonl") if d["version"] == version}) >= ranks
+def _committed(run: Path, version: int, ranks: int, replica: int | None = None) -> bool:
+    """Whether `ranks` engine ranks committed `version` (of one replica, or counted over all of them)."""
+    done = {(d.get("replica", 0), d["rank"]) for d in _read_jsonl(run / "commits.jsonl")
+            if d["version"] == version and (replica is None or d.get("replica", 0) == replica)}
+    return len(done) >= ranks
 
 
 # -- app processes -------------------------------------------------------------------------------------
@@ -137,7 +150,8 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
         threading.Event().wait()  # ring staging with a snapshot: the session streams the last version
 
 
-def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, device: str = "cpu") -> None:
+def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, device: str = "cpu",
+               replica: int = 0) -> None:
     from weightsync.agent.client import InferenceSession
     from weightsync.agent.layout import inference_layout
     from weightsync.agent.plan import Box
@@ -163,7 +177,7 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, devic
     def check() -> None:
         """The last version, bit for bit, once every engine rank committed it (a check while another rank is
         still loading would take its cores and slow the version being measured)."""
-        while not _committed(run, versions, tp):
+        while not _committed(run, versions, tp, replica):
             time.sleep(0.01)
         bad = []
         for s in needs:
@@ -172,18 +186,49 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, devic
             advance(want, versions)
             if not torch.equal(want.view(torch.int16), params[s.name].cpu().view(torch.int16)):
                 bad.append(s.name)
-        tmp = run / f"exact-{rank}.json.tmp"
+        tmp = run / f"exact-{replica}-{rank}.json.tmp"
         tmp.write_text(json.dumps({"bit_exact": not bad, "mismatched": bad[:5], "tensors": len(needs)}))
-        tmp.replace(run / f"exact-{rank}.json")  # the parent never reads half a file
+        tmp.replace(run / f"exact-{replica}-{rank}.json")  # the parent never reads half a file
 
     def on_commit(version: int) -> None:
         with (run / "commits.jsonl").open("a") as fh:
-            fh.write(json.dumps({"rank": rank, "version": version, "t": time.time()}) + "\n")
+            fh.write(json.dumps({"replica": replica, "rank": rank, "version": version, "t": time.time()}) + "\n")
         if version == versions:  # the engine is committed: nothing changes `params` any more
             threading.Thread(target=check, daemon=True).start()
 
     InferenceSession(on_bucket, on_commit, rank=rank, on_pieces=on_pieces).start()
     threading.Event().wait()
+
+
+# -- a trainer NIC ---------------------------------------------------------------------------------------
+class EgressCap:
+    """Packets from `ip` on the loopback device leave at most at `gbps` (htb; everything else unlimited)."""
+
+    def __init__(self, ip: str, gbps: float | None) -> None:
+        self.ip, self.gbps = ip, gbps
+
+    def _tc(self, *args: str, check: bool = True) -> None:
+        import subprocess
+
+        res = subprocess.run(["tc", *args], capture_output=True, text=True)
+        if check and res.returncode != 0:
+            raise SystemExit(f"--trainer-egress-gbps: `tc {' '.join(args)}` failed: {res.stderr.strip()} "
+                             "(needs root and the sch_htb / cls_u32 kernel modules)")
+
+    def __enter__(self) -> EgressCap:
+        if self.gbps:
+            self._tc("qdisc", "del", "dev", "lo", "root", check=False)
+            self._tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "99")
+            self._tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:99", "htb", "rate", "400gbit")
+            rate = f"{int(self.gbps * 1000)}mbit"
+            self._tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb", "rate", rate, "ceil", rate)
+            self._tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match",
+                     "ip", "src", f"{self.ip}/32", "flowid", "1:10")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.gbps:
+            self._tc("qdisc", "del", "dev", "lo", "root", check=False)
 
 
 # -- raw transports --------------------------------------------------------------------------------------
@@ -401,13 +446,18 @@ def summed(samples: list[dict[str, float]], metric: str, *labels: str) -> dict[s
 
 def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: int, staging: str = "version",
         depth: int = 2, snapshot: str = "auto", with_raw: bool = True, dp: int = 1,
-        device: str = "cpu", threads_per_rank: int | None = None) -> dict[str, Any]:
+        device: str = "cpu", threads_per_rank: int | None = None, replicas: int = 1,
+        fan_out: str = "direct", trainer_egress_gbps: float | None = None) -> dict[str, Any]:
     from podprocs import Cluster, wait_for
     from weightsync.crds import contract
     from weightsync.e2e.procs import free_port
 
     if mode == "ipc" and dp != 1:
         raise SystemExit("--dp: the separated modes only (nccl, gdr)")
+    if mode == "ipc" and replicas != 1:
+        raise SystemExit("--replicas: the separated modes only (nccl, gdr)")
+    if fan_out == "relay" and mode != "nccl":
+        raise SystemExit("--fan-out relay: --mode nccl only (spec.transfer.fanOut Relay)")
     if mode == "ipc" and fsdp != tp:
         raise SystemExit("--mode ipc runs one colocated pod whose trainer and engine ranks are the same GPUs: "
                          f"--fsdp ({fsdp}) must equal --inference-tp ({tp})")
@@ -423,11 +473,16 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
     else:
         c = Cluster(run_dir, mode=mode.upper(), bucket_mb=bucket_mb)
         t = c.add_pod("bench-trainer-0", contract.ROLE_TRAINER, ranks=list(range(fsdp * dp)))
-        i = c.add_pod("bench-inference-0-0", contract.ROLE_INFERENCE, ranks=list(range(tp)))
-        pods = [t, i]
+        infs = [c.add_pod(f"bench-inference-{k}-0", contract.ROLE_INFERENCE, ranks=list(range(tp)), replica=k)
+                for k in range(replicas)]
+        i = infs[0]
+        pods = [t, *infs]
+        if fan_out == "relay":
+            c.extra_env[contract.ENV_FAN_OUT] = "Relay"
     c.write_topology()
     common = ["--run", str(run_dir), "--size-mb", str(size_mb), "--versions", str(versions)]
     scrapes: list[list[dict[str, float]]] = []
+    cap = EgressCap(t.ip, trainer_egress_gbps).__enter__()
     try:
         for p in pods:
             c.start_agent(p, WEIGHTSYNC_LOG_LEVEL=os.environ.get("WEIGHTSYNC_LOG_LEVEL", "WARNING"),
@@ -435,9 +490,10 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
                           **{contract.ENV_AGENT_DEVICE: trainer_dev if p is t else inference_dev})
         threads = {"engine": rank_threads("engine", tp, threads_per_rank),
                    "trainer": rank_threads("trainer", fsdp * dp, threads_per_rank)}
-        for r in range(tp):
-            c.spawn(i, f"engine{r}", [sys.executable, me, "engine", "--rank", str(r), "--tp", str(tp), *common,
-                                      "--device", inference_dev], **threads["engine"])
+        for k, ipod in enumerate(pods[1:] or pods):
+            for r in range(tp):
+                c.spawn(ipod, f"engine{r}", [sys.executable, me, "engine", "--rank", str(r), "--tp", str(tp), *common,
+                                             "--device", inference_dev, "--replica", str(k)], **threads["engine"])
         for r in range(fsdp * dp):
             c.spawn(t, f"trainer{r}", [sys.executable, me, "trainer", "--rank", str(r), "--fsdp", str(fsdp),
                                        "--dp", str(dp),
@@ -445,13 +501,14 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
         budget = 120 + size_mb / 5
         for v in range(1, versions + 1):
             (run_dir / f"go-{v}").touch()
-            wait_for(lambda v=v: _committed(run_dir, v, tp), budget, f"version {v} committed by {tp} engine ranks", c)
+            wait_for(lambda v=v: _committed(run_dir, v, tp * replicas), budget,
+                     f"version {v} committed by {tp} engine ranks of {replicas} replica(s)", c)
             if v == 1:  # steady-state counters start after the first version
                 scrapes.append(settled([p.metrics_url for p in pods]))
         scrapes.append(settled([p.metrics_url for p in pods]))
-        wait_for(lambda: all((run_dir / f"exact-{r}.json").exists() for r in range(tp)), budget,
-                 "every engine rank's bit-exact check", c)
-        exact = [json.loads((run_dir / f"exact-{r}.json").read_text()) for r in range(tp)]
+        exact_files = [run_dir / f"exact-{k}-{r}.json" for k in range(replicas) for r in range(tp)]
+        wait_for(lambda: all(f.exists() for f in exact_files), budget, "every engine rank's bit-exact check", c)
+        exact = [json.loads(f.read_text()) for f in exact_files]
         for p in pods:  # the agents are done: the raw transport alone between the same pods
             c.kill(p, "agent")
         if not with_raw:
@@ -469,6 +526,7 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
         raw = [float(x) for x in json.loads(raw_out.read_text())]
     finally:
         c.stop_all()
+        cap.__exit__()
     return _result(locals(), raw)
 
 
@@ -529,6 +587,8 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
     stages = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / (model_bytes * steady_versions) for k in after}
     dig = [summed(sc, "weightsync_agent_digest_bytes_total", "side", "source") for sc in (scrapes[0], scrapes[-1])]
     digest = {k: (dig[1].get(k, 0.0) - dig[0].get(k, 0.0)) / (model_bytes * steady_versions) for k in dig[1]}
+    moved = [summed(sc, "weightsync_agent_transfer_bytes_total", "direction") for sc in (scrapes[0], scrapes[-1])]
+    per_byte = {k: (moved[1].get(k, 0.0) - moved[0].get(k, 0.0)) / (model_bytes * steady_versions) for k in moved[1]}
     peak = sum(s.get("weightsync_agent_staging_peak_bytes{}", 0.0) for s in scrapes[-1])
     by_pod = {p.name: int(s.get("weightsync_agent_staging_peak_bytes{}", 0.0)) for p, s in zip(pods, scrapes[-1],
                                                                                               strict=True)}
@@ -558,6 +618,9 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
         # each rank process's intra-op threads (null: torch's default, one per core; rank_threads)
         "omp_num_threads": {role: int(env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or 0) or None
                             for role, env in ns["threads"].items()},
+        "replicas": ns["replicas"], "fan_out": ns["fan_out"], "trainer_egress_gbps": ns["trainer_egress_gbps"],
+        "trainer_sent_per_byte": round(per_byte.get("sent", 0.0), 3),
+        "relayed_per_byte": round(per_byte.get("relayed", 0.0), 3),
         "first_version_end_to_end_s": round(rows[0]["end_to_end_s"], 4),
         "device": ns["device"], "trainer_device": ns["trainer_dev"], "inference_device": ns["inference_dev"],
         "raw_kind": ({"nccl": "gloo send/recv", "gdr": "NIXL READ",
@@ -582,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         sp = sub.add_parser(name)
         for flag in ("--rank", "--size-mb", "--versions", "--fsdp" if name == "trainer" else "--tp"):
             sp.add_argument(flag, type=int, required=True)
+        if name == "engine":
+            sp.add_argument("--replica", type=int, default=0)
         sp.add_argument("--run", required=True)
         sp.add_argument("--device", default="cpu")
         if name == "trainer":
@@ -607,12 +672,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="OMP_NUM_THREADS of each trainer and engine process; default: as the real ones run (trainers "
                    "as torchrun starts them: 1 when a pod runs several ranks, else torch's default; engines 1, as "
                    "vLLM and SGLang serve); 0: torch's default everywhere (one thread per core)")
+    p.add_argument("--replicas", type=int, default=1, help="inference replicas, one pod each (nccl, gdr)")
+    p.add_argument("--fan-out", choices=("direct", "relay"), default="direct",
+                   help="how the replicas are fed: the trainer sends to each (direct) or to a chain (relay, nccl)")
+    p.add_argument("--trainer-egress-gbps", type=float, default=None,
+                   help="cap the trainer pod's egress at G Gbit/s, as its NIC would (tc htb on loopback; root)")
     p.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     a = p.parse_args(argv)
     if a.cmd == "trainer":
         run_trainer(Path(a.run), a.rank, a.fsdp, a.size_mb, a.versions, a.snapshot, a.dp, a.device)
     elif a.cmd == "engine":
-        run_engine(Path(a.run), a.rank, a.tp, a.size_mb, a.versions, a.device)
+        run_engine(Path(a.run), a.rank, a.tp, a.size_mb, a.versions, a.device, a.replica)
     elif a.cmd == "raw":
         run_raw(a.kind, a.rank, a.ip, a.store, a.nbytes, a.bucket, a.iters, Path(a.out), a.device)
     else:
@@ -621,7 +691,9 @@ def main(argv: list[str] | None = None) -> int:
         # a `timeout` or a Ctrl-C stops the pods' processes too (run()'s finally), not only this one
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         print(json.dumps(run(a.mode, a.size_mb, a.fsdp, a.inference_tp, a.bucket_mb, a.versions, a.staging, a.depth,
-                             a.snapshot, not a.no_raw, a.dp, a.device, a.threads_per_rank), indent=1))
+                             a.snapshot, not a.no_raw, a.dp, a.device, a.threads_per_rank, a.replicas, a.fan_out,
+                             a.trainer_egress_gbps),
+                         indent=1))
     return 0
 
 
