@@ -72,6 +72,8 @@ bench: setup
 	$(VPY) bench/agent_pipeline.py --mode ipc --size-mb 1024 --fsdp 2 --inference-tp 2 --json | tee bench/results/agent-pipeline-ipc-fsdp2-tp2.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --dp 2 --json | tee bench/results/agent-pipeline-nccl-dp2.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --json | tee bench/results/agent-pipeline-nccl-256.json
+	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --replicas 3 --fan-out direct --versions 4 --json | tee bench/results/agent-pipeline-nccl-256-replicas3-direct.json
+	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --replicas 3 --fan-out relay --versions 4 --json | tee bench/results/agent-pipeline-nccl-256-replicas3-relay.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --staging ring --json | tee bench/results/agent-pipeline-ring-nccl-256.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --staging ring --json | tee bench/results/agent-pipeline-ring-nccl-1024.json
 	$(VPY) bench/plan_scale.py --tensors 70000 --ranks 256 --json | tee bench/results/plan-scale.json

@@ -189,6 +189,11 @@ CASES: list[Case] = [
          _all(_set("spec.transfer.mode", "GDR"), _set("spec.transfer.deltaSync", {"enabled": True}),
               _set("spec.transfer.staging", {"mode": "Ring"})),
          "spec.transfer.staging", "CEL", also="deltaSync.enabled=false"),
+    Case("fan-out-relay-not-over-ipc", _set("spec.transfer.fanOut", "Relay"), "spec.transfer.fanOut", "CEL",
+         base=colocated, also="transfer.mode NCCL"),
+    Case("fan-out-relay-not-over-gdr", _all(_set("spec.transfer.mode", "GDR"), _set("spec.transfer.fanOut", "Relay")),
+         "spec.transfer.fanOut", "CEL", also="GDR replicas read the trainer's memory"),
+    Case("fan-out-enum", _set("spec.transfer.fanOut", "Tree"), "spec.transfer.fanOut", "enum"),
     Case("ring-staging-depth-range", _set("spec.transfer.staging", {"mode": "Ring", "depth": 0}),
          "spec.transfer.staging.depth", "bound"),
     Case("engine-url-scheme", _set("spec.inference.engine.url", "ftp://engine:30000"),
@@ -240,4 +245,5 @@ ALLOWED_UPDATES: list[tuple[str, Callable[[Obj], None]]] = [
     ("verify", _set("spec.transfer.verify", "Checksum")),
     ("delta-sync-disabled", _set("spec.transfer.deltaSync", {"enabled": False, "maxChangedFraction": 0.3})),  # NCCL: off is ok
     ("ring-staging", _set("spec.transfer.staging", {"mode": "Ring", "depth": 3})),
+    ("fan-out-relay", _set("spec.transfer.fanOut", "Relay")),
 ]

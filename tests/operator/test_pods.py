@@ -468,3 +468,25 @@ def test_engine_only_changes_do_not_touch_trainer_pods(job, separated):
     inference = [n for n in before if "inference" in n]
     assert trainers and all(before[n] == after[n] for n in trainers)
     assert inference and all(before[n] != after[n] for n in inference)
+
+
+def test_fan_out_relay_reaches_every_agent_only_over_nccl(job, separated, cfg):
+    """spec.transfer.fanOut Relay: trainer agents form the chains and inference agents forward along them, so
+    every pod's agent gets it (and reads it, agent/config.py); Direct or unset leaves every pod as it was."""
+    from weightsync.agent.config import AgentConfig
+
+    relay = _pods(job, separated(transfer={"mode": "NCCL", "fanOut": "Relay"}), cfg)
+    plain = _pods(job, separated(transfer={"mode": "NCCL"}), cfg)
+    direct = _pods(job, separated(transfer={"mode": "NCCL", "fanOut": "Direct"}), cfg)
+    for pod in relay.values():
+        env = _env(_agent(pod))
+        assert env[contract.ENV_FAN_OUT] == "Relay"
+        cfg_env = {k: v for k, v in env.items() if isinstance(v, str)}
+        cfg_env.update({contract.ENV_POD_NAME: "p", contract.ENV_JOB: "demo"})
+        assert AgentConfig.from_env(cfg_env).fan_out == "Relay"
+    hashes = [{n: p["metadata"]["annotations"][contract.ANN_SPEC_HASH] for n, p in pods.items()}
+              for pods in (relay, plain, direct)]
+    assert hashes[1] == hashes[2], "Direct is the default: no PodsOutdated for jobs that never used Relay"
+    assert all(hashes[0][n] != hashes[1][n] for n in hashes[0])
+    for pod in plain.values():
+        assert contract.ENV_FAN_OUT not in _env(_agent(pod))
