@@ -899,9 +899,8 @@ class Agent:
             )
 
         if hold is not None:
-            self._relay_next = False  # set again once the prepare succeeded
             self._hold(version, lambda v: fetch(v, False), hold)
-            self._relay_next = self._prepare_failed is None
+            self._relay_next = self._prepare_failed is None  # after a failed prepare: directly from the trainer
             return
         prev, prev_epoch = self.served, self.served_epoch
         self.restore_version = prev
@@ -971,7 +970,9 @@ class Agent:
             self.last_error = None  # a new round: the last one's error is not this one's
         self._loading = True
         try:
-            fetch(version)
+            res = fetch(version)
+            if res is not None:  # what came over the wire, as for a load (the commit later moves nothing)
+                self.metrics.transfer_bytes.labels("received", self.mode).inc(res.bytes)
             if hold.complete is None:
                 raise FetchError(f"version {version} was not complete")
         except (FetchError, EngineError, StagingError) as exc:
