@@ -64,6 +64,9 @@ RELAY_JOIN_S = _seconds("WEIGHTSYNC_RELAY_JOIN_SECONDS", 10.0)
 #: how long a relay's receiver waits for one bucket's forward to complete before it detaches the downstream
 RELAY_LAG_S = _seconds("WEIGHTSYNC_RELAY_LAG_SECONDS", 30.0)
 
+#: relays (expected or joined, not yet running) one agent keeps: an authenticated peer cannot grow it further
+MAX_PENDING_RELAYS = 64
+
 RelayKey = tuple[int, int, str]  # (version, source rank, plan hash)
 
 
@@ -348,6 +351,11 @@ class RelayHub:
                 relay.stream.detach("replaced by a newer expectation")
             relay.stream = stream
             relay.group = dict(group)
+            wanted = set(plan.dsts_of(src))
+            for dst in [d for d in relay.peers if d not in wanted]:  # joined early, for a rank the plan lacks
+                mb = relay.peers.pop(dst)
+                mb.abort(f"destination rank {dst} receives nothing from source rank {src} in plan {plan.hash[:12]}")
+                mb.close()
             run = self._ready(relay)
         if run:
             self._start(relay)
@@ -357,7 +365,15 @@ class RelayHub:
         """A downstream destination rank's link (ws.relay) for `key`."""
         with self._lock:
             self._expire()
+            if key not in self._relays and len(self._relays) >= MAX_PENDING_RELAYS:
+                mb.abort(f"this agent already has {MAX_PENDING_RELAYS} relays pending")
+                mb.close()
+                return
             relay = self._relays.setdefault(key, _Relay(key))
+            if relay.stream is not None and dst not in relay.stream.plan.dsts_of(key[1]):
+                mb.abort(f"destination rank {dst} receives nothing from source rank {key[1]} in plan {key[2][:12]}")
+                mb.close()
+                return
             if relay.running:
                 mb.abort(f"the relay of version {key[0]} from source rank {key[1]} has started without it")
                 mb.close()

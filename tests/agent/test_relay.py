@@ -235,3 +235,33 @@ def test_chain_links_and_hops_are_checked() -> None:
                      ("pod-1", "must be an object")):
         with pytest.raises(ValueError, match=why):
             parse_hop(bad, pods)
+
+
+def test_the_relay_port_refuses_wrong_ranks_floods_and_strangers(chains: list[Chain], monkeypatch: Any) -> None:
+    """Hostile input on an inference agent's control port: a link without the job token is refused at the
+    handshake; a frame that is not ws.relay gets an error; a rank the plan lacks is refused by name; and pending
+    relays are bounded (each waits at most join_s)."""
+    import weightsync.agent.relay as relay_mod
+    from weightsync.agent.link import LinkError
+
+    c = Chain(join_s=30.0)
+    chains.append(c)
+    c.hub.expect(1, 0, c.plan, {"epoch": "e1"}, "replica-d")
+    with pytest.raises((LinkError, OSError)):
+        connect(HOST, c.server.port, "not-the-job-token").recv(timeout=5)
+    link = connect(HOST, c.server.port, TOKEN)
+    link.send({"kind": P.TRANSFER, "version": 1})
+    h, _ = link.recv(timeout=5)
+    assert h["kind"] == P.ERROR and P.RELAY in h["message"]
+    wrong = connect(HOST, c.server.port, TOKEN)
+    wrong.send({"kind": P.RELAY, "version": 1, "src": 0, "dst": 7, "plan_hash": c.plan.hash})
+    with pytest.raises(Exception, match="destination rank 7 receives nothing"):
+        Mailbox(wrong).get(P.EPOCH, timeout=5)
+    monkeypatch.setattr(relay_mod, "MAX_PENDING_RELAYS", 3)
+    kept = []
+    for v in range(2, 5):  # two more keys fill the bound (the expectation above is one)
+        kept.append(connect(HOST, c.server.port, TOKEN))
+        kept[-1].send({"kind": P.RELAY, "version": v, "src": 0, "dst": 0, "plan_hash": "x"})
+    over = Mailbox(kept[-1])
+    with pytest.raises(LinkError, match="already has 3 relays pending"):
+        over.get(P.EPOCH, timeout=5)
