@@ -306,9 +306,11 @@ class Agent:
         self.mode = topo.mode if cfg.transfer_mode == "Auto" else cfg.transfer_mode
         self.verify = "Checksum" in (cfg.verify, topo.verify)
         self.delta = delta_config(cfg, self.mode)
-        self.fan_out = cfg.fan_out == "Relay" and self.mode == "NCCL"
+        # fanOut Relay between pods (NCCL, GDR); a relay forwards full buckets, never a trainer's deltas
+        self.fan_out = cfg.fan_out == "Relay" and self.mode in ("NCCL", "GDR") and self.delta is None
         if cfg.fan_out == "Relay" and not self.fan_out:
-            log.warning("fanOut Relay ignored: transfer mode %s sends to each replica directly", self.mode)
+            log.warning("fanOut Relay ignored: transfer mode %s%s sends to each replica directly", self.mode,
+                        " with deltaSync" if self.delta is not None else "")
         # group formation and single bucket operations: a dead peer must not hold a trainer for 10 minutes
         self.cache = TransportCache(mode=self.mode, job=cfg.job, pod_ip=cfg.pod_ip, transport_port=cfg.transport_port,
                                     timeout=min(cfg.timeout_seconds, TRANSPORT_TIMEOUT), delta=self.delta,

@@ -456,8 +456,8 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
         raise SystemExit("--dp: the separated modes only (nccl, gdr)")
     if mode == "ipc" and replicas != 1:
         raise SystemExit("--replicas: the separated modes only (nccl, gdr)")
-    if fan_out == "relay" and mode != "nccl":
-        raise SystemExit("--fan-out relay: --mode nccl only (spec.transfer.fanOut Relay)")
+    if fan_out == "relay" and mode == "ipc":
+        raise SystemExit("--fan-out relay: --mode nccl or gdr (spec.transfer.fanOut Relay is between pods)")
     if mode == "ipc" and fsdp != tp:
         raise SystemExit("--mode ipc runs one colocated pod whose trainer and engine ranks are the same GPUs: "
                          f"--fsdp ({fsdp}) must equal --inference-tp ({tp})")
@@ -674,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
                    "vLLM and SGLang serve); 0: torch's default everywhere (one thread per core)")
     p.add_argument("--replicas", type=int, default=1, help="inference replicas, one pod each (nccl, gdr)")
     p.add_argument("--fan-out", choices=("direct", "relay"), default="direct",
-                   help="how the replicas are fed: the trainer sends to each (direct) or to a chain (relay, nccl)")
+                   help="how the replicas are fed: the trainer sends to each (direct) or to a chain (relay; nccl, gdr)")
     p.add_argument("--trainer-egress-gbps", type=float, default=None,
                    help="cap the trainer pod's egress at G Gbit/s, as its NIC would (tc htb on loopback; root)")
     p.add_argument("--json", action="store_true", help="(the output is always one JSON object)")

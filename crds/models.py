@@ -256,7 +256,7 @@ def _delta_mode_ok(t: TransferSpec) -> bool:
 
 
 def _relay_over_a_network(t: TransferSpec) -> bool:
-    return t.fan_out != "Relay" or t.mode in ("Auto", "NCCL")
+    return t.fan_out != "Relay" or (t.mode != "IPC" and (t.delta_sync is None or not t.delta_sync.enabled))
 
 
 def _ring_without_delta(t: TransferSpec) -> bool:
@@ -286,11 +286,11 @@ class TransferSpec(_Model):
             field_path=".staging",
         ),
         Rule(
-            cel="!(has(self.fanOut) && self.fanOut == 'Relay' && has(self.mode) && "
-            "(self.mode == 'IPC' || self.mode == 'GDR'))",
-            message="spec.transfer.fanOut Relay needs transfer.mode NCCL (or Auto resolving to NCCL): IPC moves "
-            "no bytes between pods and GDR replicas read the trainer's memory directly; use fanOut Direct or "
-            "transfer.mode NCCL",
+            cel="!(has(self.fanOut) && self.fanOut == 'Relay' && ((has(self.mode) && self.mode == 'IPC') || "
+            "(has(self.deltaSync) && has(self.deltaSync.enabled) && self.deltaSync.enabled)))",
+            message="spec.transfer.fanOut Relay needs transfer.mode NCCL or GDR (or Auto: a Colocated job's IPC "
+            "moves no bytes between pods and is sent directly) and no deltaSync (a relay forwards the buckets "
+            "it received, not the trainer's deltas); use fanOut Direct, or set deltaSync.enabled=false",
             check=_relay_over_a_network,
             field_path=".fanOut",
         ),
@@ -334,7 +334,7 @@ class TransferSpec(_Model):
         description="Direct | Relay. Direct: every trainer rank sends each version to every inference replica. "
         "Relay: the replicas fetching one version together form a chain, the trainer sends each byte to the "
         "first and each replica forwards every bucket it checked to the next (trainer egress once per version, "
-        "not once per replica). NCCL transfers between single-pod replicas only; others are sent directly "
+        "not once per replica). NCCL and GDR, not with deltaSync; replicas whose ranks span pods are sent directly "
         "(docs/placement-and-transfer.md, \"Fan-out\").",
     )
     staging: Staging | None = Field(

@@ -94,8 +94,8 @@ def contract_env(
             {"name": contract.ENV_STAGING, "value": "ring"},
             {"name": contract.ENV_STAGING_DEPTH, "value": str(staging.depth)},
         ]
-    if spec.transfer.fan_out == "Relay" and plan.mode == "NCCL":
-        # Only when Relay (and over a network): other jobs keep their env (and spec hash). Trainer agents form
+    if spec.transfer.fan_out == "Relay" and plan.mode in ("NCCL", "GDR"):
+        # Only when Relay (and between pods): other jobs keep their env (and spec hash). Trainer agents form
         # the chains, inference agents forward along them.
         env.append({"name": contract.ENV_FAN_OUT, "value": "Relay"})
     delta = spec.transfer.delta_sync

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from podprocs import Cluster, engine_version, get_json, get_text, metric_value, wait_for
 from test_demo_processes import engine_sums, trainer_sums
 from weightsync.crds import contract
@@ -19,9 +20,14 @@ def _bytes(pod_metrics: str, direction: str) -> float:
     return metric_value(pod_metrics, "weightsync_agent_transfer_bytes_total", f'direction="{direction}"') or 0.0
 
 
-def test_relay_chain_sends_each_version_once_and_every_replica_is_bit_exact(tmp_path: Path,
-                                                                           clusters: list[Cluster]) -> None:
-    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1, verify="Checksum")
+@pytest.mark.parametrize("mode", ["NCCL", "GDR"])
+def test_relay_chain_sends_each_version_once_and_every_replica_is_bit_exact(tmp_path: Path, clusters: list[Cluster],
+                                                                           mode: str) -> None:
+    """NCCL: each hop is a gloo group; GDR: each replica reads the buckets out of the receive slots of the one
+    before it (NIXL READ), as the first reads the trainer's staging."""
+    if mode == "GDR":
+        pytest.importorskip("nixl", reason="GDR needs NIXL (the agent extra installs it)")
+    c = Cluster(tmp_path, mode=mode, bucket_mb=1, verify="Checksum")
     c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = "640"  # several 1 MiB buckets per version
     c.extra_env[contract.ENV_FAN_OUT] = "Relay"
     c.extra_env["WEIGHTSYNC_FANOUT_GATHER_SECONDS"] = "1.0"  # the replicas' fetches start within a second here

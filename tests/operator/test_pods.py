@@ -490,3 +490,5 @@ def test_fan_out_relay_reaches_every_agent_only_over_nccl(job, separated, cfg):
     assert all(hashes[0][n] != hashes[1][n] for n in hashes[0])
     for pod in plain.values():
         assert contract.ENV_FAN_OUT not in _env(_agent(pod))
+    for pod in _pods(job, separated(transfer={"mode": "GDR", "fanOut": "Relay"}), cfg).values():
+        assert _env(_agent(pod))[contract.ENV_FAN_OUT] == "Relay"  # GDR relays too (NIXL READ from a replica)
