@@ -9,7 +9,8 @@ so the last replica has a version about one bucket per hop after the first.
 
 Who relays is decided by the trainer agent of each source rank (server.py `WeightServer._fan_out`): the
 replicas whose transfers of one (version, source rank, plan) complete their rendezvous within
-FANOUT_GATHER_S of each other, and whose destination ranks for that source all live in one pod (so one
+FANOUT_GATHER_S of the first (waiting only while replicas that asked for the version's metadata lately have not
+arrived), and whose destination ranks for that source all live in one pod (so one
 agent holds every bucket the source sends). It tells each member its place in the `ws.epoch` frame:
 
 * `relay_to` {group, pod}: forward every bucket of this source to the downstream pod's agent, in the relay

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 PIN_SECONDS = 60.0           # how long a metadata request keeps a version staged for the transfer to follow
 RENDEZVOUS_TIMEOUT = 60.0    # how long a source waits for every destination of a plan to join
+ASKING_WINDOW_S = 30.0       # fanOut Relay: a replica that asked for a version's metadata this recently fetches it
 PLAN_MEMORY_VERSIONS = 3     # a plan that read none of a rank's last 3 versions no longer holds its staging whole
 
 
@@ -660,6 +661,9 @@ class WeightServer:
         self.replicas = replicas or (lambda: 0)
         self._fans: dict[tuple[int, int, str], list[_Rendezvous]] = {}
         self._fan_cond = threading.Condition()
+        # replicas that asked for a version's metadata lately, by version: those about to fetch it, so the
+        # fan-out waits for them only (a Rolling wave of one replica is sent to at once)
+        self._asking: dict[int, dict[int, float]] = {}
         self.device = torch.device(device)
         self.pod = pod
         self.store = store
@@ -741,7 +745,7 @@ class WeightServer:
                     if header.get("kind") == P.SERVED:
                         self._served_report(link, pod, header)
                     else:
-                        self._control_request(link, header)
+                        self._control_request(link, header, hello)
                 except P.ProtocolError as exc:
                     self.metrics.rejected_frames.labels("protocol").inc()
                     log.warning("peer.bad_request peer=%s error=%s", link.peer, exc)
@@ -765,11 +769,14 @@ class WeightServer:
         self.served.report(pod, id(link), version if version >= 1 else None, epoch)
         log.debug("peer.served pod=%s version=%s", pod, version)
 
-    def _control_request(self, link: Link, h: dict[str, Any]) -> None:
+    def _control_request(self, link: Link, h: dict[str, Any], hello: dict[str, Any] | None = None) -> None:
         kind = h.get("kind")
         if kind == P.META_REQ:
             rid = P.require(h, "id", int)
             version = P.require(h, "version", int)
+            replica = (hello or {}).get("replica")
+            if self.fan_out and isinstance(replica, int):
+                self._note_asking(version, replica)
             sv = self.store.get(version, pin=PIN_SECONDS)
             if sv is None:
                 link.send({"kind": P.META, "id": rid, "version": version, "ok": False, "latest": self.store.latest(),
@@ -833,6 +840,19 @@ class WeightServer:
             self._dispatch(run)
 
     # --- fan-out (spec.transfer.fanOut Relay, agent/relay.py) --------------------------------------------
+    def _note_asking(self, version: int, replica: int) -> None:
+        now = time.monotonic()
+        with self._fan_cond:
+            for v in [v for v, who in self._asking.items() if max(who.values()) < now - ASKING_WINDOW_S]:
+                del self._asking[v]
+            self._asking.setdefault(version, {})[replica] = now
+
+    def _fetching(self, version: int) -> int:
+        """How many replicas are about to fetch `version` (asked for its metadata within ASKING_WINDOW_S)."""
+        now = time.monotonic()
+        with self._fan_cond:
+            return sum(1 for t in self._asking.get(version, {}).values() if t >= now - ASKING_WINDOW_S)
+
     def _dispatch(self, rdv: _Rendezvous) -> None:
         """Send to `rdv`'s replica, or, with Relay, chain the replicas whose transfers of the same version,
         source rank and plan complete within FANOUT_GATHER_S: the first is sent to, the others forward."""
@@ -848,7 +868,7 @@ class WeightServer:
                 return
             fan = self._fans[key] = [rdv]
             deadline = time.monotonic() + FANOUT_GATHER_S
-            want = self.replicas()
+            want = min(self.replicas(), max(1, self._fetching(rdv.version)))  # the condition's lock is an RLock
             while len(fan) < want:
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -6,6 +6,9 @@ the trainer's, and the digest leaves every replica checks are the trainer's, for
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -58,3 +61,23 @@ def test_relay_chain_sends_each_version_once_and_every_replica_is_bit_exact(tmp_
     assert "relay.done" in c.log_text(infs[0], "agent")
     code, health = get_json(f"{infs[2].metrics_url}/healthz")
     assert code == 200 and health["served"] == 3
+
+
+def test_a_replica_fetching_alone_is_sent_to_at_once(tmp_path: Path, clusters: list[Cluster]) -> None:
+    """The trainer agent waits for other replicas to chain only when they asked for the version too (a Rolling
+    wave of one replica, or the others stopped, costs nothing): with a 5 s gather window and replica 1's agent
+    stopped, replica 0 loads each version in well under 5 s, and replica 1 catches up alone once resumed."""
+    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
+    c.extra_env[contract.ENV_FAN_OUT] = "Relay"
+    c.extra_env["WEIGHTSYNC_FANOUT_GATHER_SECONDS"] = "5"
+    clusters.append(c)
+    t, infs = c.start_separated(2, "--versions", "2", "--interval", "2")
+    os.killpg(infs[1].procs["agent"].pid, signal.SIGSTOP)
+    wait_for(lambda: engine_version(infs[0]) == 2, 90, f"{infs[0].name} serving version 2", c)
+    took = [float(x) for x in re.findall(r"version committed version=\d+ .*? seconds=([\d.]+)",
+                                         c.log_text(infs[0], "agent"))]
+    assert took and max(took) < 2.5, took
+    os.killpg(infs[1].procs["agent"].pid, signal.SIGCONT)
+    wait_for(lambda: engine_version(infs[1]) == 2, 90, f"{infs[1].name} serving version 2 after it resumed", c)
+    assert engine_sums(infs[1].demo_url)[1] == trainer_sums(t, 2)
+    assert "serve.fan_out" not in c.log_text(t, "agent")
