@@ -81,3 +81,34 @@ def test_a_replica_fetching_alone_is_sent_to_at_once(tmp_path: Path, clusters: l
     wait_for(lambda: engine_version(infs[1]) == 2, 90, f"{infs[1].name} serving version 2 after it resumed", c)
     assert engine_sums(infs[1].demo_url)[1] == trainer_sums(t, 2)
     assert "serve.fan_out" not in c.log_text(t, "agent")
+
+
+def test_a_relay_killed_mid_version_fails_its_downstream_which_then_fetches_directly(
+        tmp_path: Path, clusters: list[Cluster]) -> None:
+    """SIGKILL the first replica's agent while it relays a version to the second: the second never commits
+    a partial version (its engine aborts it), its next attempt asks the trainer directly, and it serves the
+    trainer's bytes; the first, restarted, catches up too."""
+    c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
+    c.extra_env["WEIGHTSYNC_DEMO_HIDDEN"] = "2048"  # fc2 is 16 MiB: a version spans many buckets
+    c.extra_env[contract.ENV_FAN_OUT] = "Relay"
+    clusters.append(c)
+    t, infs = c.start_separated(2, "--versions", "4", "--interval", "3")
+    down = infs[1]
+
+    def mid_load() -> int | None:
+        _, body = get_json(f"{down.demo_url}/events", timeout=2)
+        ev = body["events"]
+        return ev[-1][1] if ev and ev[-1][0] == "begin" and ev[-1][1] >= 2 else None
+
+    cut = int(wait_for(mid_load, 90, "the downstream replica loading a relayed version", c, interval=0.01))
+    c.kill(infs[0], "agent")
+    wait_for(lambda: ["abort", cut] in get_json(f"{down.demo_url}/events")[1]["events"]
+             or engine_version(down) == cut, 60, f"v{cut} aborted (or completed) on {down.name}", c)
+    wait_for(lambda: engine_version(down) == 4, 120, f"{down.name} serving version 4", c)
+    assert engine_sums(down.demo_url)[1] == trainer_sums(t, 4)
+    events = get_json(f"{down.demo_url}/events")[1]["events"]
+    commits = [v for e, v in events if e == "commit"]
+    assert commits == sorted(set(commits)), f"a version committed twice or out of order: {commits}"
+    c.start_agent(infs[0])
+    wait_for(lambda: engine_version(infs[0]) == 4, 120, f"{infs[0].name} restarted and serving version 4", c)
+    assert engine_sums(infs[0].demo_url)[1] == trainer_sums(t, 4)
