@@ -82,6 +82,11 @@ run=$(latest_run)
 [ -n "$run" ] && grep -rh -i -m 40 "ucp\|proto\|cuda_ipc\|cuda_copy" "$run" >>"$OUT/diagnostics.log"
 # the 16-core anomaly (3.9 s there against 0.6 s on 2 cores): rank processes launched as torchrun does (1
 # intra-op thread each, the bench's default now), then as the earlier runs did (16 each: --threads-per-rank 0)
+# fanOut Relay over GDR from GPU memory: each replica reads the buckets out of the CUDA receive slots of the one
+# before it (three inference pods on the inference GPU), against the direct fan-out in the same call
+bench agent-pipeline-gdr-cuda-256-replicas3-direct --mode gdr --device cuda --size-mb 256 --replicas 3 --versions 4
+bench agent-pipeline-gdr-cuda-256-replicas3-relay --mode gdr --device cuda --size-mb 256 --replicas 3 --versions 4 \
+  --fan-out relay
 bench agent-pipeline-nccl-cpu-fsdp2-tp2-1024 --mode nccl --size-mb 1024 --fsdp 2 --inference-tp 2
 bench agent-pipeline-nccl-cpu-fsdp2-tp2-1024-oversubscribed --mode nccl --size-mb 1024 --fsdp 2 \
   --inference-tp 2 --threads-per-rank 0
@@ -98,7 +103,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("agent-pipeline-*.json")):
         print(f"{f.stem}: no result")
         continue
     keys = ("end_to_end_s", "raw_s", "ratio", "trainer_blocked_s", "copies_per_byte", "peak_staging_bytes",
-            "bit_exact", "load_avg_1m")
+            "bit_exact", "trainer_sent_per_byte", "relayed_per_byte", "load_avg_1m")
     print(f.stem, {k: d.get(k) for k in keys})
 pathlib.Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
 EOF
