@@ -845,6 +845,8 @@ class WeightServer:
         with self._fan_cond:
             for v in [v for v, who in self._asking.items() if max(who.values()) < now - ASKING_WINDOW_S]:
                 del self._asking[v]
+            if version not in self._asking and len(self._asking) >= 64:  # requests for many versions at once:
+                return  # not a fetch in progress (a client probing); the fan-out just waits for fewer replicas
             self._asking.setdefault(version, {})[replica] = now
 
     def _fetching(self, version: int) -> int:
