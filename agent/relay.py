@@ -57,9 +57,10 @@ def _seconds(env: str, default: float) -> float:
     return value if value > 0 else default
 
 
-#: trainer agent: how long a completed rendezvous waits for other replicas' transfers of the same version,
-#: source rank and plan before the chain is formed (the cost of Relay on a transfer nobody else makes)
-FANOUT_GATHER_S = _seconds("WEIGHTSYNC_FANOUT_GATHER_SECONDS", 0.3)
+#: trainer agent: how long a completed rendezvous waits at most for the other replicas that asked for the same
+#: version to arrive before the chain is formed (it waits for nobody else: a replica fetching alone costs nothing;
+#: 0.3 s left one of six replicas out now and then on 2 loaded cores, bench/results/*-replicas6-*)
+FANOUT_GATHER_S = _seconds("WEIGHTSYNC_FANOUT_GATHER_SECONDS", 1.0)
 #: how long a relay waits for its downstream's links, and a downstream's link for its relay's expectation
 RELAY_JOIN_S = _seconds("WEIGHTSYNC_RELAY_JOIN_SECONDS", 10.0)
 #: how long a relay's receiver waits for one bucket's forward to complete before it detaches the downstream
