@@ -348,6 +348,7 @@ class FetchResult:
     digest_checked: bool = True  # every piece was checked against its sender's leaf
     digest_bytes: int = 0  # bytes this agent hashed where they landed
     digest_reused_bytes: int = 0  # bytes that landed where this agent's own sender hashed them (IPC, colocated)
+    relayed_from: list[str] = field(default_factory=list)  # fanOut Relay: the upstream pods buckets came from
 
 
 def reachable_sources(topo: Topology, group_name: str) -> set[int] | None:
@@ -382,15 +383,17 @@ EPOCH_TIMEOUT = 90.0  # the trainer answers with the epoch once every destinatio
 
 def _epochs(version: int, plan: TransferPlan, links: dict[int, dict[int, Mailbox]], all_links: list[Mailbox],
             group: dict[str, Any], relay: RelayHub | None, streams: dict[int, RelayStream], topo: Topology,
-            port: int, token: bytes) -> dict[tuple[int, int], dict[str, Any]]:
+            port: int, token: bytes, relayed_from: list[str]) -> dict[tuple[int, int], dict[str, Any]]:
     """Every (destination rank, source rank)'s transport group and epoch, from the trainer's `ws.epoch`.
 
     With fanOut Relay the frame may chain this replica (agent/relay.py): `relay_to` registers the source's
     buckets to be forwarded (`streams`); `relay_from` replaces the trainer's link by one to the upstream
-    replica's agent, whose own `ws.epoch` then names the hop's group. Every relay link is opened before any
-    is waited on: the upstream starts a hop only once all destination ranks of the source joined it."""
+    replica's agent, whose own `ws.epoch` then names the hop's group (its pod goes to `relayed_from`). Every
+    relay link is opened before any is waited on: the upstream starts a hop only once all destination ranks
+    of the source joined it."""
     pods = {p.name: p.ip or "" for rep in topo.inference for p in rep.pods}
     out: dict[tuple[int, int], dict[str, Any]] = {}
+    upstream_pods: list[str] = []
     upstream: dict[tuple[int, int], dict[str, Any]] = {}
     for r in list(links):
         for s, mb in list(links[r].items()):
@@ -411,6 +414,9 @@ def _epochs(version: int, plan: TransferPlan, links: dict[int, dict[int, Mailbox
             links[r][s] = relayed
             all_links.append(relayed)
             upstream[(r, s)] = from_group
+            if from_pod not in upstream_pods:
+                upstream_pods.append(from_pod)
+    relayed_from[:] = upstream_pods
     for (r, s), from_group in upstream.items():
         h, _ = links[r][s].get(P.EPOCH, timeout=RELAY_JOIN_S + 10.0)
         out[(r, s)] = {**from_group, "epoch": str(h.get("epoch"))}
@@ -485,6 +491,7 @@ def fetch_version(
     hooks = {r: DigestHooks(inner=checks[r], digest=digest) for r in my_ranks}
     receivers: dict[int, WeightReceiver] = {}
     streams: dict[int, RelayStream] = {}  # the sources this agent forwards to the next replica (relay_to)
+    relayed_from: list[str] = []  # the upstream pods of the sources relayed to this agent (relay_from)
     hand_pieces = loads_pieces(adapter)
     try:
         for r in my_ranks:
@@ -499,7 +506,7 @@ def fetch_version(
                 mb = Mailbox(link, name=f"src{s}->dst{r}")
                 links[r][s] = mb
                 all_links.append(mb)
-        groups = _epochs(version, plan, links, all_links, group, relay, streams, topo, port, token)
+        groups = _epochs(version, plan, links, all_links, group, relay, streams, topo, port, token, relayed_from)
         for r in my_ranks:
             by_src: dict[int, Transport] = {}
             for s in links[r]:
@@ -581,7 +588,8 @@ def fetch_version(
     return FetchResult(version, nbytes, time.perf_counter() - t0, results, verified_bytes=verified,
                        digest=digest.hex(), digest_checked=not digest.unchecked,
                        digest_bytes=sum(h.stats.bytes for h in hooks.values()),
-                       digest_reused_bytes=sum(h.stats.reused_bytes for h in hooks.values()))
+                       digest_reused_bytes=sum(h.stats.reused_bytes for h in hooks.values()),
+                       relayed_from=relayed_from)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -850,7 +850,7 @@ class Agent:
         self.served, self.served_epoch, self.served_digest = held.version, held.epoch, held.digest
         self.last_error = None
         self.last_sync = {"version": held.version, "durationSeconds": round(took, 4), "bytes": held.nbytes,
-                          "mode": self.mode}
+                          "mode": self.mode, **({"relayedFrom": held.relayed_from[0]} if held.relayed_from else {})}
         self.metrics.served_version.set(held.version)
         self.metrics.versions.labels("committed").inc()
         log.info("version committed (atomic) version=%s bytes=%s seconds=%.3f", held.version, held.nbytes, took)
@@ -940,7 +940,8 @@ class Agent:
         self.served_epoch = trainer_epoch
         self.served_digest = _checked_digest(res)
         self.last_error = None
-        self.last_sync = {"version": version, "durationSeconds": round(took, 4), "bytes": res.bytes, "mode": self.mode}
+        self.last_sync = {"version": version, "durationSeconds": round(took, 4), "bytes": res.bytes, "mode": self.mode,
+                          **({"relayedFrom": res.relayed_from[0]} if res.relayed_from else {})}
         self.metrics.served_version.set(version)
         self.metrics.versions.labels("committed").inc()
         self.metrics.transfer_bytes.labels("received", self.mode).inc(res.bytes)
@@ -994,6 +995,8 @@ class Agent:
         self._loading = False
         self._prepare_failed = None
         self.held = hold.complete
+        if res is not None:
+            self.held.relayed_from = list(res.relayed_from)
         self.last_error = None
         log.info("version prepared (held, not served) version=%s bytes=%s", version, self.held.nbytes)
         self._report()

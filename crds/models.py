@@ -777,6 +777,10 @@ class LastSync(_Model):
     duration_seconds: float = Field(alias="durationSeconds", ge=0, description="Wall time of the sync.")
     bytes: int = Field(ge=0, description="Bytes moved.")
     mode: TransferMode = Field(description="Transport used: IPC, NCCL or GDR.")
+    relayed_from: str | None = Field(
+        default=None, alias="relayedFrom", max_length=253,
+        description="With transfer.fanOut Relay: the inference pod this load took its buckets from (absent: the "
+                    "trainer agents sent them).")
 
 
 class SyncProgress(_Model):
@@ -816,6 +820,10 @@ class InferenceReplicaStatus(_Model):
                                             description="Wall time of the replica's last completed load.")
     last_error: str | None = Field(default=None, alias="lastError", max_length=1024,
                                    description="The last failed load's error (cleared by a successful one).")
+    relayed_from: str | None = Field(
+        default=None, alias="relayedFrom", max_length=253,
+        description="With transfer.fanOut Relay: the pod of the replica before this one in the chain its last load "
+                    "came through (absent: the trainer agents sent it).")
 
 
 class WeightSyncJobStatus(_Model):

@@ -312,12 +312,15 @@ def replica_statuses(states: list[ReplicaState], pods: Mapping[str, Mapping[str,
         unreachable = [d[1] for d in (podstate.condition_detail(p, contract.POD_CONDITION_SYNCED) for p in live)
                        if d is not None and d[0] == REASON_ENGINE_UNREACHABLE]
         error = next((e for e in map(podstate.sync_error, live) if e), None) or next(iter(unreachable), None)
+        relayed = next((str(ls["relayedFrom"])[:253] for ls in map(podstate.last_sync, live)
+                        if ls is not None and isinstance(ls.get("relayedFrom"), str) and ls["relayedFrom"]), None)
         out.append(InferenceReplicaStatus(
             index=s.replica, pods=list(s.pod_names), served_version=s.served,
             served_epoch=s.served_key[0] if s.served_key else None, served_digest=replica_digest(s, pods),
             target_version=s.target, ready=s.ready,
             progress=SyncProgress.model_validate(progress) if progress else None,
             last_sync_seconds=max(durations) if durations else None, last_error=error[:1024] if error else None,
+            relayed_from=relayed,
         ))
     if len(out) > MAX_REPLICAS_IN_STATUS:
         behind = {s.replica for s in states if newest is None or s.served_key != newest}

@@ -66,3 +66,11 @@ def test_relay_with_atomic_sends_each_version_about_once_and_every_replica_is_bi
     assert sent < 0.6 * sum(received.values()), (sent, received)
     assert relayed[f"{name}-inference-0-0"] > 0 and relayed[f"{name}-inference-1-0"] > 0, relayed
     assert relayed[f"{name}-inference-{REPLICAS - 1}-0"] == 0, relayed
+    # the chain in the job's status: a replica's last load names the replica pod it came through, one before it
+    # in the chain (replica order; a replica whose transfer came too late for the chain is sent to directly)
+    reps = {r["index"]: r for r in (job(kube, namespace, name).get("status") or {}).get("inferenceReplicas", [])}
+    assert "relayedFrom" not in reps[0], reps
+    ups = {i: reps[i].get("relayedFrom") for i in (1, 2)}
+    assert any(ups.values()), reps
+    for i, up in ups.items():
+        assert up is None or up in {f"{name}-inference-{j}-0" for j in range(i)}, reps

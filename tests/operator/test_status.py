@@ -256,10 +256,15 @@ def test_inference_replicas_status_shows_each_replica(separated):
     pods["demo-inference-1-0"] = pod("demo-inference-1-0", synced=True, served=4, target=5, **{
         contract.ANN_SYNC_PROGRESS: json.dumps(progress)})
     pods["demo-inference-2-0"] = pod("demo-inference-2-0", ready=False, synced=False, served=3, target=5, **{
-        contract.ANN_SYNC_ERROR: "engine /update_weights timed out"})
+        contract.ANN_SYNC_ERROR: "engine /update_weights timed out",
+        contract.ANN_LAST_SYNC: json.dumps({"version": 3, "durationSeconds": 0.5, "bytes": 10, "mode": "NCCL",
+                                            "relayedFrom": "demo-inference-1-0"})})
     st = aggregate(spec, 1, p, pods, None, 1, now=T0)
     reps = {r.index: r for r in st.inference_replicas or []}
     assert sorted(reps) == [0, 1, 2]
+    # fanOut Relay: the replica before this one in the chain, absent where the trainer sent the load
+    assert (reps[0].relayed_from, reps[2].relayed_from) == (None, "demo-inference-1-0")
+    assert st.last_sync is not None and st.last_sync.version == 5 and st.last_sync.relayed_from is None
     assert (reps[0].served_version, reps[0].ready, reps[0].last_sync_seconds, reps[0].progress) == (5, True, 1.25, None)
     assert reps[1].progress is not None and reps[1].progress.to_dict() == progress
     assert (reps[1].served_version, reps[1].target_version) == (4, 5)
