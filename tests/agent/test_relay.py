@@ -107,7 +107,9 @@ class Chain:
             return sender.send_version(1, self.tensors)
         self._run("trainer", trainer)
         for r in range(TP):
-            self._run(f"A{r}", lambda r=r: self._receive("A", r, ups[r], "trainer", tap(streams, r)))
+            def upstream(r: int = r) -> Any:
+                return self._receive("A", r, ups[r], "trainer", tap(streams, r))
+            self._run(f"A{r}", upstream)
         return streams
 
     def join_downstream(self, *, receive: bool = True) -> None:
