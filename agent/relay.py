@@ -153,13 +153,12 @@ class RelayStream:
         self.join_s = RELAY_JOIN_S if join_s is None else join_s
         self.lag_s = RELAY_LAG_S if lag_s is None else lag_s
         self.created = time.monotonic()
-        self.started_at: float | None = None
+        self.started_at: float | None = None  # when the relay sender started (every downstream link joined)
         self.on_detach: list[Callable[[str], None]] = []
         self._cond = threading.Condition()
         self._offered: dict[int, tuple[torch.Tensor, dict[str, Any] | None]] = {}
         self._pending: dict[int, _SharedPending] = {}
         self._done_meta: tuple[dict[str, Any] | None] | None = None
-        self.started = False  # the relay sender runs (every downstream link joined)
         self.detached: str | None = None
         self.forwarded_bytes = 0
 
@@ -258,7 +257,6 @@ class RelayStream:
 
     def start(self) -> None:
         with self._cond:
-            self.started = True
             self.started_at = time.monotonic()
             self._cond.notify_all()
 
@@ -339,7 +337,6 @@ class RelayHub:
         self.on_forwarded = on_forwarded
         self._lock = threading.Lock()
         self._relays: dict[RelayKey, _Relay] = {}
-        self.relayed_versions = 0
 
     def expect(self, version: int, src: int, plan: TransferPlan, group: dict[str, Any], downstream: str) -> RelayStream:
         """A fetch of ours was told to forward source rank `src` (ws.epoch relay_to); its receivers offer
@@ -444,7 +441,6 @@ class RelayHub:
             with self._lock:
                 if self._relays.get(relay.key) is relay:
                     del self._relays[relay.key]
-        self.relayed_versions += 1
         if self.on_forwarded is not None:
             self.on_forwarded(stats.bytes)
         log.info("relay.done version=%s src=%s downstream=%s bytes=%s seconds=%.3f", version, src,

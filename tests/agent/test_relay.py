@@ -194,8 +194,7 @@ def test_a_downstream_that_stalls_is_detached_within_the_lag_deadline(chains: li
     assert streams[0].detached is not None and "1.5s" in streams[0].detached
     # the stalled downstream is told why (its fetch fails, and its next attempt asks the trainer directly)
     with pytest.raises(Exception, match="relay detached this replica"):
-        c.stalled[0].get(P.EPOCH, timeout=5)
-        c.stalled[0].get("sync.begin", timeout=5)
+        c.stalled[0].get("sync.go", timeout=5)  # never sent: only the relay's abort ends this wait
 
 
 class _CorruptingTap(RelayTap):
