@@ -383,14 +383,14 @@ EPOCH_TIMEOUT = 90.0  # the trainer answers with the epoch once every destinatio
 
 def _epochs(version: int, plan: TransferPlan, links: dict[int, dict[int, Mailbox]], all_links: list[Mailbox],
             group: dict[str, Any], relay: RelayHub | None, streams: dict[int, RelayStream], topo: Topology,
-            port: int, token: bytes, relayed_from: list[str]) -> dict[tuple[int, int], dict[str, Any]]:
+            port: int, token: bytes) -> tuple[dict[tuple[int, int], dict[str, Any]], list[str]]:
     """Every (destination rank, source rank)'s transport group and epoch, from the trainer's `ws.epoch`.
 
     With fanOut Relay the frame may chain this replica (agent/relay.py): `relay_to` registers the source's
     buckets to be forwarded (`streams`); `relay_from` replaces the trainer's link by one to the upstream
-    replica's agent, whose own `ws.epoch` then names the hop's group (its pod goes to `relayed_from`). Every
-    relay link is opened before any is waited on: the upstream starts a hop only once all destination ranks
-    of the source joined it."""
+    replica's agent, whose own `ws.epoch` then names the hop's group. Every relay link is opened before any is
+    waited on: the upstream starts a hop only once all destination ranks of the source joined it. Returns the
+    groups and the upstream pods this version is relayed from."""
     pods = {p.name: p.ip or "" for rep in topo.inference for p in rep.pods}
     out: dict[tuple[int, int], dict[str, Any]] = {}
     upstream_pods: list[str] = []
@@ -416,11 +416,10 @@ def _epochs(version: int, plan: TransferPlan, links: dict[int, dict[int, Mailbox
             upstream[(r, s)] = from_group
             if from_pod not in upstream_pods:
                 upstream_pods.append(from_pod)
-    relayed_from[:] = upstream_pods
     for (r, s), from_group in upstream.items():
         h, _ = links[r][s].get(P.EPOCH, timeout=RELAY_JOIN_S + 10.0)
         out[(r, s)] = {**from_group, "epoch": str(h.get("epoch"))}
-    return out
+    return out, upstream_pods
 
 
 def fetch_version(
@@ -491,7 +490,6 @@ def fetch_version(
     hooks = {r: DigestHooks(inner=checks[r], digest=digest) for r in my_ranks}
     receivers: dict[int, WeightReceiver] = {}
     streams: dict[int, RelayStream] = {}  # the sources this agent forwards to the next replica (relay_to)
-    relayed_from: list[str] = []  # the upstream pods of the sources relayed to this agent (relay_from)
     hand_pieces = loads_pieces(adapter)
     try:
         for r in my_ranks:
@@ -506,7 +504,7 @@ def fetch_version(
                 mb = Mailbox(link, name=f"src{s}->dst{r}")
                 links[r][s] = mb
                 all_links.append(mb)
-        groups = _epochs(version, plan, links, all_links, group, relay, streams, topo, port, token, relayed_from)
+        groups, relayed_from = _epochs(version, plan, links, all_links, group, relay, streams, topo, port, token)
         for r in my_ranks:
             by_src: dict[int, Transport] = {}
             for s in links[r]:
