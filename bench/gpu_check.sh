@@ -58,42 +58,9 @@ latest_run() {  # the newest agent_pipeline run directory (its pods' logs)
 }
 RES=/tmp/gpu-results  # one JSON per run, merged into $OUT/bench-results.json (at most 8 files come back)
 mkdir -p "$RES"
-bench() {  # NAME ARGS...: one agent_pipeline run
-  local name=$1; shift
-  echo "== bench $name: $*"
-  timeout "${BENCH_TIMEOUT:-170}" "$PY" bench/agent_pipeline.py "$@" --json >"$RES/$name.json" 2>"/tmp/$name.log" \
-    || { echo "FAILED ($?)"; tail -20 "/tmp/$name.log"
-         run=$(latest_run)  # the pods' own logs say where it stopped
-         [ -n "$run" ] && find "$run" -name '*.log' -exec sh -c 'echo "-- $1"; tail -n 12 "$1"' _ {} \; \
-           | tee -a "$OUT/diagnostics.log" | tail -n 80; }
-}
-if [ "${QUICK:-}" = 1 ]; then  # the short form: IPC at 256 MiB only
-  bench agent-pipeline-ipc-cuda-256 --mode ipc --device cuda --size-mb 256
-else
-bench agent-pipeline-ipc-cuda-1024 --mode ipc --device cuda --size-mb 1024
-bench agent-pipeline-gdr-cuda-1024 --mode gdr --device cuda --size-mb 1024
-# whole versions hold 2 x the shard in the trainer's GPU memory; the ring holds depth x bucket
-bench agent-pipeline-ring-gdr-cuda-1024 --mode gdr --device cuda --size-mb 1024 --staging ring
-# UCX's own choice above (0.46 GB/s raw on an H100: why?); here the CUDA transports named (same-node GPU memory:
-# cuda_ipc), tcp for wire-up, and UCX's protocol choice printed into the pods' logs, kept in diagnostics.log
-UCX_TLS=cuda_ipc,cuda_copy,tcp UCX_PROTO_INFO=y \
-  bench agent-pipeline-gdr-cuda-ipc-tls-1024 --mode gdr --device cuda --size-mb 1024
-run=$(latest_run)
-[ -n "$run" ] && grep -rh -i -m 40 "ucp\|proto\|cuda_ipc\|cuda_copy" "$run" >>"$OUT/diagnostics.log"
-# the 16-core anomaly (3.9 s there against 0.6 s on 2 cores): rank processes launched as torchrun does (1
-# intra-op thread each, the bench's default now), then as the earlier runs did (16 each: --threads-per-rank 0)
-# fanOut Relay over GDR from GPU memory: each replica reads the buckets out of the CUDA receive slots of the one
-# before it (three inference pods on the inference GPU), against the direct fan-out in the same call
-bench agent-pipeline-gdr-cuda-256-replicas3-direct --mode gdr --device cuda --size-mb 256 --replicas 3 --versions 4
-bench agent-pipeline-gdr-cuda-256-replicas3-relay --mode gdr --device cuda --size-mb 256 --replicas 3 --versions 4 \
-  --fan-out relay
-bench agent-pipeline-nccl-cpu-fsdp2-tp2-1024 --mode nccl --size-mb 1024 --fsdp 2 --inference-tp 2
-bench agent-pipeline-nccl-cpu-fsdp2-tp2-1024-oversubscribed --mode nccl --size-mb 1024 --fsdp 2 \
-  --inference-tp 2 --threads-per-rank 0
-fi
-
-echo "== summary"
-"$PY" - "$RES" "$OUT/bench-results.json" <<'EOF'
+merge() {  # RES/*.json -> OUT/bench-results.json, a line each; after every run, so that a call stopped at its
+  # limit still brings back what had finished
+  "$PY" - "$RES" "$OUT/bench-results.json" <<'EOF'
 import json, pathlib, sys
 merged = {}
 for f in sorted(pathlib.Path(sys.argv[1]).glob("agent-pipeline-*.json")):
@@ -107,4 +74,42 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("agent-pipeline-*.json")):
     print(f.stem, {k: d.get(k) for k in keys})
 pathlib.Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
 EOF
+}
+bench() {  # NAME ARGS...: one agent_pipeline run
+  local name=$1; shift
+  echo "== bench $name: $*"
+  timeout "${BENCH_TIMEOUT:-170}" "$PY" bench/agent_pipeline.py "$@" --json >"$RES/$name.json" 2>"/tmp/$name.log" \
+    || { echo "FAILED ($?)"; tail -20 "/tmp/$name.log"
+         run=$(latest_run)  # the pods' own logs say where it stopped
+         [ -n "$run" ] && find "$run" -name '*.log' -exec sh -c 'echo "-- $1"; tail -n 12 "$1"' _ {} \; \
+           | tee -a "$OUT/diagnostics.log" | tail -n 80; }
+  merge >/dev/null
+}
+if [ "${QUICK:-}" = 1 ]; then  # the short form: IPC at 256 MiB only
+  bench agent-pipeline-ipc-cuda-256 --mode ipc --device cuda --size-mb 256
+else  # most wanted first: a call stopped at its limit keeps what had finished
+bench agent-pipeline-ipc-cuda-1024 --mode ipc --device cuda --size-mb 1024
+# fanOut Relay over GDR from GPU memory: each replica reads the buckets out of the CUDA receive slots of the one
+# before it (three inference pods on the inference GPU), against the direct fan-out in the same call
+bench agent-pipeline-gdr-cuda-256-replicas3-direct --mode gdr --device cuda --size-mb 256 --replicas 3 --versions 4
+bench agent-pipeline-gdr-cuda-256-replicas3-relay --mode gdr --device cuda --size-mb 256 --replicas 3 --versions 4 \
+  --fan-out relay
+# whole versions hold 2 x the shard in the trainer's GPU memory; the ring holds depth x bucket
+bench agent-pipeline-ring-gdr-cuda-1024 --mode gdr --device cuda --size-mb 1024 --staging ring
+# UCX's own choice (0.46 GB/s raw on an H100: why?); here the CUDA transports named (same-node GPU memory:
+# cuda_ipc), tcp for wire-up, and UCX's protocol choice printed into the pods' logs, kept in diagnostics.log
+UCX_TLS=cuda_ipc,cuda_copy,tcp UCX_PROTO_INFO=y \
+  bench agent-pipeline-gdr-cuda-ipc-tls-1024 --mode gdr --device cuda --size-mb 1024
+run=$(latest_run)
+[ -n "$run" ] && grep -rh -i -m 40 "ucp\|proto\|cuda_ipc\|cuda_copy" "$run" >>"$OUT/diagnostics.log"
+# the 16-core anomaly (3.9 s there against 0.6 s on 2 cores): rank processes launched as torchrun does (1
+# intra-op thread each, the bench's default now), then as the earlier runs did (16 each: --threads-per-rank 0)
+bench agent-pipeline-nccl-cpu-fsdp2-tp2-1024 --mode nccl --size-mb 1024 --fsdp 2 --inference-tp 2
+bench agent-pipeline-nccl-cpu-fsdp2-tp2-1024-oversubscribed --mode nccl --size-mb 1024 --fsdp 2 \
+  --inference-tp 2 --threads-per-rank 0
+bench agent-pipeline-gdr-cuda-1024 --mode gdr --device cuda --size-mb 1024
+fi
+
+echo "== summary"
+merge
 grep -E "passed|failed|error" "$OUT/pytest-gpu.log" | tail -3
