@@ -18,6 +18,7 @@ import argparse
 import base64
 import json
 import pickle
+import re
 import subprocess
 import sys
 from typing import Any
@@ -29,7 +30,9 @@ CASES: dict[str, list[str]] = {
     "own_mount_namespace": ["unshare", "--mount", "--propagation", "private"],
     "own_mount_and_dev_shm": ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
                               'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$0" "$@"'],
-    "own_pid_namespace": ["unshare", "--pid", "--fork", "--kill-child"],
+    # with its own /proc, as a container with its own PID namespace has (the host's /proc there stopped CUDA from
+    # initialising at all on the H100: error 304, which says nothing about IPC)
+    "own_pid_namespace": ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"],
     "own_ipc_namespace": ["unshare", "--ipc"],
 }
 
@@ -45,6 +48,14 @@ print("ok" if ok else "wrong bytes")
 """
 
 
+def _error_line(r: subprocess.CompletedProcess[str]) -> str:
+    """The importer's exception itself: torch's CUDA errors end with hints ("Compile with TORCH_USE_CUDA_DSA
+    ..."), so the last line that starts with an exception's name, else the last line."""
+    lines = r.stderr.strip().splitlines() or [f"exit {r.returncode}"]
+    raised = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception): ", ln)]
+    return (raised or lines)[-1].strip()
+
+
 def probe() -> dict[str, Any]:
     from torch.multiprocessing.reductions import reduce_tensor
 
@@ -55,8 +66,7 @@ def probe() -> dict[str, Any]:
         try:
             r = subprocess.run([*prefix, sys.executable, "-c", IMPORTER], input=blob, capture_output=True,
                                text=True, timeout=120)
-            text = (r.stdout.strip().splitlines() or [""])[-1] if r.returncode == 0 else \
-                (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+            text = (r.stdout.strip().splitlines() or [""])[-1] if r.returncode == 0 else _error_line(r)
         except (OSError, subprocess.TimeoutExpired) as exc:
             text = f"{type(exc).__name__}: {exc}"
         torch.cuda.synchronize()

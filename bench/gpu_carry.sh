@@ -26,8 +26,9 @@ tmp=$(mktemp -d)
 $VPY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 -d "$tmp" "nixl==$(ver nixl)" "nixl-cu13==$(ver nixl-cu13)"
 (cd "$tmp" && for w in *.whl; do unzip -q -o "$w"; done && rm -rf ./*.whl nixl_ep* nixl_cu13.libs/ucx/libucx_perftest* \
-  && tar czf nixl-slim.tgz ./*)
-mv "$tmp/nixl-slim.tgz" "$CARRY/"
+)
+# `.` and not `./*`: the wheel's shared libraries live in a dot-directory (.nixl_cu13.mesonpy.libs)
+tar czf "$CARRY/nixl-slim.tgz" -C "$tmp" .
 rm -rf "$tmp"
 
 rm -rf "$CARRY/engines" && mkdir -p "$CARRY/engines"

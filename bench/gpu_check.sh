@@ -101,7 +101,8 @@ bench agent-pipeline-ring-gdr-cuda-1024 --mode gdr --device cuda --size-mb 1024 
 UCX_TLS=cuda_ipc,cuda_copy,tcp UCX_PROTO_INFO=y \
   bench agent-pipeline-gdr-cuda-ipc-tls-1024 --mode gdr --device cuda --size-mb 1024
 run=$(latest_run)
-[ -n "$run" ] && grep -rh -i -m 40 "ucp\|proto\|cuda_ipc\|cuda_copy" "$run" >>"$OUT/diagnostics.log"
+# the bucket reads' protocol rows with the transports under them (40 lines of anything cut them off last time)
+[ -n "$run" ] && grep -rh -A 6 "ucp_get" "$run" | head -n 120 >>"$OUT/diagnostics.log"
 # the 16-core anomaly (3.9 s there against 0.6 s on 2 cores): rank processes launched as torchrun does (1
 # intra-op thread each, the bench's default now), then as the earlier runs did (16 each: --threads-per-rank 0)
 bench agent-pipeline-nccl-cpu-fsdp2-tp2-1024 --mode nccl --size-mb 1024 --fsdp 2 --inference-tp 2

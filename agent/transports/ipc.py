@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..plan import BucketPlan
-from ..staging import SHARED, MappedFile
+from ..staging import SHARED, CudaSegment, MappedFile
 from .base import Endpoint, Pending, Transport, TransportContext, TransportError, dst, register, src
 
 log = logging.getLogger(__name__)
@@ -239,6 +239,9 @@ class IpcTransport(Transport):
         self._maps: dict[str, _ShmSegment | torch.Tensor] = {}
         self._slot_ident: dict[tuple[int, int], str] = {}
         self._lent: dict[int, str] = {}
+        # reader: this process's own CUDA exports it resolved (a colocated agent), lent in place to a Custom
+        # engine through SHARED, by id of the mapping in _maps
+        self._own_lent: dict[int, CudaSegment] = {}
         self.handles_opened = 0
         self._cleaned = False
 
@@ -378,6 +381,12 @@ class IpcTransport(Transport):
                     mapped = _open_cuda(handle, size, self._ctx.device)
                 except Exception as exc:
                     raise TransportError(f"cannot open the CUDA IPC handle of bucket {bucket.index}: {exc}") from exc
+                if handle.get("process") == _PROCESS:
+                    # a Custom engine maps the staged bytes themselves rather than a packed copy of them (only
+                    # an own export can be shared on: torch refuses to re-export memory it received over IPC)
+                    lend = CudaSegment(mapped, f"{self.prefix}-own-{secrets.token_hex(6)}")
+                    self._own_lent[id(mapped)] = lend
+                    SHARED.add(lend)
             else:
                 raise TransportError(f"unknown IPC handle type {kind!r}")
             self.handles_opened += 1
@@ -422,6 +431,9 @@ class IpcTransport(Transport):
                 self._close_map(self._maps.pop(ident))
 
     def _close_map(self, mapped: _ShmSegment | torch.Tensor) -> None:
+        lent = self._own_lent.pop(id(mapped), None)
+        if lent is not None:
+            SHARED.forget(lent)  # the engine unmaps it (take_gone) before the staging memory can be freed
         if isinstance(mapped, _ShmSegment):
             SHARED.forget(os.path.basename(mapped.path), holder=mapped)  # this mapping only
             with contextlib.suppress(TransportError):
