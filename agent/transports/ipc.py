@@ -382,11 +382,7 @@ class IpcTransport(Transport):
                 except Exception as exc:
                     raise TransportError(f"cannot open the CUDA IPC handle of bucket {bucket.index}: {exc}") from exc
                 if handle.get("process") == _PROCESS:
-                    # a Custom engine maps the staged bytes themselves rather than a packed copy of them (only
-                    # an own export can be shared on: torch refuses to re-export memory it received over IPC)
-                    lend = CudaSegment(mapped, f"{self.prefix}-own-{secrets.token_hex(6)}")
-                    self._own_lent[id(mapped)] = lend
-                    SHARED.add(lend)
+                    self._lend_own(mapped)
             else:
                 raise TransportError(f"unknown IPC handle type {kind!r}")
             self.handles_opened += 1
@@ -429,6 +425,14 @@ class IpcTransport(Transport):
         for ident, mapped in list(self._maps.items()):
             if ident not in lent and isinstance(mapped, _ShmSegment) and not os.path.exists(mapped.path):
                 self._close_map(self._maps.pop(ident))
+
+    def _lend_own(self, mapped: torch.Tensor) -> None:
+        """A CUDA export of this very process (a colocated agent's staging), resolved in place: registered as
+        shared memory so that a Custom engine maps the staged bytes themselves instead of a packed copy (only
+        an own export can be shared on: torch refuses to re-export CUDA memory it received over IPC)."""
+        lend = CudaSegment(mapped, f"{self.prefix}-own-{secrets.token_hex(6)}")
+        self._own_lent[id(mapped)] = lend
+        SHARED.add(lend)
 
     def _close_map(self, mapped: _ShmSegment | torch.Tensor) -> None:
         lent = self._own_lent.pop(id(mapped), None)

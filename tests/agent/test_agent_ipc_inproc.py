@@ -161,3 +161,28 @@ def test_ranks_with_nothing_to_move_finish_at_once() -> None:
     assert idle_dst.receive_version(None, expected_version=3).buckets == 0
     idle_src = WeightSender(build_plan([[w], []], [[w]], 64), 1, IpcTransport(), {})
     assert idle_src.send_version(3, {}).buckets == 0
+
+
+def test_an_own_cuda_export_is_lent_to_the_custom_engine_in_place_until_unmapped() -> None:
+    """CPU path of the colocated GPU case up to the CUDA call: the staged tensor an agent resolved from its own
+    export is found in shared memory by the Custom engine adapter (handed over in place, nothing packed), and
+    once the reader drops the mapping its name is given to the engine to unmap (take_gone) and nothing finds
+    it any more. On a GPU: test_agent_gpu.py::test_the_product_path_on_the_gpu_is_bit_exact_with_one_copy."""
+    from weightsync.agent.engines.custom import CustomEngineAdapter
+    from weightsync.agent.staging import SHARED
+    from weightsync.agent.transports.ipc import IpcTransport
+
+    SHARED.take_gone()
+    staged = torch.arange(1024, dtype=torch.uint8)  # stands for the staging storage the export names
+    reader = IpcTransport(prefix="wstest")
+    reader._maps["cuda:own"] = staged
+    reader._lend_own(staged)
+    weight = staged[256:512].view(torch.float32)
+    shared, packed = CustomEngineAdapter.in_place([("w", weight)])
+    assert packed == [] and len(shared) == 1
+    seg, layout = shared[0]
+    assert seg.tensor.data_ptr() == staged.data_ptr() and layout.entries[0].offset == 256
+    name = seg.name
+    reader._close_map(reader._maps.pop("cuda:own"))  # as when its owner slot moves to another segment
+    assert name in SHARED.take_gone()
+    assert SHARED.locate(weight) is None
