@@ -43,6 +43,11 @@ from weightsync.crds.topology import Topology, TransportGroup
 log = logging.getLogger(__name__)
 
 KEEP_PER_GROUP = 2  # transports kept per group name (the current epoch and the one before)
+#: relay hops (agent/relay.py, groups `relay-<up>-<down>`) kept per agent, least recently used first out: an
+#: agent is in at most two hops of a chain (from its upstream, to its downstream), so this keeps the current
+#: chain's and the one before; a membership that churns would otherwise keep a group for every pair it was ever in
+KEEP_RELAY_GROUPS = 4
+RELAY_GROUP_PREFIX = "relay-"
 
 
 def proposal_of(session: str, attempt: int, trainer_sessions: Sequence[str]) -> str:
@@ -174,6 +179,7 @@ class TransportCache:
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, int, str, str], Transport] = {}
         self._order: list[tuple[str, int, str, str]] = []
+        self._relays: dict[str, None] = {}  # relay group names, least recently used first
         self._master: StoreServer | None = None
         self._nixl: Any = None  # GDR: the one NIXL agent of this process, shared by its transports
 
@@ -199,6 +205,12 @@ class TransportCache:
         Sender and receiver ends are separate transports even in one (colocated) process."""
         key = (str(group["name"]), int(group["generation"]), str(group["epoch"]), role)
         with self._lock:
+            if key[0].startswith(RELAY_GROUP_PREFIX):
+                self._relays.pop(key[0], None)
+                self._relays[key[0]] = None
+                for name in list(self._relays)[:-KEEP_RELAY_GROUPS]:
+                    del self._relays[name]
+                    self._close([k for k in self._order if k[0] == name], "relay hop no longer used")
             t = self._cache.get(key)
             if t is not None:
                 return t, None
@@ -206,14 +218,20 @@ class TransportCache:
             self._cache[key] = t
             self._order.append(key)
             same = [k for k in self._order if k[0] == key[0] and k[3] == role]
-            for old in same[:-KEEP_PER_GROUP]:
-                self._order.remove(old)
-                stale = self._cache.pop(old)
-                try:
-                    stale.close()
-                except Exception:
-                    log.debug("closing a stale transport failed", exc_info=True)
+            self._close(same[:-KEEP_PER_GROUP], None)
             return t, None
+
+    def _close(self, keys: list[tuple[str, int, str, str]], abort: str | None) -> None:
+        """Forget and close these transports (under the lock); `abort`: abort each first with this reason."""
+        for k in keys:
+            self._order.remove(k)
+            t = self._cache.pop(k)
+            try:
+                if abort is not None:
+                    t.abort(abort)
+                t.close()
+            except Exception:
+                log.debug("closing a transport failed", exc_info=True)
 
     def _create(self, group: dict[str, Any], key: tuple[str, int, str, str]) -> Transport:
         if self.mode == "IPC":
@@ -239,14 +257,7 @@ class TransportCache:
         """Forget a group's transports whose role starts with `role_prefix` (after a failed fetch: the next
         attempt gets a new epoch anyway, so they would never be used again)."""
         with self._lock:
-            for k in [k for k in self._order if k[0] == group_name and k[3].startswith(role_prefix)]:
-                self._order.remove(k)
-                t = self._cache.pop(k)
-                try:
-                    t.abort("dropped")
-                    t.close()
-                except Exception:
-                    log.debug("closing a transport failed", exc_info=True)
+            self._close([k for k in self._order if k[0] == group_name and k[3].startswith(role_prefix)], "dropped")
 
     def close(self) -> None:
         with self._lock:
@@ -257,6 +268,7 @@ class TransportCache:
                     log.debug("closing a transport failed", exc_info=True)
             self._cache.clear()
             self._order.clear()
+            self._relays.clear()
             if self._nixl is not None:
                 self._nixl.close()
                 self._nixl = None

@@ -266,3 +266,32 @@ def test_the_relay_port_refuses_wrong_ranks_floods_and_strangers(chains: list[Ch
     over = Mailbox(kept[-1])
     with pytest.raises(LinkError, match="already has 3 relays pending"):
         over.get(P.EPOCH, timeout=5)
+
+
+def test_an_agent_keeps_the_transports_of_its_recent_relay_hops_only() -> None:
+    """Churn: each hop a replica was ever in is a group `relay-<up>-<down>`; the cache keeps the hops this agent
+    used last (KEEP_RELAY_GROUPS, by last use, every role), closes the older ones, and leaves the replicas' own
+    groups alone however many hops come and go."""
+    from weightsync.agent.groups import KEEP_RELAY_GROUPS, TransportCache
+
+    cache = TransportCache(mode="IPC", job="j", pod_ip="127.0.0.1", transport_port=0)
+
+    def get(name: str, role: str = "dst") -> Any:
+        return cache.get({"name": name, "generation": 1, "epoch": "e"}, None, role=role)[0]
+
+    own = get("replica-0")
+    closed: list[str] = []
+    hops = {}
+    for i in range(KEEP_RELAY_GROUPS + 3):
+        name = f"relay-replica-{i}-replica-{i + 1}"
+        t = hops[name] = get(name, "src" if i % 2 else "dst")
+        t.close = lambda name=name: closed.append(name)
+        if i == 1:
+            assert get("relay-replica-0-replica-1") is hops["relay-replica-0-replica-1"]  # used again: kept longer
+    kept = {k[0] for k in cache._order}
+    assert "replica-0" in kept and get("replica-0") is own
+    relays = sorted(n for n in kept if n.startswith("relay-"))
+    assert len(relays) == KEEP_RELAY_GROUPS
+    assert closed == ["relay-replica-1-replica-2", "relay-replica-0-replica-1", "relay-replica-2-replica-3"]
+    assert set(relays) | set(closed) == set(hops)
+    cache.close()
