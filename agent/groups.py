@@ -50,9 +50,11 @@ KEEP_RELAY_GROUPS = 4
 RELAY_GROUP_PREFIX = "relay-"
 
 
-def proposal_of(session: str, attempt: int, trainer_sessions: Sequence[str]) -> str:
-    """An inference agent's epoch proposal: new whenever it restarts, fails, or a trainer agent restarts."""
-    doc = "|".join([session, str(attempt), *sorted(trainer_sessions)])
+def proposal_of(session: str, attempt: int, trainer_sessions: Sequence[str], relay_evictions: int = 0) -> str:
+    """An inference agent's epoch proposal: new whenever it restarts, fails, a trainer agent restarts, or it
+    closed a relay hop's transports (TransportCache: its peer on that hop may still hold its own end, which
+    must never be paired again with a fresh one under the same epoch)."""
+    doc = "|".join([session, str(attempt), *sorted(trainer_sessions), *([f"r{relay_evictions}"] if relay_evictions else [])])
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
@@ -180,6 +182,7 @@ class TransportCache:
         self._cache: dict[tuple[str, int, str, str], Transport] = {}
         self._order: list[tuple[str, int, str, str]] = []
         self._relays: dict[str, None] = {}  # relay group names, least recently used first
+        self.relay_evictions = 0  # relay hops closed so far: part of this agent's epoch proposal (proposal_of)
         self._master: StoreServer | None = None
         self._nixl: Any = None  # GDR: the one NIXL agent of this process, shared by its transports
 
@@ -210,6 +213,7 @@ class TransportCache:
                 self._relays[key[0]] = None
                 for name in list(self._relays)[:-KEEP_RELAY_GROUPS]:
                     del self._relays[name]
+                    self.relay_evictions += 1
                     self._close([k for k in self._order if k[0] == name], "relay hop no longer used")
             t = self._cache.get(key)
             if t is not None:

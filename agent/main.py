@@ -893,7 +893,7 @@ class Agent:
                 layout_fn=full_layout if full else self.layout_fn,
                 adapter=_UserPauseGuard(self.adapter, self) if hold is None else hold,
                 transport_for=transport_for, group=group, bucket_bytes=self.cfg.bucket_size_mb << 20,
-                proposal=proposal_of(self.session, self._attempt, self.peers_sessions()),
+                proposal=proposal_of(self.session, self._attempt, self.peers_sessions(), self.cache.relay_evictions),
                 pause_generation=pause, port=self.cfg.control_port, token=self.token,
                 expand_aliases=self.cfg.engine_type == "Custom", verify=self.verify, device=self.cfg.device,
                 timeout=self.cfg.timeout_seconds, progress=self._progress_reporter(v),

@@ -272,7 +272,7 @@ def test_an_agent_keeps_the_transports_of_its_recent_relay_hops_only() -> None:
     """Churn: each hop a replica was ever in is a group `relay-<up>-<down>`; the cache keeps the hops this agent
     used last (KEEP_RELAY_GROUPS, by last use, every role), closes the older ones, and leaves the replicas' own
     groups alone however many hops come and go."""
-    from weightsync.agent.groups import KEEP_RELAY_GROUPS, TransportCache
+    from weightsync.agent.groups import KEEP_RELAY_GROUPS, TransportCache, proposal_of
 
     cache = TransportCache(mode="IPC", job="j", pod_ip="127.0.0.1", transport_port=0)
 
@@ -294,4 +294,9 @@ def test_an_agent_keeps_the_transports_of_its_recent_relay_hops_only() -> None:
     assert len(relays) == KEEP_RELAY_GROUPS
     assert closed == ["relay-replica-1-replica-2", "relay-replica-0-replica-1", "relay-replica-2-replica-3"]
     assert set(relays) | set(closed) == set(hops)
+    # the far end of a closed hop may still hold its own: this agent's next proposal differs, so no later
+    # chain can pair that stale end with a fresh one under the same epoch
+    assert cache.relay_evictions == 3
+    assert proposal_of("s", 0, ["t"], cache.relay_evictions) != proposal_of("s", 0, ["t"])
+    assert proposal_of("s", 0, ["t"], 0) == proposal_of("s", 0, ["t"])  # unchanged for agents that closed none
     cache.close()
