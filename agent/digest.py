@@ -65,11 +65,9 @@ def _xxhash() -> Any:
 def leaf(key: str, data: torch.Tensor, algorithm: str = XXH3_128) -> int:
     """The 128-bit leaf of one piece (`data`: its bytes, 1-d uint8)."""
     if algorithm == WSUM:
-        from .verify import checksum
+        from .verify import wsum_total
 
-        xx = _xxhash()
-        inner = int(checksum(data, WSUM).split(":")[0], 16)
-        return xx.xxh3_128_intdigest(f"{key}|{inner:016x}|{data.numel()}".encode())
+        return _wsum_leaf(key, int(wsum_total(data).item()), data.numel())
     if algorithm != XXH3_128:
         raise ValueError(f"unknown digest algorithm {algorithm!r}; supported: {XXH3_128}, {WSUM}")
     xx = _xxhash()
@@ -82,18 +80,31 @@ def leaf(key: str, data: torch.Tensor, algorithm: str = XXH3_128) -> int:
     return int(xx.xxh3_128_intdigest(host.numpy().data, seed=seed))
 
 
+def _wsum_leaf(key: str, total: int, nbytes: int) -> int:
+    """A WSUM leaf from the piece's on-device weighted sum (verify.wsum_total, read back)."""
+    inner = total & 0xFFFFFFFFFFFFFFFF
+    return int(_xxhash().xxh3_128_intdigest(f"{key}|{inner:016x}|{nbytes}".encode()))
+
+
 def default_algorithm(data: torch.Tensor) -> str:
     return XXH3_128 if data.device.type == "cpu" else WSUM
 
 
 def bucket_leaves(bucket: BucketPlan, data: torch.Tensor, algorithm: str) -> list[tuple[str, int]]:
-    """(key, leaf) of every piece of `bucket`, read where it sits in `data` (the bucket's bytes)."""
-    out = []
-    for e in bucket.entries:
-        p = e.piece
-        key = piece_key(p.name, p.dtype, p.global_shape, p.box.offset, p.box.shape)
-        out.append((key, leaf(key, data[e.offset : e.offset + p.nbytes], algorithm)))
-    return out
+    """(key, leaf) of every piece of `bucket`, read where it sits in `data` (the bucket's bytes).
+
+    WSUM (GPU buckets): every piece's sum is queued on the device and all are read back together. A read per
+    piece waited for the device once per tensor (hundreds per GiB), each wait also stalling the launches
+    queued behind it."""
+    keys = [piece_key(e.piece.name, e.piece.dtype, e.piece.global_shape, e.piece.box.offset, e.piece.box.shape)
+            for e in bucket.entries]
+    spans = [data[e.offset : e.offset + e.piece.nbytes] for e in bucket.entries]
+    if algorithm == WSUM and spans:
+        from .verify import wsum_total
+
+        totals = torch.stack([wsum_total(s) for s in spans]).tolist()  # the one device sync of this bucket
+        return [(k, _wsum_leaf(k, int(v), s.numel())) for k, v, s in zip(keys, totals, spans, strict=True)]
+    return [(k, leaf(k, s, algorithm)) for k, s in zip(keys, spans, strict=True)]
 
 
 def fmt(value: int) -> str:

@@ -52,6 +52,13 @@ def _xxh3(data: torch.Tensor) -> str:
 
 def _wsum(data: torch.Tensor) -> str:
     """sum_b (2b+1) * sum(words of block b) mod 2^64, plus the tail bytes and the length."""
+    return f"{int(wsum_total(data).item()) & 0xFFFFFFFFFFFFFFFF:016x}:{data.numel()}"
+
+
+def wsum_total(data: torch.Tensor) -> torch.Tensor:
+    """The sum of `_wsum` as a 0-d int64 tensor on the data's device, not yet read back: a caller with many
+    pieces (a bucket's digest leaves) stacks them and reads them all at once, one device sync instead of one
+    per piece."""
     n = data.numel()
     whole = n // 8 * 8
     words = data[:whole].view(torch.int64)
@@ -70,7 +77,7 @@ def _wsum(data: torch.Tensor) -> str:
     tail = data[whole:].to(torch.int64)
     if tail.numel():
         total = total + (tail * torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=data.device)).sum()
-    return f"{int(total.item()) & 0xFFFFFFFFFFFFFFFF:016x}:{n}"
+    return total
 
 
 def default_algorithm(data: torch.Tensor) -> str:

@@ -216,3 +216,48 @@ def test_a_bucket_that_lands_where_its_own_sender_hashed_it_is_not_read_again(
     finally:
         staging.SHARED.forget(seg.name)
         seg.unlink()
+
+
+def _wsum_reference(b: bytes) -> int:
+    """verify.py's wsum64 written out: sum over blocks of (2 block + 1) x (sum of the block's int64 words), plus
+    the tail bytes weighted 1, 2, ..., all mod 2^64."""
+    from weightsync.agent.verify import _WSUM_BLOCK
+
+    words = [int.from_bytes(b[i:i + 8], "little", signed=True) for i in range(0, len(b) // 8 * 8, 8)]
+    total = sum((2 * (i // _WSUM_BLOCK) + 1) * w for i, w in enumerate(words))
+    total += sum((j + 1) * x for j, x in enumerate(b[len(b) // 8 * 8:]))
+    return total & 0xFFFFFFFFFFFFFFFF
+
+
+def test_a_gpu_buckets_leaves_are_read_back_once_and_keep_their_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WSUM (the on-device algorithm, on CPU here up to the device): every piece's sum is queued and the bucket's
+    are read back with one `.tolist()`, never one `.item()` per piece (a device sync each), and each leaf is
+    still the one an agent of the earlier release computes per piece (mixed releases must agree)."""
+    import xxhash
+    from weightsync.agent.verify import _WSUM_BLOCK
+
+    g = torch.Generator().manual_seed(3)
+    odd = torch.randint(-128, 127, (_WSUM_BLOCK * 8 * 2 + 13,), dtype=torch.int8, generator=g)  # 2 blocks + a tail
+    shards = {"w": torch.randn(64, 33, generator=g), "odd": odd, "u": torch.arange(5, dtype=torch.int16)}
+    spec = [TensorShard.full(n, t.dtype, t.shape) for n, t in shards.items()]
+    (bucket,) = build_plan([spec], [spec], 1 << 22).buckets
+    data = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    for e in bucket.entries:
+        data[e.offset : e.offset + e.piece.nbytes] = shards[e.piece.name].reshape(-1).view(torch.uint8)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "item", lambda self: pytest.fail("a per-piece read-back"))
+        leaves = D.bucket_leaves(bucket, data, D.WSUM)
+    assert [k for k, _ in leaves] == [D.piece_key(e.piece.name, e.piece.dtype, e.piece.global_shape,
+                                                  e.piece.box.offset, e.piece.box.shape) for e in bucket.entries]
+    for (key, value), e in zip(leaves, bucket.entries, strict=True):
+        piece = data[e.offset : e.offset + e.piece.nbytes]
+        inner = _wsum_reference(piece.numpy().tobytes())
+        assert value == xxhash.xxh3_128_intdigest(f"{key}|{inner:016x}|{piece.numel()}".encode())
+        assert value == D.leaf(key, piece, D.WSUM)
+    # and a changed byte in any piece is caught by the hooks with that algorithm
+    meta = D.DigestHooks(algorithm=D.WSUM).on_send_bucket(1, bucket, data)
+    corrupt = data.clone()
+    odd_entry = next(e for e in bucket.entries if e.piece.name == "odd")
+    corrupt[odd_entry.offset + odd_entry.piece.nbytes - 1] ^= 0x10  # in the tail
+    with pytest.raises(D.DigestMismatch, match=r"piece odd\|int8"):
+        D.DigestHooks(digest=D.Digest()).on_recv_bucket(1, bucket, corrupt, meta)
