@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,9 +44,10 @@ from weightsync.crds.topology import Topology, TransportGroup
 log = logging.getLogger(__name__)
 
 KEEP_PER_GROUP = 2  # transports kept per group name (the current epoch and the one before)
-#: relay hops (agent/relay.py, groups `relay-<up>-<down>`) kept per agent, least recently used first out: an
-#: agent is in at most two hops of a chain (from its upstream, to its downstream), so this keeps the current
-#: chain's and the one before; a membership that churns would otherwise keep a group for every pair it was ever in
+#: relay hops (agent/relay.py, groups `relay-<up>-<down>`) kept per agent, least recently used first out, once
+#: idle for the transfer timeout (a hop is never closed under a transfer that may still use it): an agent is in
+#: at most two hops of a chain (from its upstream, to its downstream), so this keeps the current chain's and the
+#: one before; a membership that churns would otherwise keep a group for every pair it was ever in
 KEEP_RELAY_GROUPS = 4
 RELAY_GROUP_PREFIX = "relay-"
 
@@ -181,7 +183,7 @@ class TransportCache:
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, int, str, str], Transport] = {}
         self._order: list[tuple[str, int, str, str]] = []
-        self._relays: dict[str, None] = {}  # relay group names, least recently used first
+        self._relays: dict[str, float] = {}  # relay group name -> when last used (monotonic), least recent first
         self.relay_evictions = 0  # relay hops closed so far: part of this agent's epoch proposal (proposal_of)
         self._master: StoreServer | None = None
         self._nixl: Any = None  # GDR: the one NIXL agent of this process, shared by its transports
@@ -209,9 +211,12 @@ class TransportCache:
         key = (str(group["name"]), int(group["generation"]), str(group["epoch"]), role)
         with self._lock:
             if key[0].startswith(RELAY_GROUP_PREFIX):
+                now = time.monotonic()
                 self._relays.pop(key[0], None)
-                self._relays[key[0]] = None
+                self._relays[key[0]] = now
                 for name in list(self._relays)[:-KEEP_RELAY_GROUPS]:
+                    if now - self._relays[name] < self.timeout:
+                        break  # this and every later one may still be in use by a transfer
                     del self._relays[name]
                     self.relay_evictions += 1
                     self._close([k for k in self._order if k[0] == name], "relay hop no longer used")

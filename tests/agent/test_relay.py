@@ -270,11 +270,16 @@ def test_the_relay_port_refuses_wrong_ranks_floods_and_strangers(chains: list[Ch
 
 def test_an_agent_keeps_the_transports_of_its_recent_relay_hops_only() -> None:
     """Churn: each hop a replica was ever in is a group `relay-<up>-<down>`; the cache keeps the hops this agent
-    used last (KEEP_RELAY_GROUPS, by last use, every role), closes the older ones, and leaves the replicas' own
-    groups alone however many hops come and go."""
+    used last (KEEP_RELAY_GROUPS, by last use, every role), closes the older ones once they were idle for the
+    transfer timeout, and leaves the replicas' own groups alone however many hops come and go."""
     from weightsync.agent.groups import KEEP_RELAY_GROUPS, TransportCache, proposal_of
 
-    cache = TransportCache(mode="IPC", job="j", pod_ip="127.0.0.1", transport_port=0)
+    busy = TransportCache(mode="IPC", job="j", pod_ip="127.0.0.1", transport_port=0, timeout=600.0)
+    for i in range(KEEP_RELAY_GROUPS + 3):  # every hop used within the transfer timeout: none is closed under it
+        busy.get({"name": f"relay-a-{i}", "generation": 1, "epoch": "e"}, None, role="dst")
+    assert len(busy._order) == KEEP_RELAY_GROUPS + 3 and busy.relay_evictions == 0
+    busy.close()
+    cache = TransportCache(mode="IPC", job="j", pod_ip="127.0.0.1", transport_port=0, timeout=0.0)
 
     def get(name: str, role: str = "dst") -> Any:
         return cache.get({"name": name, "generation": 1, "epoch": "e"}, None, role=role)[0]
