@@ -62,19 +62,24 @@ everything up to them (bodies, packing, order, failure handling) runs on CPU in 
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import importlib.util
 import logging
 import os
 import pickle
 import re
+import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
+from urllib.parse import urlsplit
 
 import torch
 
+from ..transports.store import LinkStore, StoreServer
+from . import vllm_wire
 from .base import EngineError, EngineUnsupported, NamedTensors, parse_version, split_draft, version_label
 from .http import EngineHTTPError, HttpClient
 from .overlap import post_during
@@ -82,9 +87,11 @@ from .overlap import post_during
 log = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"
-#: vLLM release series whose weight-transfer API this adapter speaks ("0.33" = any 0.33.x).
-SUPPORTED_VERSIONS = ("0.33",)
-Backend = Literal["nccl", "ipc"]
+#: vLLM release series whose weight-transfer API this adapter speaks ("0.33" = any 0.33.x). 0.32 has the same
+#: RL routes and request types; the real-server tier runs the CPU build 0.32.0 (docs/placement-and-transfer.md).
+SUPPORTED_VERSIONS = ("0.32", "0.33")
+Backend = Literal["weightsync", "nccl", "ipc"]
+BACKENDS: tuple[Backend, ...] = ("weightsync", "nccl", "ipc")
 PauseMode = Literal["abort", "wait", "keep"]
 
 #: vLLM's defaults (packed_tensor.py): the chunk limit of the packed NCCL broadcast and its buffer count.
@@ -394,6 +401,24 @@ class CudaIpc:
 
 
 @dataclass
+class _WeightsyncGroup:
+    """Backend "weightsync": the agent's rendezvous store, its client and the group (rank 0)."""
+
+    server: StoreServer
+    store: LinkStore
+    pg: Any
+    device: torch.device
+    buf: torch.Tensor | None = None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if hasattr(self.pg, "abort"):
+                self.pg.abort()
+        self.store.close()
+        self.server.close()
+
+
+@dataclass
 class _Exported:
     buf: torch.Tensor
     args: tuple[Any, ...] | None = None
@@ -423,8 +448,8 @@ class VLLMAdapter:
         nccl: NcclLib | None = None,
         ipc: CudaIpc | None = None,
     ) -> None:
-        if backend not in ("nccl", "ipc"):
-            raise EngineError(f"vLLM: unknown weight-transfer backend {backend!r}; expected 'nccl' or 'ipc'")
+        if backend not in BACKENDS:
+            raise EngineError(f"vLLM: unknown weight-transfer backend {backend!r}; expected one of {', '.join(BACKENDS)}")
         self.client = client or HttpClient(url, "vLLM", timeout=timeout)
         self.backend: Backend = backend
         self.packed = packed
@@ -453,6 +478,9 @@ class VLLMAdapter:
         self._draft: list[tuple[str, torch.Tensor]] = []  # draft tensors held for the draft session at commit
         self.label_digest: str | None = None  # see SGLangAdapter.label_digest
         self.draft_bytes_held = 0
+        self._ws: _WeightsyncGroup | None = None  # backend "weightsync": the group with the engine's workers
+        self.paused = False  # by pause() (the caller's) or by begin_update (a session needs it)
+        self._session_paused = False
 
     # -- engine facts --
 
@@ -479,7 +507,9 @@ class VLLMAdapter:
     def _ensure_init(self) -> None:
         if self.initialized:
             return
-        if self.backend == "ipc":
+        if self.backend == "weightsync":
+            self._init_weightsync()
+        elif self.backend == "ipc":
             self.client.post("/init_weight_transfer_engine", init_body(ipc_init_info(self.packed)), retry=False)
         else:
             self._init_group()
@@ -503,6 +533,52 @@ class VLLMAdapter:
         self._group_broken = False
         log.info("vllm.group_ready world_size=%s device=%s packed=%s", world, device, self.packed)
 
+    def _init_weightsync(self) -> None:
+        """Form the group with vLLM's workers: a StoreServer behind a fresh secret on the engine's address
+        (pod-local), the secret handed over in init_info, the agent joining as rank 0 meanwhile."""
+        host = urlsplit(self.client.base_url).hostname or "127.0.0.1"
+        host = "127.0.0.1" if host == "localhost" else host
+        backend = "nccl" if self.device is not None and self.device.type == "cuda" else "gloo"
+        world = 1 + self.engine_workers()
+        secret = vllm_wire.new_secret()
+        server = StoreServer(host, 0, secret, timeout=self.timeout)
+        store = LinkStore(host, server.port, secret, timeout=self.timeout)
+        group = f"weightsync/{uuid.uuid4().hex}/"
+        info = vllm_wire.init_info(store_host=host, store_port=server.port, store_secret=secret, group=group,
+                                   world_size=world, worker_host=host, backend=backend, timeout_s=self.timeout)
+        made: list[Any] = []
+        device = self.device if backend == "nccl" and self.device is not None else torch.device("cpu")
+        try:
+            self._concurrently("/init_weight_transfer_engine", init_body(info), lambda: made.append(
+                vllm_wire.make_group(store, group, 0, world, backend, host, self.timeout)))
+        except BaseException:
+            store.close()
+            server.close()
+            raise
+        self._ws = _WeightsyncGroup(server, store, made[0], device)
+        self._group_broken = False
+        log.info("vllm.weightsync_group_ready world_size=%s backend=%s host=%s", world, backend, host)
+
+    def _weightsync_bucket(self, tensors: NamedTensors) -> None:
+        ws = self._ws
+        if ws is None:
+            raise EngineError("vLLM weightsync backend: no group (init failed or broke)")
+        ws.buf, info = vllm_wire.pack(tensors, ws.buf, ws.device)
+        info.bucket = self.buckets_sent
+        data = ws.buf[: info.nbytes]
+        status: list[int] = []
+
+        def send() -> None:
+            vllm_wire.broadcast(ws.pg, data)
+            status.append(vllm_wire.status_allreduce(ws.pg, vllm_wire.STATUS_OK, ws.device))
+
+        self.buckets_sent += 1  # from here on the engine's weights may be touched
+        self._concurrently("/update_weights", update_body(asdict(info)), send)
+        if status and status[0] != vllm_wire.STATUS_OK:
+            raise EngineError(f"vLLM refused bucket {info.bucket} of this version inside the engine: "
+                              f"{vllm_wire.STATUS_NAMES.get(status[0], status[0])} (the engine's log names the "
+                              "tensor); the version is not finished")
+
     def _concurrently(self, route: str, body: dict[str, Any], collective: Callable[[], None]) -> None:
         """POST `route` in a thread (the engine blocks in the matching NCCL call) while this side runs
         `collective`, as vLLM's trainer does; whichever fails first is reported at once (a refused request
@@ -515,6 +591,7 @@ class VLLMAdapter:
     def _break_group(self) -> None:
         """Abort our half of the group (a pending broadcast returns); the engine's half is shut down and the
         group formed again at the next begin."""
+        self._close_weightsync()
         comm, self._comm = self._comm, None
         self._group_broken = True
         self.initialized = False
@@ -526,13 +603,34 @@ class VLLMAdapter:
 
     # -- EngineAdapter --
 
+    def _close_weightsync(self) -> None:
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            ws.close()
+
     def pause(self) -> None:
         self.client.post("/pause", None, params=pause_params(self.pause_mode))
+        self.paused = True
 
     def resume(self) -> None:
         self.client.post("/resume")
+        self.paused = False
+
+    def _end_session_pause(self) -> None:
+        """Resume what begin_update paused for the session itself (the caller's own pause stays)."""
+        if self._session_paused:
+            self._session_paused = False
+            try:
+                self.resume()
+            except EngineError as exc:
+                log.error("vllm.resume after the update failed: %s", exc)
 
     def begin_update(self, version: int) -> None:
+        if not self.paused:
+            # vLLM's layer-wise reload moves every layer to the meta device at start_weight_update: a
+            # generation step inside the session would kill the engine. Pause (keep) for the session.
+            self.pause()
+            self._session_paused = True
         self._ensure_init()
         try:
             self.client.post("/start_weight_update", None, retry=False)
@@ -568,7 +666,9 @@ class VLLMAdapter:
         names = [n for n, _ in tensors]
         shapes = [list(t.shape) for _, t in tensors]
         dtypes = [dtype_name(t.dtype) for _, t in tensors]
-        if self.backend == "nccl":
+        if self.backend == "weightsync":
+            self._weightsync_bucket(tensors)
+        elif self.backend == "nccl":
             self._nccl_bucket(tensors, nccl_update_info(names, dtypes, shapes))
         else:
             self._ipc_bucket(tensors, names, dtypes, shapes)
@@ -690,7 +790,21 @@ class VLLMAdapter:
         self.partial = None
         self.needs_restore = False
         self._release_ipc(collect=True)
+        self._reset_prefix_cache(version)
+        self._end_session_pause()
         log.info("vllm.commit version=%s buckets=%s", version, self.buckets_sent)
+
+    def _reset_prefix_cache(self, version: int) -> None:
+        """Drop KV computed with the old weights: the prefix cache, and the KV of requests frozen by the
+        pause (they are preempted and recomputed with the new weights). vLLM keeps both across an update.
+        A refusal is logged, never a failed version: the weights are loaded."""
+        try:
+            res = self.client.post("/reset_prefix_cache", None, params={"reset_running_requests": "true"})
+        except EngineError as exc:
+            log.warning("vllm.reset_prefix_cache version=%s failed: %s", version, exc)
+            return
+        if isinstance(res, dict) and res.get("success") is False:
+            log.warning("vllm.reset_prefix_cache version=%s: the engine could not reset its prefix cache", version)
 
     def abort(self, version: int, reason: str) -> None:
         """Close the open update (finish without a version: vLLM keeps its served version string but puts
@@ -715,13 +829,17 @@ class VLLMAdapter:
                 self.needs_restore = True
                 errors.append(exc)
         if self._group_broken:
+            self._close_weightsync()
             try:  # the engine's half of the broken group; formed again at the next begin
                 self.client.post("/shutdown_weight_transfer_engine", None, retry=False, timeout=30.0)
             except EngineError as exc:
                 log.info("vllm.shutdown_weight_transfer_engine error=%s", exc)
         self._release_ipc(collect=True)
         if touched:
+            # mixed weights: the engine stays paused (a session pause is kept) until a whole version loads
             self.client.post("/update_weight_version", weight_version_body(f"partial-{version}"))
+        else:
+            self._end_session_pause()
         if errors:
             raise errors[0]
 
@@ -741,11 +859,13 @@ class VLLMAdapter:
         """Release the transfer group on both sides (POST /shutdown_weight_transfer_engine)."""
         self.client.post("/shutdown_weight_transfer_engine", None, retry=False)
         self.initialized = False
+        self._close_weightsync()
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.abort()
 
     def close(self) -> None:
+        self._close_weightsync()
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.abort()

@@ -1,0 +1,256 @@
+"""The `weightsync` vLLM weight-transfer backend's wire: what the agent and vLLM's workers agree on.
+
+Both ends import this module (the agent's VLLMAdapter with backend "weightsync", and the plugin's engine in
+every vLLM worker, agent/engines/vllm_plugin.py), so the field names and the layout rule exist once. It
+imports only torch (and weightsync's store and leaves), never vLLM.
+
+The group. The agent is rank 0, vLLM's workers ranks 1..W (worker w of DP rank d is 1 + d * TP*PP + w, as
+for vLLM's own nccl backend). The rendezvous goes through the agent's StoreServer behind a secret minted
+per group and handed to the workers in `init_info` over the pod-local HTTP call: nothing reaches a key
+without it. gloo when the engine has no GPU, NCCL when it has (the agent then needs a GPU of its own).
+
+One bucket. The agent packs the bucket's tensors into one uint8 buffer, each at an offset aligned to
+ALIGNMENT (a multiple of every element size: vLLM-style views need it), broadcasts it, and the workers:
+1. receive it into a buffer of its own (vLLM's layer-wise reload holds views of it until their layer is whole);
+2. recompute every tensor's digest leaf (agent/leaves.py) and compare it with the one in `update_info`;
+3. only if all match, hand the tensors (views of the buffer) to the model's `load_weights`;
+4. report the bucket's outcome in-band: an all-reduce (MAX) of one int64 status every rank joins.
+A worker never raises out of `update_weights`: vLLM would end the session with layers left on the meta device
+and the next generation would kill the engine. It records the failure, skips the remaining buckets' loads
+and reports it; the agent then never finishes the session with a version.
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..leaves import WSUM, XXH3_128, fmt, leaf, piece_key
+
+BACKEND_NAME = "weightsync"
+#: Byte alignment of every tensor in a packed bucket (a multiple of every dtype's element size).
+ALIGNMENT = 64
+
+# Per-bucket status, all-reduced with MAX: the worst outcome on any rank wins.
+STATUS_OK = 0
+STATUS_DIGEST_MISMATCH = 1
+STATUS_LOAD_FAILED = 2
+STATUS_SESSION_FAILED = 3  # an earlier bucket of this session failed: nothing more is loaded
+STATUS_NAMES = {STATUS_OK: "ok", STATUS_DIGEST_MISMATCH: "digest mismatch", STATUS_LOAD_FAILED: "load failed",
+                STATUS_SESSION_FAILED: "an earlier bucket of this session failed"}
+
+
+@dataclass
+class WeightsyncInitInfo:
+    """POST /init_weight_transfer_engine `init_info` for the weightsync backend."""
+
+    store_host: str
+    store_port: int
+    store_secret: str
+    group: str
+    world_size: int
+    worker_host: str
+    backend: str = "gloo"  # "gloo" | "nccl"
+    rank_offset: int = 1
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"weightsync backend: group backend must be gloo or nccl, got {self.backend!r}")
+        if self.world_size < 2 or self.rank_offset < 1:
+            raise ValueError(f"weightsync backend: bad group size {self.world_size} / rank offset {self.rank_offset}")
+
+
+@dataclass
+class WeightsyncUpdateInfo:
+    """POST /update_weights `update_info`: one packed bucket."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    offsets: list[int]
+    nbytes: int
+    leaves: list[str] = field(default_factory=list)  # hex leaf per tensor (agent/leaves.py)
+    algorithm: str = XXH3_128
+    bucket: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if not (len(self.dtype_names) == len(self.shapes) == len(self.offsets) == n) or len(self.leaves) != n:
+            raise ValueError("weightsync backend: names, dtype_names, shapes, offsets and leaves differ in length")
+        if self.algorithm not in (XXH3_128, WSUM):
+            raise ValueError(f"weightsync backend: unknown digest algorithm {self.algorithm!r}")
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def init_info(**kw: Any) -> dict[str, Any]:
+    """The JSON `init_info` (validated by constructing the dataclass both ends use)."""
+    return asdict(WeightsyncInitInfo(**kw))
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).split(".")[-1]
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"weightsync backend: unknown dtype {name!r}")
+    return dt
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """(offset of each tensor, total bytes): back to back, each start aligned to ALIGNMENT."""
+    offsets: list[int] = []
+    pos = 0
+    for n in sizes:
+        pos = -(-pos // ALIGNMENT) * ALIGNMENT
+        offsets.append(pos)
+        pos += n
+    return offsets, pos
+
+
+def tensor_key(name: str, dtype: str, shape: Sequence[int]) -> str:
+    """A whole tensor's piece key: the same key the trainer's leaf has when it sends the tensor whole."""
+    return piece_key(name, dtype, shape, [0] * len(shape), shape)
+
+
+def leaf_algorithm(device: torch.device) -> str:
+    return XXH3_128 if device.type == "cpu" else WSUM
+
+
+def tensor_leaves(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                  buf: torch.Tensor, offsets: Sequence[int], algorithm: str) -> list[str]:
+    """The hex leaf of every tensor, read where it sits in the packed buffer."""
+    out = []
+    for name, dt, shape, off in zip(names, dtypes, shapes, offsets, strict=True):
+        n = dtype_of(dt).itemsize
+        for d in shape:
+            n *= int(d)
+        out.append(fmt(leaf(tensor_key(name, dt, shape), buf[off : off + n], algorithm)))
+    return out
+
+
+def pack(tensors: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | None, device: torch.device
+         ) -> tuple[torch.Tensor, WeightsyncUpdateInfo]:
+    """Pack a bucket into `out` (reused when large enough) and describe it, leaves included."""
+    names = [n for n, _ in tensors]
+    shapes = [list(t.shape) for _, t in tensors]
+    dtypes = [dtype_name(t.dtype) for _, t in tensors]
+    offsets, total = layout([nbytes(t) for _, t in tensors])
+    if out is None or out.numel() < total or out.device != device:
+        out = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+    buf = out[:total]
+    for (_, t), off in zip(tensors, offsets, strict=True):
+        n = nbytes(t)
+        if n:
+            buf[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    algorithm = leaf_algorithm(device)
+    info = WeightsyncUpdateInfo(names=names, dtype_names=dtypes, shapes=shapes, offsets=offsets, nbytes=total,
+                                leaves=tensor_leaves(names, dtypes, shapes, buf, offsets, algorithm),
+                                algorithm=algorithm)
+    return out, info
+
+
+def views(buf: torch.Tensor, info: WeightsyncUpdateInfo) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors as views of the received buffer (no copy)."""
+    out = []
+    for name, dt, shape, off in zip(info.names, info.dtype_names, info.shapes, info.offsets, strict=True):
+        dtype = dtype_of(dt)
+        n = dtype.itemsize
+        for d in shape:
+            n *= int(d)
+        out.append((name, buf[off : off + n].view(dtype).view(list(shape))))
+    return out
+
+
+def make_group(store: dist.Store, group: str, rank: int, world_size: int, backend: str, host: str,
+               timeout_s: float) -> Any:
+    """A process group of its own (never the process-global default group, which vLLM's workers already
+    use), created from the rendezvous store under the group's prefix."""
+    prefixed = dist.PrefixStore(group, store)
+    td = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = td
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    gopts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    gopts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    gopts._timeout = td
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, gopts)
+
+
+def broadcast(pg: Any, buf: torch.Tensor) -> None:
+    """The bucket from rank 0 to every rank of the group (blocks until done on this rank)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([buf], opts).wait()
+
+
+def status_allreduce(pg: Any, status: int, device: torch.device) -> int:
+    """Every rank's bucket outcome, MAX-reduced: the agent learns whether every worker loaded the bucket."""
+    t = torch.tensor([status], dtype=torch.int64, device=device)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    pg.allreduce([t], opts).wait()
+    return int(t.item())
+
+
+class WorkerReceiver:
+    """The worker side of one group: receive, check, load, report. No vLLM in here (the plugin wraps it),
+    so the same code runs in tests against a plain `load_weights`."""
+
+    def __init__(self, pg: Any, device: torch.device) -> None:
+        self.pg = pg
+        self.device = device
+        self.failure: str | None = None  # the session's first failure; cleared at the next session
+        self.buckets = 0
+        self.loaded_tensors = 0
+
+    def start_session(self) -> None:
+        self.failure = None
+        self.buckets = 0
+        self.loaded_tensors = 0
+
+    def receive(self, info: WeightsyncUpdateInfo, load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any]
+                ) -> int:
+        """One bucket; returns the reduced status. Raises only when the group itself failed (then the
+        agent is gone or broke the group; the caller records it)."""
+        # A fresh buffer per bucket, never one reused across buckets: vLLM's layer-wise reload keeps the
+        # tensors handed to load_weights (views of this buffer) until every weight of their layer arrived,
+        # and a layer may span two buckets. The memory is freed once the layer was processed.
+        buf = torch.empty(max(info.nbytes, 1), dtype=torch.uint8, device=self.device)[: info.nbytes]
+        broadcast(self.pg, buf)
+        self.buckets += 1
+        status = STATUS_OK
+        if self.failure is not None:
+            status = STATUS_SESSION_FAILED
+        else:
+            got = tensor_leaves(info.names, info.dtype_names, info.shapes, buf, info.offsets, info.algorithm)
+            bad = [i for i, (a, b) in enumerate(zip(got, info.leaves, strict=True)) if a != b]
+            if bad:
+                status = STATUS_DIGEST_MISMATCH
+                i = bad[0]
+                self.failure = (f"bucket {info.bucket}: digest mismatch in {len(bad)} tensor(s), first "
+                                f"{info.names[i]!r}: received {got[i]}, expected {info.leaves[i]}; not loaded")
+            else:
+                try:
+                    load_weights(views(buf, info))
+                    self.loaded_tensors += len(info.names)
+                except Exception as exc:  # reported in-band, never raised into vLLM
+                    status = STATUS_LOAD_FAILED
+                    self.failure = f"bucket {info.bucket}: load_weights failed: {type(exc).__name__}: {exc}"
+        return status_allreduce(self.pg, status, self.device)
