@@ -7,14 +7,29 @@ weight_updater.py`): every load runs inside a session. Per version:
     POST /pause_generation {"mode": "retract"}          (when updatePolicy.pauseGeneration)
     POST /begin_weight_update {"selector": "all"}       (400 while another session is open)
     POST /update_weights_from_distributed | /update_weights_from_tensor   per bucket, flush_cache false
-    POST /end_weight_update                              (also when a load failed: never left open)
+    POST /end_weight_update {}                           (also when a load failed: never left open)
     POST /update_weight_version {"new_version": "<N>"}  (only after end succeeded)
-    POST /flush_cache                                    (once per version, not once per bucket)
+    POST /flush_cache?timeout=<s>                        (once per version; a refusal is only logged)
     POST /continue_generation                            (always, also after a failure)
+
+Every route of that list but /flush_cache declares its body `obj: Annotated[...ReqInput, Body()]`: FastAPI
+refuses a request without a JSON body (SGLang answers 400 "Field required"), so a body is always sent,
+`{}` where no field is needed (as SGLang's own client does). /flush_cache takes only the `timeout` query
+(seconds): SGLang refuses to flush while requests run or wait, and with a timeout waits for idle first; a
+refused flush does not make the loaded version fail (the radix cache may then serve prefixes computed with
+the previous weights until the next flush: logged as a warning).
+
+Engine facts (GET /server_info, read once): the release (0.5.23 and its post releases, SUPPORTED_RELEASE),
+`tp_size` (must equal the job's inference TP: the weight-update group's world is 1 + tp_size, and a wrong
+size would wait in the rendezvous until the timeout), `dp_size` and `pp_size` (must be 1: SGLang's
+weight-update routes assert dp_size 1, and a pipeline stage holds only its layers). A mismatch is refused
+before any load (EngineUnsupported, pod condition reason EngineConfigUnsupported, naming both values).
 
 Draft weights (`draft.` tensors, base.DRAFT_PREFIX) load in the same session with `selector: draft`; the
 target's with `target` when the server runs a draft model of its own, else SGLang's default `all`
-(`draft_model`, docs/placement-and-transfer.md#draft-speculative--mtp-weights).
+(`draft_model`, docs/placement-and-transfer.md#draft-speculative--mtp-weights). SGLang resolves NEXTN to
+EAGLE and /server_info reports the resolved algorithm, so MTP is told from a separate draft by the draft
+path: an MTP server has none, or the target's own (`speculative_draft_model_path == model_path`).
 
 An agent that restarts into a session a dead agent left open gets 400 "already open" from begin: it
 closes that session (end) and begins again. Loads outside a session are refused by SGLang (400).
@@ -36,10 +51,16 @@ Two last hops, because a CPU tensor pickled for another container cannot be rebu
 Flattened buckets have no padding and SGLang refuses a tensor whose byte offset is not a multiple of its
 dtype size, so a bucket is ordered by descending element size (SGLang loads by name; order is free).
 
-SGLang cannot roll weights back: after a failed load the weights are mixed. `abort` closes the session,
-marks the engine's version `partial-<N>` and sets `needs_restore`; the agent then reloads the last good
-version while the engine stays paused, and only then resumes it (agent/main.py). `served_version` is None
-while the weights are partial.
+SGLang cannot roll weights back: after a failed load the weights are mixed. On the distributed path SGLang
+answers 400 ("partially updated"): `abort` closes the session, marks the engine's version `partial-<N>` and
+sets `needs_restore`; the agent then reloads the last good version while the engine stays paused, and only
+then resumes it (agent/main.py). `served_version` is None while the weights are partial.
+
+On the tensor path SGLang does not catch a loader error: the scheduler process dies and the server with it
+(its watchdog kills the process tree). There is nothing to restore into: the load raises EngineUnreachable
+(reason `EngineUnreachable`), the adapter makes no further call to that engine process, and every later
+call first checks the engine answers again (a restarted container: fresh weights from its checkpoint, no
+session, no weight-update group), then loads into it as into a new engine.
 """
 
 from __future__ import annotations
@@ -50,7 +71,9 @@ import io
 import itertools
 import logging
 import os
+import re
 import socket
+import time
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
@@ -60,6 +83,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 from torch.multiprocessing import reductions
+from weightsync.crds import contract
 
 from .base import (
     DRAFT_PREFIX,
@@ -76,8 +100,17 @@ from .overlap import post_during
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
-#: Releases whose weight-update protocol this adapter speaks (the session routes appeared in 0.5.2x).
-SUPPORTED_VERSIONS = ("0.5.23",)
+#: The releases whose weight-update protocol this adapter speaks: SGLang 0.5.23 and its post releases
+#: (0.5.23.post1, ...), which change no route or request type. The engines tier runs 0.5.23 itself.
+SUPPORTED_RELEASE = re.compile(r"0\.5\.23(\.post\d+)?")
+SUPPORTED_VERSIONS = ("0.5.23", "0.5.23.postN")  # what the refusal names
+#: Seconds SGLang may wait for running requests to finish before it flushes the radix cache (its
+#: /flush_cache `timeout` query); past it SGLang refuses the flush, which is logged, not failed.
+FLUSH_TIMEOUT = 10.0
+#: The pod condition reason of a server whose parallelism the agent cannot feed.
+REASON_CONFIG_UNSUPPORTED = "EngineConfigUnsupported"
+#: How long a tensor-path load failure with no HTTP answer is confirmed by probing /health.
+DEATH_PROBE_SECONDS = 3.0
 GROUP_NAME = "weightsync"
 _GROUP_SEQ = itertools.count()
 SessionPath = Literal["tensor", "distributed"]
@@ -87,7 +120,6 @@ PauseMode = Literal["abort", "retract", "in_place"]
 #: embeddings reach a draft); "draft" reaches only the draft model (the job's `draft.` tensors).
 Selector = Literal["target", "draft", "all"]
 LOAD_FORMAT = "flattened_bucket"
-_UNKNOWN = object()
 _DEVICE_ARG = 6  # index of the device in torch's rebuild_cuda_tensor args (SGLang patches the same slot)
 
 
@@ -220,17 +252,67 @@ def check_weights_body(action: str = "checksum") -> dict[str, Any]:
     return {"action": action}
 
 
+def end_body() -> dict[str, Any]:
+    """EndWeightUpdateReqInput: no field needed, but the route requires a JSON body."""
+    return {}
 
 
+def destroy_group_body(group_name: str) -> dict[str, Any]:
+    """DestroyWeightsUpdateGroupReqInput."""
+    return {"group_name": group_name}
+
+
+class EngineUnreachable(EngineError):
+    """The engine process is gone (SGLang's tensor path: a loader error kills the scheduler and the server).
+    Nothing was restored; the engine must restart before anything loads again."""
+
+    reason = contract.REASON_ENGINE_UNREACHABLE
+
+
+def supported(version: str) -> bool:
+    return SUPPORTED_RELEASE.fullmatch(version.strip()) is not None
 
 
 def check_version(version: str) -> str:
     """Refuse an SGLang release whose weight-update protocol this adapter does not speak."""
-    if version not in SUPPORTED_VERSIONS:
+    if not supported(version):
         raise EngineUnsupported(f"SGLang {version or '(unknown version)'} is not supported: weightsync speaks the weight-"
-                          f"update protocol of SGLang {', '.join(SUPPORTED_VERSIONS)}; run a supported image "
-                          f"(e.g. lmsysorg/sglang:v{SUPPORTED_VERSIONS[-1]})")
+                                f"update protocol of SGLang {' and '.join(SUPPORTED_VERSIONS)}; run a supported "
+                                f"image (e.g. lmsysorg/sglang:v{SGLANG_VERSION})")
     return version
+
+
+def check_topology(info: dict[str, Any], tp_size: int) -> None:
+    """Refuse a server whose parallelism the agent cannot feed (GET /server_info's resolved values): its TP
+    size must be the job's (the weight-update group is 1 + tp_size ranks; another size never completes
+    the rendezvous), and it must run one data-parallel replica and one pipeline stage. Fields a server does
+    not report are not checked."""
+    problems = []
+    got = info.get("tp_size")
+    if got is not None and int(got) != tp_size:
+        problems.append(f"the server runs tp_size={got} but the job's inference parallelism.tensor is {tp_size}; "
+                        f"set spec.inference.parallelism.tensor to {got} or start SGLang with --tp-size {tp_size}")
+    for key, flag in (("dp_size", "--dp-size"), ("pp_size", "--pp-size")):
+        got = info.get(key)
+        if got is not None and int(got) > 1:
+            problems.append(f"the server runs {key}={got} but weightsync loads one TP group per server "
+                            f"({key} must be 1); run one SGLang server per replica without {flag}")
+    if problems:
+        err = EngineUnsupported("SGLang configuration not supported: " + "; ".join(problems))
+        err.reason = REASON_CONFIG_UNSUPPORTED  # the pod condition's reason (the release itself is supported)
+        raise err
+
+
+def separate_draft(info: dict[str, Any]) -> bool:
+    """Whether the server runs a draft model with weights of its own (GET /server_info, resolved values).
+    SGLang resolves NEXTN to EAGLE before it reports, so the algorithm alone does not tell MTP (the draft
+    layers are in the target's checkpoint, picked up by the draft runner from selector "all") from a
+    separate draft: the draft path does. MTP has none or the target's own path."""
+    algo = info.get("speculative_algorithm")
+    if not algo or str(algo).upper() in ("NEXTN", "NGRAM"):
+        return False
+    draft = info.get("speculative_draft_model_path")
+    return bool(draft) and draft != info.get("model_path")
 
 
 class _SenderGroup:
@@ -318,43 +400,109 @@ class SGLangAdapter:
         self._group: _SenderGroup | None = None
         self._flat: torch.Tensor | None = None
         self._bufs: dict[int, torch.Tensor] = {}
-        self._speculative: str | object | None = _UNKNOWN
+        self._info: dict[str, Any] | None = None  # GET /server_info, read once per engine process
+        #: the engine process died under a load (tensor path): no call reaches it until it answers again
+        self.engine_lost = False
+        self._version: int | None = None
         #: the content digest of the version being committed (set by the fetch once every piece was checked):
         #: the engine's label becomes `<N>-<digest prefix>`
         self.label_digest: str | None = None
 
     # -- engine facts --
 
+    def server_info(self) -> dict[str, Any]:
+        """GET /server_info, read once per engine process (its values are the resolved startup ones)."""
+        if self._info is None:
+            info = self.client.get("/server_info")
+            self._info = info if isinstance(info, dict) else {}
+        return self._info
+
     def engine_version(self) -> str:
         """The engine's release (GET /server_info `version`)."""
-        info = self.client.get("/server_info")
-        return str(info.get("version", "")) if isinstance(info, dict) else ""
+        return str(self.server_info().get("version", ""))
 
     def check_engine_version(self) -> str:
-        return check_version(self.engine_version())
+        """The release and the parallelism this adapter can drive, else EngineUnsupported (reported on the pod,
+        no load attempted)."""
+        version = check_version(self.engine_version())
+        check_topology(self.server_info(), self.tp_size)
+        return version
 
     def draft_model(self) -> bool:
-        """Whether the server runs a draft model with weights of its own (EAGLE, EAGLE3, STANDALONE): then the
-        target's tensors go with selector "target" (SGLang's draft loaders map a target name they also have,
-        such as layer 0, onto the draft) and `draft.` tensors with "draft". Without one, or with NEXTN (MTP
-        layers named as in the target's checkpoint, picked up by the draft runner from "all"), every tensor
-        goes with "all", SGLang's default. Read once from GET /server_info."""
-        if self._speculative is _UNKNOWN:
-            info = self.client.get("/server_info")
-            algo = info.get("speculative_algorithm") if isinstance(info, dict) else None
-            self._speculative = str(algo).upper() if algo else None
-        return self._speculative not in (None, "NEXTN")
+        """Whether the server runs a draft model with weights of its own (EAGLE, EAGLE3, STANDALONE with a
+        draft path other than the model's): then the target's tensors go with selector "target" (SGLang's
+        draft loaders map a target name they also have, such as layer 0, onto the draft) and `draft.` tensors
+        with "draft". Without one, or with MTP (NEXTN, reported resolved as EAGLE; its layers are named as in
+        the target's checkpoint and picked up by the draft runner from "all"), every tensor goes with "all",
+        SGLang's default (`separate_draft`)."""
+        return separate_draft(self.server_info())
+
+    def _speculative(self) -> str:
+        info = self.server_info()
+        return (f"speculative_algorithm={info.get('speculative_algorithm')!r}, "
+                f"speculative_draft_model_path={info.get('speculative_draft_model_path')!r}")
+
+    # -- a dead engine (tensor path) --
+
+    def _answers(self) -> bool:
+        try:
+            self.client.get("/health", retry=False, timeout=2.0)
+            return True
+        except EngineHTTPError as exc:
+            return exc.status is not None and exc.status < 500
+
+    def _lost(self, route: str, exc: EngineHTTPError) -> bool:
+        """After a call that got no HTTP answer: is the engine process gone? (probed for DEATH_PROBE_SECONDS)"""
+        if exc.status is not None:
+            return False
+        deadline = time.monotonic() + DEATH_PROBE_SECONDS
+        while time.monotonic() < deadline:
+            if self._answers():
+                return False
+            time.sleep(0.2)
+        return True
+
+    def _engine_died(self, route: str, exc: EngineHTTPError) -> EngineUnreachable:
+        self.engine_lost = True
+        self.session_open = False
+        self._info = None  # a restarted engine is asked again
+        group, self._group = self._group, None
+        if group is not None:
+            group.close()  # the engine's half died with it
+        msg = (f"SGLang engine at {self.client.base_url} died during {route} of version {self._version} "
+               f"({exc.detail}): SGLang's tensor path does not catch a loader error, its scheduler exits and the "
+               "server with it. Nothing was restored: the engine container must restart (e.g. a liveness probe "
+               "on /health), then the newest version is loaded into it")
+        log.error("sglang.engine_died %s", msg)
+        return EngineUnreachable(msg)
+
+    def _check_alive(self) -> None:
+        """Before touching an engine that died: it must answer again (a restarted process)."""
+        if not self.engine_lost:
+            return
+        if not self._answers():
+            raise EngineUnreachable(f"SGLang engine at {self.client.base_url} is gone (it died under a load of "
+                                    f"version {self.partial}) and does not answer yet; nothing was restored")
+        log.warning("sglang.engine_back url=%s: a new engine process (no session, no weight-update group)",
+                    self.client.base_url)
+        self.engine_lost = False
 
     # -- EngineAdapter --
 
     def pause(self) -> None:
+        self._check_alive()
         self.client.post("/pause_generation", pause_body(self.pause_mode))
 
     def resume(self) -> None:
+        self._check_alive()
         self.client.post("/continue_generation", continue_body())
 
     def begin_update(self, version: int) -> None:
-        self.draft_model()  # learnt once, before the first session (which selector the target's tensors take)
+        self._check_alive()
+        self._version = version
+        # learnt once, before the first session: which selector the target's tensors take, and whether the
+        # engine's TP size is the one the group is formed for (else the rendezvous could never complete)
+        check_topology(self.server_info(), self.tp_size)
         if self.path == "distributed":
             self._ensure_group()
         try:
@@ -365,7 +513,7 @@ class SGLangAdapter:
             # A dead agent left its session open: close it (its partial load is superseded) and begin again.
             log.warning("sglang.session_left_open version=%s: closing it first", version)
             self.needs_restore = True
-            self.client.post("/end_weight_update", None, retry=False)
+            self.client.post("/end_weight_update", end_body(), retry=False)
             self.client.post("/begin_weight_update", begin_body(), retry=False)
         self.session_open = True
         self.loaded_buckets = 0
@@ -377,9 +525,8 @@ class SGLangAdapter:
         target, draft = split_draft(tensors)
         if draft and not self.draft_model():
             raise EngineError(f"SGLang: {len(draft)} draft tensors ({DRAFT_PREFIX}{draft[0][0]}, ...) but the server runs "
-                              "no separate draft model (server_info speculative_algorithm is "
-                              f"{self._speculative!r}); they would be dropped: start SGLang with a draft model "
-                              "or publish no draft.* tensors")
+                              f"no separate draft model (server_info {self._speculative()}); they would be "
+                              "dropped: start SGLang with a draft model or publish no draft.* tensors")
         self.loaded_buckets += 1  # from here on the engine's weights may be touched
         parts: tuple[tuple[list[tuple[str, torch.Tensor]], Selector], ...] = (
             (target, "target" if self.draft_model() else "all"), (draft, "draft"))
@@ -408,8 +555,13 @@ class SGLangAdapter:
             per_rank.append(serialize({"flattened_tensor": t, "metadata": meta}))
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)
-        self.client.post("/update_weights_from_tensor", update_weights_from_tensor_body(per_rank, selector=selector),
-                         retry=False)
+        route = "/update_weights_from_tensor"
+        try:
+            self.client.post(route, update_weights_from_tensor_body(per_rank, selector=selector), retry=False)
+        except EngineHTTPError as exc:
+            if self._lost(route, exc):
+                raise self._engine_died(route, exc) from exc
+            raise
 
     def _ensure_group(self) -> None:
         if self._group is not None:
@@ -446,7 +598,7 @@ class SGLangAdapter:
             return
         group.close()
         try:
-            self.client.post("/destroy_weights_update_group", {"group_name": group.group_name}, retry=False,
+            self.client.post("/destroy_weights_update_group", destroy_group_body(group.group_name), retry=False,
                              timeout=10.0)
         except EngineError as exc:
             log.info("sglang.destroy_group group=%s error=%s", group.group_name, exc)
@@ -454,19 +606,36 @@ class SGLangAdapter:
     def _end_session(self) -> None:
         if self.session_open:
             self.session_open = False
-            self.client.post("/end_weight_update", None, retry=False)
+            self.client.post("/end_weight_update", end_body(), retry=False)
+
+    def flush_cache(self, version: int | str) -> bool:
+        """Flush SGLang's radix cache, waiting up to FLUSH_TIMEOUT for running requests to finish. A refusal
+        (requests still running, another flush under way) or no answer is logged, never raised: the version is
+        loaded and labelled whatever the flush does."""
+        try:
+            self.client.post("/flush_cache", None, params={"timeout": FLUSH_TIMEOUT}, retry=False,
+                             timeout=FLUSH_TIMEOUT + self.timeout)
+            return True
+        except EngineError as exc:
+            log.warning("sglang.flush_cache_refused version=%s error=%s: the version is loaded; the radix cache may "
+                        "serve prefixes computed with the previous weights until SGLang flushes it", version, exc)
+            return False
 
     def commit(self, version: int) -> None:
         self._end_session()
         label, self.label_digest = version_label(version, self.label_digest), None
         self.client.post("/update_weight_version", weight_version_body(label), retry=False)
-        self.client.post("/flush_cache", None)
         self.partial = None
         self.needs_restore = False
+        self.flush_cache(label)
 
     def abort(self, version: int, reason: str) -> None:
         touched = self.loaded_buckets > 0
         log.warning("sglang.abort version=%s buckets_loaded=%s reason=%s", version, self.loaded_buckets, reason)
+        if self.engine_lost:  # the session, the weights and the version label died with the engine process
+            self.partial = version
+            self.needs_restore = True
+            return
         try:
             self._end_session()
         finally:
@@ -476,7 +645,7 @@ class SGLangAdapter:
                 self.client.post("/update_weight_version", weight_version_body(f"partial-{version}"), retry=False)
 
     def served_version(self) -> int | None:
-        if self.partial is not None:
+        if self.partial is not None or self.engine_lost:
             return None
         info = self.client.get("/model_info")
         return parse_version(info.get("weight_version")) if isinstance(info, dict) else None
@@ -496,4 +665,9 @@ class SGLangAdapter:
         return self.client.post("/weights_checker", check_weights_body())
 
     def close(self) -> None:
+        if self.engine_lost:
+            group, self._group = self._group, None
+            if group is not None:
+                group.close()
+            return
         self._drop_group()

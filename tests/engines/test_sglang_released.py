@@ -1,8 +1,9 @@
 """The SGLang adapter against SGLang 0.5.23's own released code (the `engines` tier).
 
 Request bodies are validated by SGLang's request types, routes by its route table, and every load goes
-to a stand-in server running SGLang's own session rules and receive code (e2e/engines/sglang_standin.py)
-in separate mount, PID and /dev/shm namespaces (`unshare`), as the engine container is.
+to a stand-in server (e2e/engines/sglang_standin.py): SGLang's own FastAPI app, run by the engine venv's
+python (e2e/engine_venv.py), in front of SGLang's own session rules and receive code, in separate mount,
+PID and /dev/shm namespaces (`unshare`), as the engine container is.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from weightsync.agent.client import checksums
 from weightsync.agent.demo.model import DemoModel
 from weightsync.agent.engines import sglang
 from weightsync.agent.engines.base import EngineError, EngineUnsupported, load_version
+from weightsync.e2e.engine_venv import engine_python
 from weightsync.e2e.engines import released, sglang_code
 from weightsync.e2e.procs import free_port
 
@@ -41,17 +43,21 @@ def _in_own_namespaces(cmd: list[str]) -> list[str]:
     return [*UNSHARE, "sh", "-c", inner]
 
 
+#: SGLang's app imports its serving stack and resolves its ServerArgs at start: ~20 s on 2 busy cores.
+START_TIMEOUT = 180.0
+
+
 class Standin:
     def __init__(self, tmp: Path, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"standin-{self.port}.log"
-        cmd = [sys.executable, "-m", "weightsync.e2e.engines.sglang_standin", "--host", "127.0.0.1",
+        cmd = [str(engine_python()), "-m", "weightsync.e2e.engines.sglang_standin", "--host", "127.0.0.1",
                "--port", str(self.port), *args]
         env = {**os.environ, "PYTHONSAFEPATH": "1"}
         self.proc = subprocess.Popen(_in_own_namespaces(cmd), stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                      env=env)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()
             try:
