@@ -445,11 +445,13 @@ class SGLangAdapter:
     # -- a dead engine (tensor path) --
 
     def _answers(self) -> bool:
+        """Does an engine process answer HTTP at all? (GET /model_info: answered by SGLang's HTTP process alone;
+        its /health may run a generation and take up to its 20 s timeout.)"""
         try:
-            self.client.get("/health", retry=False, timeout=2.0)
+            self.client.get("/model_info", retry=False, timeout=2.0)
             return True
         except EngineHTTPError as exc:
-            return exc.status is not None and exc.status < 500
+            return exc.status is not None
 
     def _lost(self, route: str, exc: EngineHTTPError) -> bool:
         """After a call that got no HTTP answer: is the engine process gone? (probed for DEATH_PROBE_SECONDS)"""
@@ -494,6 +496,10 @@ class SGLangAdapter:
         self.client.post("/pause_generation", pause_body(self.pause_mode))
 
     def resume(self) -> None:
+        if self.engine_lost and not self._answers():
+            # nothing to resume: the paused process is gone, and a restarted one starts unpaused
+            log.warning("sglang.resume_skipped url=%s: the engine process died", self.client.base_url)
+            return
         self._check_alive()
         self.client.post("/continue_generation", continue_body())
 

@@ -314,17 +314,17 @@ class StandinTokenizerManager:
     def config_value(self, name: str) -> Any:
         from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-        return TokenizerManager.config_value(self, name)  # type: ignore[arg-type]
+        return TokenizerManager.config_value(self, name)
 
     def record_config_updates(self, source: str, **fields: Any) -> None:
         from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-        TokenizerManager.record_config_updates(self, source, **fields)  # type: ignore[arg-type]
+        TokenizerManager.record_config_updates(self, source, **fields)
 
     def _update_weight_version_if_provided(self, weight_version: str | None) -> None:
         from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin
 
-        TokenizerControlMixin._update_weight_version_if_provided(self, weight_version)  # type: ignore[arg-type]
+        TokenizerControlMixin._update_weight_version_if_provided(self, weight_version)
 
     def is_healthy(self) -> bool:
         return True
@@ -531,6 +531,19 @@ def build_app(engine: Engine, args: Any) -> Any:
     return app
 
 
+def body_required_routes() -> dict[str, list[str]]:
+    """{path: methods} of every route of SGLang's app whose JSON body FastAPI requires: read from the app's own
+    route table (a `Body()` parameter without a default), not typed here. Engine venv only."""
+    from fastapi.routing import APIRoute
+    from sglang.srt.entrypoints import http_server as hs
+
+    out: dict[str, list[str]] = {}
+    for route in hs.app.routes:
+        if isinstance(route, APIRoute) and route.body_field is not None and route.body_field.field_info.is_required():
+            out[route.path] = sorted(route.methods)
+    return out
+
+
 def _engine_interpreter() -> str | None:
     """The engine venv's python when this is not it; None to run here."""
     if os.environ.get(ENV_HERE):
@@ -568,6 +581,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pp-size", type=int, default=1)
     p.add_argument("--fail-load", default="", help="SESSION:BUCKET (1-based): that bucket load fails half-way, once")
     args = p.parse_args(argv)
+    # SGLang's /health runs a one-token generation unless told not to; the stand-in generates nothing, so it
+    # answers /health as SGLang does with this switch off (200 while the server runs).
+    os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
     try:
         import uvicorn
         from sglang.srt.entrypoints import http_server  # noqa: F401  (SGLang's app: its imports fail here first)

@@ -48,8 +48,8 @@ START_TIMEOUT = 180.0
 
 
 class Standin:
-    def __init__(self, tmp: Path, *args: str) -> None:
-        self.port = free_port()
+    def __init__(self, tmp: Path, *args: str, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"standin-{self.port}.log"
         cmd = [str(engine_python()), "-m", "weightsync.e2e.engines.sglang_standin", "--host", "127.0.0.1",
