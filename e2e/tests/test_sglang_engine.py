@@ -1,10 +1,13 @@
 """Real-engines issue end to end: a demo job whose engine type is SGLang, on the local cluster.
 
 The engine container of each inference pod is the SGLang 0.5.23 stand-in (weightsync.e2e.engines.
-sglang_standin): SGLang's own request types, route table, session rules (SchedulerWeightUpdaterManager)
-and receive code (WeightUpdater, init_custom_process_group) from the installed wheel. It runs in its own
-mount namespace with its own /dev/shm (process runtime), so nothing but SGLang's protocol crosses from
-the agent: HTTP control and SGLang's weight-update group.
+sglang_standin): SGLang's own FastAPI app (routes, body validation, status codes) in front of SGLang's own
+session rules (SchedulerWeightUpdaterManager) and receive code (WeightUpdater, init_custom_process_group).
+The container command is `python -m weightsync.e2e.engines.sglang_standin`; the process runtime resolves
+`python` to the project's .venv, and the module re-executes itself with the engine venv's python
+(e2e/engine_venv.py; `make setup` builds it). It runs in its own mount namespace with its own /dev/shm
+(process runtime), so nothing but SGLang's protocol crosses from the agent: HTTP control and SGLang's
+weight-update group.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ LABEL = re.compile(rf"^\d+-[0-9a-f]{{{LABEL_DIGEST_CHARS}}}$")
 
 pytestmark = [pytest.mark.e2e]
 
-START_TIMEOUT = 240.0
+START_TIMEOUT = 300.0  # SGLang's app imports its serving stack at start (~20 s per engine on 2 cores)
 SESSION_OPS = ("begin_weight_update", "end_weight_update")
 
 

@@ -1,6 +1,7 @@
 """A real agent process driving an SGLang engine over HTTP: the engine is the SGLang 0.5.23 stand-in
-(SGLang's own request types, session rules and receive code), started as another process in its own mount
-and PID namespaces with its own /dev/shm, as the engine container is. Per version the engine is paused, a
+(SGLang's own FastAPI app, run by the engine venv's python, in front of SGLang's own session rules and
+receive code), started as another process in its own mount and PID namespaces with its own /dev/shm, as
+the engine container is. Per version the engine is paused, a
 session is opened, the buckets arrive over SGLang's weight-update group, the session is closed, the
 version set and the engine resumed; an unsupported engine release is refused without any load."""
 
@@ -12,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from podprocs import PY, Cluster, wait_for
+from podprocs import Cluster, wait_for
 from weightsync.agent.engines.base import LABEL_DIGEST_CHARS, parse_version
 from weightsync.crds import contract
+from weightsync.e2e.engine_venv import engine_python
 from weightsync.e2e.procs import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engines"))
@@ -33,10 +35,21 @@ def _trainer_and_sglang(tmp_path: Path, clusters: list[Cluster], **agent_env: st
     c.write_topology()
     port = free_port(i.ip)
     url = f"http://{i.ip}:{port}"
-    engine = f"mount -t tmpfs tmpfs /dev/shm && exec {PY} -m weightsync.e2e.engines.sglang_standin --host {i.ip} --port {port}"
+    engine = (f"mount -t tmpfs tmpfs /dev/shm && exec {engine_python()} -m weightsync.e2e.engines.sglang_standin "
+              f"--host {i.ip} --port {port}")
     c.spawn(i, "engine", [*NAMESPACES, engine])
     c.start_agent(t)
     c.start_agent(i, **{contract.ENV_ENGINE_TYPE: "SGLang", contract.ENV_ENGINE_URL: url, **agent_env})
+
+    def engine_up() -> bool:
+        try:
+            return requests.get(f"{url}/standin/state", timeout=2).ok
+        except requests.RequestException:
+            return False
+
+    # SGLang's app takes ~20 s to import and resolve its ServerArgs: the versions are published once it
+    # answers, so that every one of them is loaded (not only the newest)
+    wait_for(engine_up, 180, "the SGLang stand-in answers", c)
     c.start_trainer(t, "--versions", "2", "--interval", "1.0")
     return c, t, url
 
@@ -50,7 +63,7 @@ def test_agent_drives_an_sglang_engine_over_http(tmp_path: Path, clusters: list[
         except requests.RequestException:
             return None
 
-    wait_for(lambda: parse_version((state() or {}).get("weight_version")) == 2, 120, "SGLang serves version 2", c)
+    wait_for(lambda: parse_version((state() or {}).get("weight_version")) == 2, 240, "SGLang serves version 2", c)
     events = requests.get(f"{url}/standin/events", timeout=5).json()["events"]
     ops = [e["op"] for e in events]
     assert "refused" not in ops, events
@@ -93,6 +106,29 @@ def test_agent_refuses_an_unsupported_sglang_release(tmp_path: Path, clusters: l
         server.close()
 
 
+def test_agent_refuses_an_sglang_server_of_another_tp_size(tmp_path: Path, clusters: list[Cluster]) -> None:
+    """The job's inference TP is 1, the server reports tp_size 2 (/server_info): the weight-update group could
+    never complete its rendezvous, so the agent refuses the engine once, naming both sizes, and calls no
+    weight-update route."""
+    server = RecordingServer()
+    server.replies["/server_info"] = [(200, {"version": "0.5.23", "tp_size": 2, "dp_size": 1, "pp_size": 1})]
+    try:
+        c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
+        clusters.append(c)
+        t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
+        i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
+        c.write_topology()
+        c.start_agent(t)
+        c.start_agent(i, **{contract.ENV_ENGINE_TYPE: "SGLang", contract.ENV_ENGINE_URL: server.url})
+        c.start_trainer(t, "--versions", "2", "--interval", "1.0")
+        log = i.logs["agent"]
+        wait_for(lambda: "SGLang configuration not supported" in log.read_text(), 60, "the agent refuses tp_size 2", c)
+        assert "tp_size=2" in log.read_text() and "parallelism.tensor is 1" in log.read_text()
+        assert [p for p in server.paths() if p not in ("/server_info",)] == []
+    finally:
+        server.close()
+
+
 def test_agent_loads_each_version_as_a_lora_adapter(tmp_path: Path, clusters: list[Cluster]) -> None:
     """spec.inference.engine.lora (WEIGHTSYNC_LORA): the agent receives every bucket as for base weights and
     hands the version to SGLang whole, as the adapter `policy` (unload, load from tensors by value with
@@ -109,7 +145,7 @@ def test_agent_loads_each_version_as_a_lora_adapter(tmp_path: Path, clusters: li
         except requests.RequestException:
             return {}
 
-    wait_for(lambda: parse_version(lora().get("version")) == 2, 120, "SGLang serves adapter version 2", c)
+    wait_for(lambda: parse_version(lora().get("version")) == 2, 240, "SGLang serves adapter version 2", c)
     published = json.loads((c.root / t.name / "sock" / "demo-trainer-checksums.json").read_text())
     assert lora()["adapters"] == {"policy": published["2"]}
     ops = [e["op"] for e in requests.get(f"{url}/standin/events", timeout=5).json()["events"]]
