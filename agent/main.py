@@ -82,12 +82,12 @@ def make_adapter(cfg: AgentConfig, registry: AppRegistry, ranks: list[int], tp_s
         if cfg.device.startswith("cuda"):
             options["devices"] = engine_devices(cfg.device, tp_size)
     elif cfg.engine_type == "VLLM":
-        # Colocated (the agent on the engine's GPUs): CUDA IPC handles keyed by GPU UUID. Separated: vLLM's
-        # NCCL group, the agent as rank 0 on a GPU of its own (vllm_unusable refuses an agent without one).
-        if cfg.role == contract.ROLE_COLOCATED:
-            options.update(backend="ipc", devices=engine_devices(cfg.device, tp_size))
-        else:
-            options.update(backend="nccl", device=cfg.device)
+        # The backend is the one the server announces (its --weight-transfer-config, GET /server_info):
+        # `weightsync` (the plugin: gloo from a CPU agent, NCCL from a GPU one), `nccl` (rank 0 on a GPU of
+        # the agent's own) or `ipc` (colocated: CUDA IPC handles keyed by GPU UUID).
+        options.update(backend="auto", device=cfg.device)
+        if cfg.device.startswith("cuda"):
+            options["devices"] = engine_devices(cfg.device, tp_size)
     if cfg.lora is not None:
         return lora_adapter(cfg, tp_size)
     return factory.make_adapter(cfg.engine_type, url=cfg.engine_url, **options)
@@ -112,7 +112,7 @@ def lora_adapter(cfg: AgentConfig, tp_size: int) -> EngineAdapter:
     elif cfg.engine_type == "VLLM":
         from .engines.vllm import VLLMAdapter
 
-        inner = VLLMAdapter(cfg.engine_url, backend="nccl", client=client)
+        inner = VLLMAdapter(cfg.engine_url, client=client, lora=True)
         loader = lora.VLLMLoraLoader(client, shm_dir() / "lora")
     else:
         raise ConfigError(f"{contract.ENV_LORA}: LoRA needs an SGLang or VLLM engine, not {cfg.engine_type}")
@@ -128,20 +128,6 @@ def _checked_digest(res: Any) -> str | None:
 def engine_devices(device: str, tp_size: int) -> list[str]:
     """The CUDA device of each engine TP rank as the agent sees it (a pinned cuda:N: all on N)."""
     return [device] * tp_size if ":" in device else [f"cuda:{r}" for r in range(tp_size)]
-
-
-def vllm_unusable(cfg: AgentConfig) -> str | None:
-    """Why a vLLM engine cannot take weights from this agent, or None. vLLM's backends need CUDA: a CPU
-    agent would fail every load, so it is refused at start with the fix instead."""
-    if cfg.engine_type != "VLLM" or cfg.device.startswith("cuda") or cfg.lora is not None:
-        return None  # a LoRA adapter goes by file through /v1/load_lora_adapter: no CUDA on the agent's side
-    if cfg.role == contract.ROLE_COLOCATED:
-        return ("vLLM takes colocated weights only as CUDA IPC handles, and this agent has no GPU "
-                f"({contract.ENV_AGENT_DEVICE}={cfg.device}); give the inference replicas GPUs")
-    return ("vLLM receives separated weights only over NCCL (its nccl weight-transfer backend) from an agent "
-            f"with a GPU of its own, and this agent has none ({contract.ENV_AGENT_DEVICE}={cfg.device}); "
-            "use engine type SGLang (its weight-update group works from a CPU agent) or Custom until the "
-            "operator gives separated inference agents a GPU")
 
 
 def staged_versions_to_keep(engine_type: str) -> int:
@@ -711,9 +697,6 @@ class Agent:
             self._engine_reached()
         if self.engine_refused is not None:
             return
-        if (why := vllm_unusable(self.cfg)) is not None:
-            self._refuse_engine(why, "EngineConfigUnsupported")
-            return
         if not self._engine_known:
             if self.cfg.engine_type != "Custom":
                 try:  # an HTTP engine that outlived a restarted agent already serves some version
@@ -723,7 +706,7 @@ class Agent:
                         log.info("engine release %s %s is supported", self.cfg.engine_type, release)
                     self._adopt_served(self.adapter.served_version())
                 except EngineUnsupported as exc:
-                    self._refuse_engine(str(exc), "EngineVersionUnsupported")
+                    self._refuse_engine(str(exc), exc.reason)
                     return
                 except EngineError as exc:
                     log.info("engine not reachable yet: %s", exc)
@@ -758,6 +741,20 @@ class Agent:
         log.error("engine unreachable: %s", message)
         if self.pod is not None:  # the condition only: a sync-error annotation would read as SyncFailed first
             self.pod.update(synced=False, synced_reason=contract.REASON_ENGINE_UNREACHABLE, synced_message=message)
+
+    def _engine_died(self, error: str) -> None:
+        """The engine process died under the load (SGLang's tensor path: a loader error kills its scheduler):
+        nothing is restored into it, nothing is served until a restarted engine loads a whole version. Reported
+        at once (reason EngineUnreachable); the engine is checked afresh when it answers again."""
+        self.served = None
+        self.served_digest = None
+        self.held_paused = False
+        if self.peers is not None:
+            self.peers.report_served(0)
+        self._engine_known = False
+        self._unreachable_since = time.monotonic() - ENGINE_UNREACHABLE_AFTER
+        self._unreachable_reported = False
+        self._engine_unreachable(error)
 
     def _engine_reached(self) -> None:
         if self._unreachable_reported:
@@ -913,7 +910,9 @@ class Agent:
             self._relay_next = False  # the next attempt asks the trainer agents directly
             self._loading = False
             self.restore_version = None
-            if getattr(self.adapter, "needs_restore", False):
+            if getattr(exc, "reason", None) == contract.REASON_ENGINE_UNREACHABLE:
+                self._engine_died(str(exc))
+            elif getattr(self.adapter, "needs_restore", False):
                 self.served = None  # mixed weights: not served until a complete version is loaded
                 self.served_digest = None
                 if prev is None and self.peers is not None:

@@ -62,8 +62,12 @@ class EngineError(RuntimeError):
 
 
 class EngineUnsupported(EngineError):
-    """The engine is a release this adapter does not speak: retrying cannot help (the agent reports it once
-    and attempts no load)."""
+    """The engine is a release (or a configuration) this adapter does not speak: retrying cannot help (the
+    agent reports it once, as the pod condition reason `reason`, and attempts no load)."""
+
+    def __init__(self, message: str, reason: str = "EngineVersionUnsupported") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @runtime_checkable

@@ -224,6 +224,14 @@ def pack(tensors: NamedTensors, out: torch.Tensor | None = None) -> tuple[torch.
     return buf, sizes
 
 
+def aligned_order(tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    """The bucket in descending element size (stable). vLLM's packed format has no padding, and its
+    `unpack_tensor` views each byte range as its dtype, which needs the range to start at a multiple of the
+    element size: with the widest dtypes first every start is (a sum of sizes that are multiples of a larger
+    power of two). The metadata is sent in this same order, so vLLM's consumer cuts the same ranges."""
+    return sorted(tensors, key=lambda nt: -nt[1].element_size())
+
+
 def chunk_ranges(sizes: Sequence[int], buffer_size_bytes: int) -> list[tuple[int, int]]:
     """[start, end) index ranges of the packed NCCL chunks: vLLM's `pack_tensors` / consumer rule, a chunk
     ends after the tensor that takes its running size past `buffer_size_bytes`."""
@@ -435,7 +443,7 @@ class VLLMAdapter:
         self,
         url: str,
         *,
-        backend: Backend = "nccl",
+        backend: Backend | Literal["auto"] = "auto",
         devices: Sequence[torch.device | str] | None = None,
         device: torch.device | str | None = None,
         engine_world_size: int | None = None,
@@ -447,11 +455,14 @@ class VLLMAdapter:
         timeout: float = 300.0,
         nccl: NcclLib | None = None,
         ipc: CudaIpc | None = None,
+        lora: bool = False,
     ) -> None:
-        if backend not in BACKENDS:
-            raise EngineError(f"vLLM: unknown weight-transfer backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        if backend not in (*BACKENDS, "auto"):
+            raise EngineError(f"vLLM: unknown weight-transfer backend {backend!r}; expected auto or one of "
+                              f"{', '.join(BACKENDS)}")
         self.client = client or HttpClient(url, "vLLM", timeout=timeout)
-        self.backend: Backend = backend
+        self.backend: Backend | None = None if backend == "auto" else backend  # auto: what the server announces
+        self.lora = lora
         self.packed = packed
         self.packed_buffer_size_bytes = packed_buffer_size_bytes
         self.packed_num_buffers = packed_num_buffers
@@ -490,8 +501,65 @@ class VLLMAdapter:
         return str(info.get("version", "")) if isinstance(info, dict) else ""
 
     def check_engine_version(self) -> str:
-        """GET /version; raises EngineUnsupported ("... is not supported ... vLLM 0.33.x") for another release."""
-        return check_version(self.engine_version())
+        """GET /version, then the server's configuration (GET /server_info): raises EngineUnsupported
+        ("... is not supported ... vLLM 0.32.x, 0.33.x") for another release, and with reason
+        EngineConfigUnsupported for a server this agent cannot drive (the message says how to start it)."""
+        release = check_version(self.engine_version())
+        if self.lora:
+            self._check_runtime_lora()
+        else:
+            self.resolve_backend()
+        return release
+
+    def server_info(self) -> dict[str, Any]:
+        """GET /server_info?config_format=json: {"vllm_config": {...}, "vllm_env": {...}} (a dev-mode route,
+        like every RL route)."""
+        try:
+            info = self.client.get("/server_info", params={"config_format": "json"})
+        except EngineHTTPError as exc:
+            if exc.status == 404:
+                raise EngineUnsupported(
+                    "vLLM: the server has no RL routes (GET /server_info: 404): start it with "
+                    "VLLM_SERVER_DEV_MODE=1 (weight updates, pause and resume are dev-mode routes)",
+                    reason="EngineConfigUnsupported") from exc
+            raise
+        if not isinstance(info, dict) or not isinstance(info.get("vllm_config"), dict):
+            raise EngineError(f"vLLM: GET /server_info answered no JSON config: {str(info)[:200]}")
+        return info
+
+    def resolve_backend(self) -> Backend:
+        """The weight-transfer backend: the one the server was started with (its --weight-transfer-config),
+        unless the adapter was built for one. vLLM's own nccl / ipc backends need a CUDA agent."""
+        if self.backend is not None:
+            return self.backend
+        config = self.server_info()["vllm_config"]
+        wt = (config.get("weight_transfer_config") or {}).get("backend")
+        start = f"""start the server with --weight-transfer-config '{{"backend": "{vllm_wire.BACKEND_NAME}"}}'"""
+        if wt is None:
+            raise EngineUnsupported(f"vLLM: the server takes no weight updates (no --weight-transfer-config); {start}",
+                                    reason="EngineConfigUnsupported")
+        if wt not in BACKENDS:
+            raise EngineUnsupported(f"vLLM: weight-transfer backend {wt!r} is not one weightsync drives "
+                                    f"({', '.join(BACKENDS)}); {start}", reason="EngineConfigUnsupported")
+        if wt in ("nccl", "ipc") and (self.device is None or self.device.type != "cuda"):
+            raise EngineUnsupported(
+                f"vLLM: the server's weight-transfer backend is {wt!r}, which needs CUDA on the agent's side "
+                f"(nccl: a GPU of the agent's own; ipc: the engine's GPUs), and this agent has none ({self.device}); "
+                f"{start} (the weightsync plugin receives over gloo from a CPU agent)",
+                reason="EngineConfigUnsupported")
+        if wt == "ipc":
+            self.ipc.check(self.devices or [])
+        self.backend = wt
+        log.info("vllm.backend %s (announced by the server)", wt)
+        return wt
+
+    def _check_runtime_lora(self) -> None:
+        env = self.server_info().get("vllm_env") or {}
+        if str(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() not in ("1", "true"):
+            raise EngineUnsupported(
+                "vLLM: loading a LoRA adapter at run time needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in the engine "
+                "container's environment (the server refuses /v1/load_lora_adapter without it)",
+                reason="EngineConfigUnsupported")
 
     def engine_workers(self) -> int:
         if self.engine_world_size is None:
@@ -507,6 +575,7 @@ class VLLMAdapter:
     def _ensure_init(self) -> None:
         if self.initialized:
             return
+        self.resolve_backend()
         if self.backend == "weightsync":
             self._init_weightsync()
         elif self.backend == "ipc":
@@ -663,6 +732,8 @@ class VLLMAdapter:
             self._send(tensors)
 
     def _send(self, tensors: NamedTensors) -> None:
+        if self.backend != "weightsync":
+            tensors = aligned_order(tensors)  # vLLM's own packed formats: no padding (weightsync aligns offsets)
         names = [n for n, _ in tensors]
         shapes = [list(t.shape) for _, t in tensors]
         dtypes = [dtype_name(t.dtype) for _, t in tensors]

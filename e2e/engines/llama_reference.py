@@ -18,7 +18,6 @@ import sys
 from typing import Any
 
 import torch
-
 from weightsync.agent.demo.tiny_llama import CONFIG
 
 

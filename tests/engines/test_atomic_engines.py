@@ -40,8 +40,9 @@ def test_vllm_commit_of_a_held_version_is_the_ordinary_update(server: RecordingS
                          ipc=FakeIpc())
     atomic.commit_held(held, a, pause_generation=True)
     assert server.paths() == ["/pause", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                              "/update_weights", "/update_weights", "/finish_weight_update", "/resume"]
-    assert server.calls[-2].body == {"weight_version": "2"}
+                              "/update_weights", "/update_weights", "/finish_weight_update",
+                              "/reset_prefix_cache", "/resume"]
+    assert server.calls[-3].body == {"weight_version": "2"}
 
 
 def test_held_tensors_are_the_prepared_ones() -> None:

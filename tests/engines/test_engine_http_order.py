@@ -91,8 +91,9 @@ def test_vllm_order_and_failed_load(server: RecordingServer) -> None:
     a = _vllm(server)
     load_version(a, 1, _buckets(2), pause_generation=True)
     assert server.paths() == ["/pause", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                              "/update_weights", "/finish_weight_update", "/resume"]
-    assert server.calls[-2].body == {"weight_version": "1"}
+                              "/update_weights", "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+    assert server.calls[-3].body == {"weight_version": "1"}
+    assert server.calls[-2].query == {"reset_running_requests": ["true"]}  # frozen requests recompute
     server.calls.clear()
     server.replies["/update_weights"] = [(500, {"error": "worker died"})]
     with pytest.raises(EngineHTTPError, match="worker died") as ei:

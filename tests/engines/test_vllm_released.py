@@ -42,6 +42,9 @@ pytestmark = pytest.mark.engines
 PKG = "vllm"
 ROUTER = "entrypoints/rl/online/api_router.py"
 BASIC = "entrypoints/serve/instrumentator/basic.py"
+# the dev-mode routes the adapter uses besides the RL ones: the server's config (its weight-transfer backend,
+# its VLLM_* environment) and the prefix-cache reset after an update
+DEV_ROUTERS = ("entrypoints/serve/dev/server_info/api_router.py", "entrypoints/serve/dev/cache/api_router.py")
 WT = "distributed/weight_transfer/"
 HERE = Path(__file__).resolve().parent
 
@@ -134,16 +137,19 @@ def vllm_code(cpu_receive: bool = False) -> types.SimpleNamespace:
 
 
 def route_table() -> set[tuple[str, str]]:
-    return released.routes(PKG, ROUTER) | released.routes(PKG, BASIC)
+    out = released.routes(PKG, ROUTER) | released.routes(PKG, BASIC)
+    for router in DEV_ROUTERS:
+        out |= released.routes(PKG, router)
+    return out
 
 
 @functools.lru_cache(maxsize=1)
 def route_params() -> dict[str, dict[str, Any]]:
     """Per route of api_router.py: its JSON body keys (FastAPI `Body(embed=True)` parameters: the body is
     {name: value}), which of them are required, and its `Query()` parameters."""
-    tree = ast.parse(released.source_path(PKG, ROUTER).read_text())
     out: dict[str, dict[str, Any]] = {}
-    for fn in ast.walk(tree):
+    fns = [fn for router in (ROUTER, *DEV_ROUTERS) for fn in ast.walk(ast.parse(released.source_path(PKG, router).read_text()))]
+    for fn in fns:
         if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
         path = next((str(d.args[0].value) for d in fn.decorator_list if isinstance(d, ast.Call) and d.args
@@ -444,7 +450,8 @@ def test_nccl_bodies_are_vllms_request_types_and_match_its_trainer_payload(serve
     items = _weights(7)
     updates = _body_of(server, "/update_weights")
     assert len(updates) == 3
-    for body, bucket in zip(updates, _buckets(items), strict=True):
+    for body, unordered in zip(updates, _buckets(items), strict=True):
+        bucket = vllm.aligned_order(unordered)
         upd = code.nccl.NCCLWeightTransferUpdateInfo(**code.base.WeightTransferUpdateRequest(**body).update_info)
         assert upd.names == [n for n, _ in bucket]
         assert [getattr(torch, d) for d in upd.dtype_names] == [t.dtype for _, t in bucket]
@@ -493,11 +500,12 @@ def test_nccl_versions_load_bit_exact_through_vllms_receive_code(
     assert len(got["ranks"]) == workers
     for r, rank in enumerate(got["ranks"]):
         assert rank["group_rank"] == [(1 + r, 1 + workers)]  # vLLM's _worker_group_rank: after the agent
-        assert [n for n, _ in rank["loaded"]] == [n for n, _ in items]
-        assert all(_same(x, y) for (_, x), (_, y) in zip(rank["loaded"], items, strict=True))
+        sent = [t for b in _buckets(items) for t in vllm.aligned_order(b)]  # widest dtypes first, per bucket
+        assert [n for n, _ in rank["loaded"]] == [n for n, _ in sent]
+        assert all(_same(x, y) for (_, x), (_, y) in zip(rank["loaded"], sent, strict=True))
     assert server.paths() == ["/pause", "/get_world_size", "/init_weight_transfer_engine", "/start_weight_update",
                               "/update_weights", "/update_weights", "/update_weights", "/finish_weight_update",
-                              "/resume"]
+                              "/reset_prefix_cache", "/resume"]
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -526,7 +534,8 @@ def test_ipc_handles_are_keyed_by_each_tp_ranks_gpu_uuid(server: RecordingServer
     assert len(init) == 1
     assert code.ipc.IPCWeightTransferInitInfo(**code.base.WeightTransferInitRequest(**init[0]).init_info).packed is packed
     updates = _body_of(server, "/update_weights")
-    for body, bucket in zip(updates, _buckets(items) * 2, strict=True):
+    for body, unordered in zip(updates, _buckets(items) * 2, strict=True):
+        bucket = vllm.aligned_order(unordered)
         info = code.ipc.IPCWeightTransferUpdateInfo(**code.base.WeightTransferUpdateRequest(**body).update_info)
         assert info.names == [n for n, _ in bucket]
         if packed:
@@ -546,9 +555,10 @@ def test_ipc_handles_are_keyed_by_each_tp_ranks_gpu_uuid(server: RecordingServer
         assert len({t for e in exports for t in e}) == 3 * len(uuids)
         got = run_engine_side(tmp_path, {"backend": "ipc", "uuids": uuids, "updates": updates[:3],
                                          "snapshots": snaps[:3]})
+        sent = [t for b in _buckets(items) for t in vllm.aligned_order(b)]  # widest dtypes first, per bucket
         for rank in got["ranks"]:
-            assert [n for n, _ in rank["loaded"]] == [n for n, _ in items]
-            assert all(_same(x, y) for (_, x), (_, y) in zip(rank["loaded"], items, strict=True))
+            assert [n for n, _ in rank["loaded"]] == [n for n, _ in sent]
+            assert all(_same(x, y) for (_, x), (_, y) in zip(rank["loaded"], sent, strict=True))
     with pytest.raises(EngineError, match="ipc backend needs `devices`"):
         vllm.VLLMAdapter(server.url, backend="ipc", devices=["cpu"])
     with pytest.raises(EngineError, match="ipc backend needs `devices`"):
@@ -671,12 +681,13 @@ def test_unsupported_release_is_refused_with_the_versions_that_work(server: Reco
     a, _ = _nccl_adapter(server)
     assert a.check_engine_version() == released.installed_version(PKG)
     assert ("GET", "/version") in route_table()
-    for bad in ("0.32.1", "0.10.2", "", "1.0.0"):
+    for bad in ("0.31.1", "0.34.0", "0.10.2", "", "1.0.0"):
         server.replies["/version"] = [(200, {"version": bad})]
-        with pytest.raises(EngineUnsupported, match=r"vLLM .* is not supported.*vLLM 0\.33\.x"):
+        with pytest.raises(EngineUnsupported, match=r"vLLM .* is not supported.*vLLM 0\.32\.x, 0\.33\.x"):
             a.check_engine_version()
-    server.replies["/version"] = [(200, {"version": "0.33.2+cu129"})]
-    assert a.check_engine_version() == "0.33.2+cu129"
+    for good in ("0.33.2+cu129", "0.32.0", "0.32.1+cpu"):  # the CPU build the real-server tier runs is 0.32.0
+        server.replies["/version"] = [(200, {"version": good})]
+        assert a.check_engine_version() == good
     assert not [c for c in server.calls if c.path != "/version"], "a version check sends nothing else"
 
 
@@ -692,20 +703,23 @@ def test_draft_tensors_load_in_a_draft_session_after_the_targets(server: Recordi
              ("draft.model.layers.0.enorm.weight", torch.randn(8, generator=g))]
     buckets = [[draft[0], *items[:2]], items[2:4], [*items[4:], draft[1]]]
     load_version(a, 5, buckets, pause_generation=False)
-    assert server.paths() == ["/get_world_size", "/init_weight_transfer_engine", "/start_weight_update",
+    # pauseGeneration off: the adapter still pauses for the session (vLLM's reload puts layers on meta)
+    assert server.paths() == ["/pause", "/get_world_size", "/init_weight_transfer_engine", "/start_weight_update",
                               "/update_weights", "/update_weights", "/update_weights", "/finish_weight_update",
-                              "/start_draft_weight_update", "/update_weights", "/finish_weight_update"]
+                              "/start_draft_weight_update", "/update_weights", "/finish_weight_update",
+                              "/reset_prefix_cache", "/resume"]
     assert ("POST", "/start_draft_weight_update") in route_table()
     assert _body_of(server, "/finish_weight_update") == [None, {"weight_version": "5"}]  # no version, then 5
     code = vllm_code()
     updates = _body_of(server, "/update_weights")
     last = code.nccl.NCCLWeightTransferUpdateInfo(**code.base.WeightTransferUpdateRequest(**updates[-1]).update_info)
-    assert last.names == ["model.layers.0.eh_proj.weight", "model.layers.0.enorm.weight"]  # the draft's own names
+    assert sorted(last.names) == ["model.layers.0.eh_proj.weight", "model.layers.0.enorm.weight"]  # the draft's names
     got = run_engine_side(tmp_path, {"backend": "nccl", "workers": 1,
                                      "init": _body_of(server, "/init_weight_transfer_engine")[0],
                                      "updates": updates, "broadcasts": nccl.sent()})
     (rank,) = got["ranks"]
-    want = [*items, *((n.removeprefix("draft."), t) for n, t in draft)]
+    target = [t for b in ([*items[:2]], items[2:4], [*items[4:]]) for t in vllm.aligned_order(b)]
+    want = [*target, *vllm.aligned_order([(n.removeprefix("draft."), t) for n, t in draft])]
     assert [n for n, _ in rank["loaded"]] == [n for n, _ in want]
     assert all(_same(x, y) for (_, x), (_, y) in zip(rank["loaded"], want, strict=True))
     assert a.partial is None and not a.needs_restore and a.draft_bytes_held == 0
@@ -723,3 +737,81 @@ def test_a_failed_draft_session_is_closed_and_marks_the_weights_partial(server: 
     paths = server.paths()
     assert paths[-2:] == ["/finish_weight_update", "/start_draft_weight_update"]
     assert a.partial == 6 and a.needs_restore and not a.update_open and a.served_version() is None
+
+
+# ---------------- the backend the server announces (GET /server_info; the real server: tests/engine_servers) ----
+
+
+def _announces(server: RecordingServer, backend: str | None, env: dict[str, Any] | None = None) -> None:
+    config = {"weight_transfer_config": {"backend": backend} if backend else None}
+    server.replies["/server_info"] = [(200, {"vllm_config": config, "vllm_env": env or {}})]
+
+
+@pytest.mark.parametrize("backend, device, refused", [
+    ("weightsync", "cpu", None), ("weightsync", "cuda:0", None), ("nccl", "cuda:1", None),
+    ("nccl", "cpu", "needs CUDA"), ("ipc", "cpu", "needs CUDA"), (None, "cpu", "no --weight-transfer-config"),
+    ("nccl_m2n", "cpu", "not one weightsync drives")])
+def test_the_backend_is_the_one_the_server_announces(server: RecordingServer, backend: str | None, device: str,
+                                                     refused: str | None) -> None:
+    _engine(server)
+    _announces(server, backend)
+    a = vllm.VLLMAdapter(server.url, device=device, client=_client(server.url))
+    assert a.backend is None
+    if refused is None:
+        a.check_engine_version()
+        assert a.backend == backend
+        assert ("GET", "/server_info") in route_table()
+        (call,) = [c for c in server.calls if c.path == "/server_info"]
+        assert call.query == {"config_format": ["json"]}
+        return
+    with pytest.raises(EngineUnsupported, match=refused) as ei:
+        a.check_engine_version()
+    assert ei.value.reason == "EngineConfigUnsupported" and "weightsync" in str(ei.value)
+    assert not [c for c in server.calls if c.path not in ("/version", "/server_info")], "nothing is loaded"
+
+
+def test_a_server_without_dev_mode_is_refused_with_the_fix(server: RecordingServer) -> None:
+    _engine(server)
+    server.replies["/server_info"] = [(404, {"detail": "Not Found"})]
+    with pytest.raises(EngineUnsupported, match="VLLM_SERVER_DEV_MODE=1"):
+        vllm.VLLMAdapter(server.url, client=_client(server.url)).check_engine_version()
+
+
+@pytest.mark.parametrize("value, ok", [("1", True), (True, True), ("0", False), (None, False)])
+def test_runtime_lora_needs_vllms_switch_checked_at_start(server: RecordingServer, value: Any, ok: bool) -> None:
+    _engine(server)
+    _announces(server, None, {} if value is None else {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": value})
+    a = vllm.VLLMAdapter(server.url, client=_client(server.url), lora=True)
+    if ok:
+        a.check_engine_version()  # a LoRA job needs no weight-transfer backend
+    else:
+        with pytest.raises(EngineUnsupported, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
+            a.check_engine_version()
+
+
+def test_a_refused_prefix_cache_reset_never_fails_a_loaded_version(server: RecordingServer) -> None:
+    _engine(server)
+    server.replies["/reset_prefix_cache"] = [(200, {"success": False})]
+    a, _ = _nccl_adapter(server)
+    load_version(a, 1, _buckets(_weights(1)), pause_generation=True)
+    assert a.partial is None and not a.needs_restore and not a.update_open
+    assert server.paths()[-3:] == ["/finish_weight_update", "/reset_prefix_cache", "/resume"]
+
+
+def test_a_mixed_dtype_bucket_unpacks_with_vllms_own_unpack_tensor() -> None:
+    """vLLM's packed format has no padding and `unpack_tensor` views each range as its dtype: an int8 tensor
+    of 3 bytes before a float32 one left it at an odd offset and the engine failed. The adapter sends the
+    widest dtypes first, so every range starts aligned; vLLM's own function unpacks it bit for bit."""
+    pt = released.load_file(PKG, WT + "packed_tensor.py")
+    items = _weights(3)
+    bad_offsets = [sum(vllm.nbytes(t) for _, t in items[:i]) % t.element_size() for i, (_, t) in enumerate(items)]
+    assert any(bad_offsets), "the bucket in its own order would be misaligned"
+    ordered = vllm.aligned_order(items)
+    buf, sizes = vllm.pack(ordered)
+    got = pt.unpack_tensor(buf, [n for n, _ in ordered], [list(t.shape) for _, t in ordered],
+                           [t.dtype for _, t in ordered], sizes)
+    assert [n for n, _ in got] == [n for n, _ in ordered] and sorted(n for n, _ in got) == sorted(n for n, _ in items)
+    assert all(_same(x, y) for (_, x), (_, y) in zip(got, ordered, strict=True))
+    with pytest.raises(RuntimeError):  # what vLLM did with the bucket in its own order
+        b2, s2 = vllm.pack(items)
+        pt.unpack_tensor(b2, [n for n, _ in items], [list(t.shape) for _, t in items], [t.dtype for _, t in items], s2)
