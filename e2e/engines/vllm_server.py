@@ -1,0 +1,134 @@
+"""A real vLLM server (the CPU build, in the engine venv) serving the tiny Llama, and the checks against it.
+
+Used by the real-server test tier (tests/engine_servers/), the local cluster's vLLM example
+(examples/demo-vllm.yaml: `python -m weightsync.e2e.engines.vllm_server serve --port 8001`) and
+bench/engine_stall.py. The server is vLLM's own OpenAI server with the weightsync weight-transfer backend
+(the plugin in agent/engines/vllm_plugin.py), `--load-format dummy` on the tiny Llama's config: every weight it
+serves after the first version came from weightsync.
+
+`reference()` runs transformers' LlamaForCausalLM over a version's saved state dict (in the engine venv: the
+project's .venv has no transformers); `completions()` asks the server for the same greedy tokens with their
+logprobs and the prompt logprobs; `same_outputs()` compares them: tokens identical, logprobs within bf16
+tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import requests
+from weightsync.agent.demo import tiny_llama
+from weightsync.e2e.engine_venv import engine_python
+
+#: Prompts (token ids) the checks generate from: short, distinct, no special tokens.
+PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 301, 302], [1, 5, 9, 33, 128, 64]]
+MAX_TOKENS = 8
+#: |engine - reference| <= ATOL + RTOL * |reference| for every logprob: the engine computes in bf16, the
+#: reference in fp32 over the same bf16 weights (measured here: up to 0.17 on prompt logprobs near -30 and 0.08 on a generated token near -1 after 7 bf16 decode steps).
+ATOL, RTOL = 0.15, 0.02
+BACKEND_CONFIG = json.dumps({"backend": "weightsync"})
+
+
+def server_command(model_dir: Path, host: str, port: int, python: Path | None = None) -> list[str]:
+    return [str(python or engine_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", "tiny-llama", "--host", host, "--port", str(port), *tiny_llama.VLLM_ARGS,
+            "--weight-transfer-config", BACKEND_CONFIG]
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(base if base is not None else os.environ)
+    env.update(tiny_llama.VLLM_ENV)
+    env["PYTHONSAFEPATH"] = "1"
+    env.pop("PYTHONPATH", None)
+    env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores: the engine core and the API server share them
+    return env
+
+
+def wait_ready(url: str, timeout: float = 300.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Until the server answers /version with its worker up (GET /health 200)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with {proc.returncode} before it was ready")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"the vLLM server at {url} was not ready within {timeout:.0f}s")
+
+
+def completions(url: str, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = MAX_TOKENS,
+                timeout: float = 120.0) -> list[dict[str, Any]]:
+    """Greedy completions from the server: per prompt the token ids, their logprobs and the prompt logprobs
+    (the shape llama_reference prints)."""
+    out = []
+    for prompt in prompts:
+        r = requests.post(f"{url}/v1/completions", timeout=timeout, json={
+            "model": "tiny-llama", "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": 0, "prompt_logprobs": 0,
+            "return_tokens_as_token_ids": True})
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        plp: list[float | None] = [None]
+        for tok, entry in zip(prompt[1:], (choice.get("prompt_logprobs") or [None])[1:], strict=True):
+            plp.append(float(entry[str(tok)]["logprob"]) if entry else None)
+        out.append({"tokens": list(choice["token_ids"]),
+                    "token_logprobs": [float(x) for x in choice["logprobs"]["token_logprobs"]],
+                    "prompt_logprobs": plp})
+    return out
+
+
+def reference(weights: Path, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = MAX_TOKENS,
+              python: Path | None = None) -> list[dict[str, Any]]:
+    """transformers' forward over the saved state dict, in the engine venv."""
+    env = server_env()
+    res = subprocess.run([str(python or engine_python()), "-m", "weightsync.e2e.engines.llama_reference",
+                          "--weights", str(weights), "--prompts", json.dumps([list(p) for p in prompts]),
+                          "--max-tokens", str(max_tokens)], env=env, check=True, capture_output=True,
+                         timeout=300)
+    return list(json.loads(res.stdout))
+
+
+def differences(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> list[str]:
+    """What differs between the engine's outputs and the reference's (empty: the same outputs)."""
+    out = []
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g["tokens"] != w["tokens"]:
+            out.append(f"prompt {i}: tokens {g['tokens']} != reference {w['tokens']}")
+            continue
+        for what in ("token_logprobs", "prompt_logprobs"):
+            for j, (a, b) in enumerate(zip(g[what], w[what], strict=True)):
+                if (a is None) != (b is None) or (b is not None and abs(a - b) > ATOL + RTOL * abs(b)):
+                    out.append(f"prompt {i}: {what}[{j}] {a} != reference {b}")
+    return out
+
+
+def serve(argv: list[str] | None = None) -> None:
+    """The engine container of the local cluster's vLLM example: write the model directory, exec vLLM."""
+    p = argparse.ArgumentParser(description="serve the tiny Llama with vLLM's own server (weightsync backend)")
+    p.add_argument("--host", default=os.environ.get("WEIGHTSYNC_POD_IP", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--model-dir", default="")
+    a = p.parse_args(argv)
+    model_dir = tiny_llama.write_model_dir(Path(a.model_dir) if a.model_dir else
+                                           Path(os.environ.get("TMPDIR", "/tmp")) / f"tiny-llama-{os.getpid()}")
+    cmd = server_command(model_dir, a.host, a.port)
+    sys.stdout.flush()
+    os.execve(cmd[0], cmd, server_env())
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        serve(sys.argv[2:])
+    else:
+        raise SystemExit("usage: python -m weightsync.e2e.engines.vllm_server serve [--host H] [--port P]")
