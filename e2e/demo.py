@@ -49,7 +49,11 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 CRD_FILE = REPO / "crds" / f"{contract.GROUP}_{contract.PLURAL}.yaml"
 OPERATOR_BIN = Path(sys.executable).parent / "weightsync-operator"
-DEMO_EXAMPLES = {"separated": "demo-separated.yaml", "colocated": "demo-colocated.yaml", "sglang": "demo-sglang.yaml"}
+DEMO_EXAMPLES = {"separated": "demo-separated.yaml", "colocated": "demo-colocated.yaml", "sglang": "demo-sglang.yaml",
+                 "vllm": "demo-vllm.yaml"}
+BOTH = ("separated", "colocated", "sglang")  # --example both: every demo job but vLLM's (2 vLLM servers: ~5 GiB)
+#: The trainers of the demo examples and the number of versions each publishes without --versions.
+TRAINER_MODULES = {"weightsync.agent.demo.trainer": 5, "weightsync.agent.demo.llama_trainer": 3}
 TRAINER_PORT = 8000   # --port of the demo trainer in the examples
 ENGINE_PORT = 8001    # --port of the demo engine in the examples
 JSON = dict[str, Any]
@@ -187,19 +191,21 @@ def load_example(name: str, *, process_nodes: bool = True, name_override: str | 
 
 
 def trainer_versions(body: Mapping[str, Any]) -> int:
-    """The last version the demo trainer of BODY publishes (its --versions argument, default 5)."""
+    """The last version the demo trainer of BODY publishes (its --versions argument, default 5; the tiny-Llama
+    trainer's default is 3)."""
     for c in body["spec"]["trainer"]["template"]["spec"]["containers"]:
         argv = [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
-        if "weightsync.agent.demo.trainer" in argv:
-            return int(argv[argv.index("--versions") + 1]) if "--versions" in argv else 5
-    raise DemoError("the trainer template does not run weightsync.agent.demo.trainer")
+        for module, default in TRAINER_MODULES.items():
+            if module in argv:
+                return int(argv[argv.index("--versions") + 1]) if "--versions" in argv else default
+    raise DemoError(f"the trainer template runs none of {', '.join(TRAINER_MODULES)}")
 
 
 def set_trainer_args(body: JSON, **flags: Any) -> JSON:
     """Replace (or add) `--flag value` arguments of the demo trainer's command (e.g. versions=3)."""
     for c in body["spec"]["trainer"]["template"]["spec"]["containers"]:
         argv = [str(a) for a in c.get("command") or []]
-        if "weightsync.agent.demo.trainer" not in argv:
+        if not any(module in argv for module in TRAINER_MODULES):
             continue
         for key, value in flags.items():
             flag = "--" + key.replace("_", "-")
@@ -678,6 +684,146 @@ def run_demo(env: Environment, example: str, namespace: str, timeout: float, out
         return report
 
 
+# --- the vLLM demo: a real vLLM server per replica, its outputs against a reference forward ---------------------
+VLLM_GATES = f"{contract.SOCKET_DIR}/gates"  # the tiny-Llama trainer's --gate-dir in the vLLM demo
+
+
+def pod_volume_dir(env: Environment, pod: Mapping[str, Any], volume: str) -> Path:
+    """The host directory of POD's emptyDir VOLUME (process runtime: <state>/pods/<ns>_<name>_<uid>/volumes/)."""
+    if env.runtime is None or env.runtime_state_dir is None:
+        raise DemoError("reading a pod's files needs the process runtime (its pods' volumes are host directories)")
+    from weightsync.e2e.runtime.pod_worker import pod_dir_name
+
+    meta = pod["metadata"]
+    return (Path(env.runtime.ctx.pods_dir) / pod_dir_name(meta["namespace"], meta["name"], meta["uid"])
+            / "volumes" / volume)
+
+
+def trainer_socket_dir(env: Environment, pods: Mapping[str, Mapping[str, Any]]) -> Path:
+    """The trainer pod's socket dir (contract.SOCKET_DIR inside it) on this host."""
+    from weightsync.operator.pods import VOL_SOCKET
+
+    trainer = next((p for p in pods.values() if is_trainer_pod(p)), None)
+    if trainer is None:
+        raise DemoError("no trainer pod found")
+    return pod_volume_dir(env, trainer, VOL_SOCKET)
+
+
+def engine_url(pod: Mapping[str, Any]) -> str:
+    return f"http://{pod_ip(pod)}:{ENGINE_PORT}"
+
+
+@dataclass
+class VersionCheck:
+    """One version as every vLLM replica served it: its /weight_info label, its greedy outputs for the
+    vllm_server.PROMPTS and what differs from transformers' forward over the trainer's saved state dict."""
+
+    version: int
+    reference: list[JSON]
+    labels: dict[str, str | None] = field(default_factory=dict)       # pod -> /weight_info weight_version
+    outputs: dict[str, list[JSON]] = field(default_factory=dict)      # pod -> completions()
+    differences: dict[str, list[str]] = field(default_factory=dict)   # pod -> vllm_server.differences()
+
+    @property
+    def ok(self) -> bool:
+        from weightsync.agent.engines.base import parse_version
+
+        return bool(self.outputs) and not any(self.differences.values()) and all(
+            parse_version(v or "") == self.version for v in self.labels.values())
+
+
+def check_vllm_version(env: Environment, pods: Mapping[str, Mapping[str, Any]], version: int) -> VersionCheck:
+    """Every inference pod's vLLM outputs and /weight_info against the reference for VERSION (the trainer's
+    <socket dir>/llama-versions/v<VERSION>.pt, run through transformers in the engine venv)."""
+    from weightsync.agent.demo.llama_trainer import version_path
+    from weightsync.e2e.engines import vllm_server
+
+    weights = version_path(trainer_socket_dir(env, pods) / "llama-versions", version)
+    if not weights.exists():
+        raise DemoError(f"the trainer saved no {weights}")
+    check = VersionCheck(version, vllm_server.reference(weights))
+    for name, pod in sorted(pods.items()):
+        if not is_inference_pod(pod):
+            continue
+        code, info = engine_get(pod, "/weight_info")
+        check.labels[name] = (info or {}).get("weight_version") if code == 200 else None
+        got = vllm_server.completions(engine_url(pod))
+        check.outputs[name] = got
+        check.differences[name] = vllm_server.differences(got, check.reference)
+    return check
+
+
+def vllm_lines(check: VersionCheck, prefix: str = "") -> list[str]:
+    """What the demo prints for one version: the reference's greedy tokens for the first prompt, then per
+    replica its /weight_info, its tokens and whether all outputs equal the reference."""
+    from weightsync.e2e.engines.vllm_server import PROMPTS
+
+    lines = [f"[demo] version {check.version}: prompt {PROMPTS[0]} -> reference (transformers over the trainer's "
+             f"v{check.version}.pt) {check.reference[0]['tokens']}"]
+    for name, got in check.outputs.items():
+        diff = check.differences.get(name) or []
+        verdict = (f"= reference ({len(got)} prompts: tokens equal, logprobs within bf16 tolerance)" if not diff
+                   else f"DIFFERS: {'; '.join(diff[:2])}")
+        lines.append(f"    {name.removeprefix(prefix)}: weight_info={check.labels.get(name)} "
+                     f"tokens {got[0]['tokens']} {verdict}")
+    return lines
+
+
+def run_vllm_demo(env: Environment, namespace: str, timeout: float, out: Callable[[str], None] = print,
+                  operator_log: Callable[[], str] | None = None) -> list[VersionCheck]:
+    """examples/demo-vllm.yaml with its trainer gated (--gate-dir): for each version, wait until every replica
+    serves it, check every replica's greedy outputs against the reference, print them, then let the trainer
+    publish the next one. Ends like run_demo (kubectl get wsj -o wide, the replicas, the pods)."""
+    body = set_trainer_args(load_example("vllm", process_nodes=env.runtime is not None), gate_dir=VLLM_GATES)
+    name = body["metadata"]["name"]
+    last = trainer_versions(body)
+    checks: list[VersionCheck] = []
+    with env.api_client() as api:
+        custom = kubernetes.client.CustomObjectsApi(api)
+        t0 = time.monotonic()
+        apply(env, body, namespace)
+        out(f"[demo] applied examples/demo-vllm.yaml: job={namespace}/{name}; the tiny-Llama trainer publishes "
+            f"versions 1..{last}, each once the demo has checked the one before (--gate-dir); every inference pod "
+            "runs vLLM's own server (CPU), which its agent loads each version into:")
+        table = ProgressTable()
+
+        def diagnose() -> str:
+            text = f"operator log tail:\n{operator_log()}\n" if operator_log else ""
+            return text + log_tails(env, namespace, job_pods(api, namespace, name))
+
+        for version in range(1, last + 1):
+            if version > 1:
+                gates = trainer_socket_dir(env, job_pods(api, namespace, name)) / "gates"
+                gates.mkdir(parents=True, exist_ok=True)
+                (gates / f"go-{version}").touch()
+
+            def served(version: int = version) -> JSON | None:
+                job = get_job(custom, namespace, name)
+                for line in table.update(time.monotonic() - t0, job, job_pods(api, namespace, name)):
+                    out("    " + line)
+                st = job.get("status") or {}
+                ok = (st.get("servedVersion") or 0) >= version and condition(job, contract.COND_SYNCED).get(
+                    "status") == "True"
+                return job if ok else None
+
+            poll(served, timeout, f"{namespace}/{name} status.servedVersion >= {version} and Synced=True",
+                 interval=0.5, on_timeout=diagnose)
+            check = check_vllm_version(env, job_pods(api, namespace, name), version)
+            checks.append(check)
+            for line in vllm_lines(check, prefix=f"{name}-"):
+                out(line)
+            if not check.ok:
+                raise DemoError(f"version {version}: the vLLM engines' outputs differ from the reference: "
+                                f"{check.labels} {check.differences}\n{diagnose()}")
+        out(f"[demo] status.servedVersion reached {last} after {time.monotonic() - t0:.1f}s")
+        out(f"[demo] $ kubectl get wsj -o wide\n{env.kubectl('get', 'wsj', '-o', 'wide', '-n', namespace).stdout.rstrip()}")
+        final = get_job(custom, namespace, name)
+        out(f"[demo] status.inferenceReplicas (`kubectl get wsj {name} -o jsonpath='{{.status.inferenceReplicas}}'`):\n"
+            + "\n".join(replica_lines(final)))
+        out(f"[demo] $ kubectl get pods -o wide\n{env.kubectl('get', 'pods', '-o', 'wide', '-n', namespace).stdout.rstrip()}")
+    return checks
+
+
 def keep_instructions(env: Environment, namespaces: list[str], release: Any, examples: list[str] | None = None) -> str:
     """What to run against the cluster while `make demo --keep` holds it."""
     from weightsync.e2e.binaries import find_binary
@@ -704,7 +850,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m weightsync.e2e.demo", description=__doc__.splitlines()[0])
     p.add_argument("--example", choices=[*DEMO_EXAMPLES, "both"], default="separated",
-                   help="which demo job to run (default: separated, NCCL over gloo; colocated: IPC)")
+                   help="which demo job to run (default: separated, NCCL over gloo; colocated: IPC; sglang: the "
+                   "SGLang stand-in; vllm: a real vLLM server (CPU); both: all but vllm)")
     p.add_argument("--namespace", default="demo", help="the job's namespace (default demo)")
     p.add_argument("--operator-namespace", default="weightsync-system", help="where the chart is installed")
     p.add_argument("--release", default="weightsync", help="the helm release name (default weightsync)")
@@ -733,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    examples = list(DEMO_EXAMPLES) if args.example == "both" else [args.example]
+    examples = list(BOTH) if args.example == "both" else [args.example]
     namespaces = [args.namespace if len(examples) == 1 else f"{args.namespace}-{ex}" for ex in examples]
     step(f"starting a local control plane + 2 simulated GPU nodes + the process runtime (work dir {work})")
     release: Any = None
@@ -754,8 +901,12 @@ def main(argv: list[str] | None = None) -> int:
                  f"{pod['metadata']['name']} on {pod['spec'].get('nodeName')} (a host process, pid "
                  f"{release.operator_pid()}), authenticated as {who.get('username')}")
             for ex, ns in zip(examples, namespaces, strict=True):
-                run_demo(env, ex, ns, args.timeout, say, operator_log=lambda: release.logs(tail=40))
-            step("OK: every engine serves the trainer's last version, bit for bit")
+                if ex == "vllm":
+                    run_vllm_demo(env, ns, args.timeout, say, operator_log=lambda: release.logs(tail=40))
+                else:
+                    run_demo(env, ex, ns, args.timeout, say, operator_log=lambda: release.logs(tail=40))
+            step("OK: every vLLM engine served each version with the reference's outputs" if examples == ["vllm"]
+                 else "OK: every engine serves the trainer's last version, bit for bit")
             if args.keep:
                 say(keep_instructions(env, namespaces, release, examples))
                 with contextlib.suppress(KeyboardInterrupt):
