@@ -127,6 +127,7 @@ class AgentConfig:
     delta_max_changed_fraction: float = DEFAULT_DELTA_MAX_CHANGED_FRACTION
     lora: LoraSpec | None = None  # spec.inference.engine.lora: sync an adapter, not base weights
     fan_out: str = "Direct"  # spec.transfer.fanOut: Relay forwards versions along a chain of replicas
+    engine_fault: str = ""  # contract.ENV_ENGINE_FAULT: a chaos drill on the engine's last hop
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -213,6 +214,7 @@ class AgentConfig:
                                                  DEFAULT_DELTA_MAX_CHANGED_FRACTION),
             lora=lora,
             fan_out=fan_out,
+            engine_fault=env.get(contract.ENV_ENGINE_FAULT) or "",
         )
 
 

@@ -88,6 +88,10 @@ def make_adapter(cfg: AgentConfig, registry: AppRegistry, ranks: list[int], tp_s
         options.update(backend="auto", device=cfg.device)
         if cfg.device.startswith("cuda"):
             options["devices"] = engine_devices(cfg.device, tp_size)
+        if cfg.engine_fault:
+            from .engines.vllm import EngineFault
+
+            options["fault"] = EngineFault.parse(cfg.engine_fault)
     if cfg.lora is not None:
         return lora_adapter(cfg, tp_size)
     return factory.make_adapter(cfg.engine_type, url=cfg.engine_url, **options)

@@ -129,6 +129,11 @@ ENV_BUCKET_SIZE_MB: Final = "WEIGHTSYNC_BUCKET_SIZE_MB"
 ENV_VERIFY: Final = "WEIGHTSYNC_VERIFY"
 ENV_ENGINE_TYPE: Final = "WEIGHTSYNC_ENGINE_TYPE"
 ENV_ENGINE_URL: Final = "WEIGHTSYNC_ENGINE_URL"
+# Chaos drills on the engine's last hop (tests, drills; set by hand on one agent container, never by the
+# operator): "engine-corrupt:<V>:<K>" flips a byte of bucket K of version V after its digest leaves were
+# computed (the engine must refuse it); "engine-hang:<V>:<K>" stops the agent after bucket K of version V
+# reached the engine, inside the open update (to be killed there). One-shot each.
+ENV_ENGINE_FAULT: Final = "WEIGHTSYNC_ENGINE_FAULT"
 ENV_LORA: Final = "WEIGHTSYNC_LORA"  # JSON of spec.inference.engine.lora (adapterName, config, pinned), if set
 
 # --- Mounted paths inside owned pods -------------------------------------------------------------------

@@ -69,6 +69,7 @@ import logging
 import os
 import pickle
 import re
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -409,6 +410,34 @@ class CudaIpc:
 
 
 @dataclass
+class EngineFault:
+    """A one-shot chaos drill on the last hop (contract.ENV_ENGINE_FAULT), backend weightsync: `corrupt`
+    flips a byte of bucket `bucket` (0-based) of `version` after its leaves were computed; `hang` stops
+    after that bucket reached the engine, inside the open update, until the process is killed."""
+
+    kind: Literal["corrupt", "hang"]
+    version: int
+    bucket: int
+    fired: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> EngineFault:
+        m = re.fullmatch(r"engine-(corrupt|hang):(\d+):(\d+)", text.strip())
+        if m is None:
+            raise EngineError(f"engine fault {text!r}: expected engine-corrupt:<version>:<bucket> or "
+                              "engine-hang:<version>:<bucket>")
+        return cls("corrupt" if m[1] == "corrupt" else "hang", int(m[2]), int(m[3]))
+
+    def due(self, kind: str, version: int | None, bucket: int) -> bool:
+        if self.fired or kind != self.kind or version != self.version or bucket != self.bucket:
+            return False
+        self.fired = True
+        log.warning("engine fault: %s at version=%s bucket=%s (a drill, WEIGHTSYNC_ENGINE_FAULT)", kind, version,
+                    bucket)
+        return True
+
+
+@dataclass
 class _WeightsyncGroup:
     """Backend "weightsync": the agent's rendezvous store, its client and the group (rank 0)."""
 
@@ -456,6 +485,7 @@ class VLLMAdapter:
         nccl: NcclLib | None = None,
         ipc: CudaIpc | None = None,
         lora: bool = False,
+        fault: EngineFault | None = None,
     ) -> None:
         if backend not in (*BACKENDS, "auto"):
             raise EngineError(f"vLLM: unknown weight-transfer backend {backend!r}; expected auto or one of "
@@ -463,6 +493,8 @@ class VLLMAdapter:
         self.client = client or HttpClient(url, "vLLM", timeout=timeout)
         self.backend: Backend | None = None if backend == "auto" else backend  # auto: what the server announces
         self.lora = lora
+        self.fault = fault
+        self.version: int | None = None  # the version of the open update
         self.packed = packed
         self.packed_buffer_size_bytes = packed_buffer_size_bytes
         self.packed_num_buffers = packed_num_buffers
@@ -635,6 +667,8 @@ class VLLMAdapter:
         ws.buf, info = vllm_wire.pack(tensors, ws.buf, ws.device)
         info.bucket = self.buckets_sent
         data = ws.buf[: info.nbytes]
+        if self.fault is not None and self.fault.due("corrupt", self.version, info.bucket) and info.nbytes:
+            data[info.nbytes // 2] ^= 0x5A  # after the leaves: the engine must refuse this bucket
         status: list[int] = []
 
         def send() -> None:
@@ -643,6 +677,9 @@ class VLLMAdapter:
 
         self.buckets_sent += 1  # from here on the engine's weights may be touched
         self._concurrently("/update_weights", update_body(asdict(info)), send)
+        if self.fault is not None and self.fault.due("hang", self.version, info.bucket):
+            log.warning("engine fault: hanging inside the open update until killed")
+            threading.Event().wait()
         if status and status[0] != vllm_wire.STATUS_OK:
             raise EngineError(f"vLLM refused bucket {info.bucket} of this version inside the engine: "
                               f"{vllm_wire.STATUS_NAMES.get(status[0], status[0])} (the engine's log names the "
@@ -712,6 +749,7 @@ class VLLMAdapter:
             self.client.post("/finish_weight_update", finish_body(None), retry=False)
             self.client.post("/start_weight_update", None, retry=False)
         self.update_open = True
+        self.version = version
         self.buckets_sent = 0
         self._draft, self.draft_bytes_held = [], 0
         self._release_ipc()
@@ -890,6 +928,12 @@ class VLLMAdapter:
             self.needs_restore = True
         if self.update_open:
             self.update_open = False
+            if self.backend == "weightsync":  # the plugin's workers: this update is given up, close it quietly
+                try:
+                    self.client.post("/update_weights", update_body(asdict(vllm_wire.WeightsyncUpdateInfo(abandon=True))),
+                                     retry=False)
+                except EngineError as exc:
+                    log.info("vllm.abandon version=%s: %s", version, exc)
             try:
                 self.client.post("/finish_weight_update", finish_body(None), retry=False)
             except EngineError as exc:

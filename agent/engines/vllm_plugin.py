@@ -28,7 +28,8 @@ from .vllm_wire import (
     make_group,
 )
 
-log = logging.getLogger("weightsync.vllm_plugin")
+# a child of vLLM's own logger: its handler prints it with the engine's log lines
+log = logging.getLogger("vllm.plugins.weightsync")
 
 
 def register() -> None:
@@ -57,6 +58,7 @@ class WeightsyncWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         self.receiver: WorkerReceiver | None = None
         self._store: Any = None
         self._reloading = False
+        self._abandoned = False
         self.rank = 0
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -82,11 +84,18 @@ class WeightsyncWeightTransferEngine(_engine_base()):  # type: ignore[misc]
 
         if self.receiver is not None:
             self.receiver.start_session()
+        self._abandoned = False
         initialize_layerwise_reload(self.model)
         self._reloading = True
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         receiver = self.receiver
+        if update_info.abandon:
+            if receiver is not None and receiver.failure is not None:
+                log.warning("weightsync: the agent gave up this update after: %s", receiver.failure)
+                receiver.failure = None
+            self._abandoned = True
+            return
         if receiver is None:
             raise RuntimeError("weightsync backend: no group (POST /init_weight_transfer_engine first)")
         try:
@@ -119,6 +128,8 @@ class WeightsyncWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         if self._reloading:
             self._reloading = False
             finalize_layerwise_reload(self.model, self.model_config)
+        if self._abandoned:
+            log.info("weightsync: an abandoned update closed (its weights may mix two versions; the agent reloads)")
         failure = self.receiver.failure if self.receiver is not None else None
         if failure is not None and self.receiver is not None:
             self.receiver.failure = None

@@ -15,6 +15,9 @@ ALIGNMENT (a multiple of every element size: vLLM-style views need it), broadcas
 2. recompute every tensor's digest leaf (agent/leaves.py) and compare it with the one in `update_info`;
 3. only if all match, hand the tensors (views of the buffer) to the model's `load_weights`;
 4. report the bucket's outcome in-band: an all-reduce (MAX) of one int64 status every rank joins.
+An update the agent gives up (abort) is marked `abandon`: the workers then finish it without complaint; a
+session with a failure that is finished without that mark raises after vLLM's reload was finalized, so vLLM
+never labels it with a version.
 A worker never raises out of `update_weights`: vLLM would end the session with layers left on the meta device
 and the next generation would kill the engine. It records the failure, skips the remaining buckets' loads
 and reports it; the agent then never finishes the session with a version.
@@ -71,14 +74,17 @@ class WeightsyncInitInfo:
 class WeightsyncUpdateInfo:
     """POST /update_weights `update_info`: one packed bucket."""
 
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    offsets: list[int]
-    nbytes: int
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    nbytes: int = 0
     leaves: list[str] = field(default_factory=list)  # hex leaf per tensor (agent/leaves.py)
     algorithm: str = XXH3_128
     bucket: int = 0
+    #: The agent gives the session up (it will finish it without a version): no bytes, no collective; the
+    #: session's failure is acknowledged, so that finish closes it quietly.
+    abandon: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.names)

@@ -6,10 +6,10 @@ bench/engine_stall.py. The server is vLLM's own OpenAI server with the weightsyn
 (the plugin in agent/engines/vllm_plugin.py), `--load-format dummy` on the tiny Llama's config: every weight it
 serves after the first version came from weightsync.
 
-`reference()` runs transformers' LlamaForCausalLM over a version's saved state dict (in the engine venv: the
-project's .venv has no transformers); `completions()` asks the server for the same greedy tokens with their
-logprobs and the prompt logprobs; `same_outputs()` compares them: tokens identical, logprobs within bf16
-tolerance.
+`completions()` asks the server for greedy tokens with their logprobs and the prompt logprobs; `reference()` runs
+transformers' LlamaForCausalLM over a version's saved state dict (in the engine venv: the project's .venv has no
+transformers), scoring the engine's tokens step by step; `check()` does both and returns `differences()`: every
+token the reference's best (a near-tie within bf16 noise excepted), every logprob within bf16 tolerance.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ MAX_TOKENS = 8
 #: |engine - reference| <= ATOL + RTOL * |reference| for every logprob: the engine computes in bf16, the
 #: reference in fp32 over the same bf16 weights (measured here: up to 0.17 on prompt logprobs near -30 and 0.08 on a generated token near -1 after 7 bf16 decode steps).
 ATOL, RTOL = 0.15, 0.02
+#: A greedy step where the reference's best token beats the engine's by at most this is a near-tie.
+TIE_NATS = 0.1
 BACKEND_CONFIG = json.dumps({"backend": "weightsync"})
 
 
@@ -89,23 +91,39 @@ def completions(url: str, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens
 
 
 def reference(weights: Path, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = MAX_TOKENS,
-              python: Path | None = None) -> list[dict[str, Any]]:
-    """transformers' forward over the saved state dict, in the engine venv."""
-    env = server_env()
-    res = subprocess.run([str(python or engine_python()), "-m", "weightsync.e2e.engines.llama_reference",
-                          "--weights", str(weights), "--prompts", json.dumps([list(p) for p in prompts]),
-                          "--max-tokens", str(max_tokens)], env=env, check=True, capture_output=True,
-                         timeout=300)
+              python: Path | None = None, forced: Sequence[Sequence[int]] | None = None) -> list[dict[str, Any]]:
+    """transformers' forward over the saved state dict, in the engine venv; `forced`: score these
+    continuations (the engine's tokens) instead of generating its own."""
+    cmd = [str(python or engine_python()), "-m", "weightsync.e2e.engines.llama_reference", "--weights", str(weights),
+           "--prompts", json.dumps([list(p) for p in prompts]), "--max-tokens", str(max_tokens)]
+    if forced is not None:
+        cmd += ["--forced", json.dumps([list(f) for f in forced])]
+    res = subprocess.run(cmd, env=server_env(), check=True, capture_output=True, timeout=300)
     return list(json.loads(res.stdout))
 
 
+def check(url: str, weights: Path, prompts: Sequence[Sequence[int]] = PROMPTS,
+          max_tokens: int = MAX_TOKENS) -> tuple[list[dict[str, Any]], list[str]]:
+    """The server's outputs and what differs from the reference over `weights` (empty: the same outputs)."""
+    got = completions(url, prompts, max_tokens)
+    want = reference(weights, prompts, max_tokens, forced=[g["tokens"] for g in got])
+    return got, differences(got, want)
+
+
 def differences(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> list[str]:
-    """What differs between the engine's outputs and the reference's (empty: the same outputs)."""
+    """What differs between the engine's outputs and the reference's scoring of them (empty: the same outputs).
+    Each engine token must be the reference's best one; where the reference's best beats it by no more than
+    TIE_NATS (a near-tie that bf16 rounding may break either way) the step is accepted, and counted."""
     out = []
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         if g["tokens"] != w["tokens"]:
-            out.append(f"prompt {i}: tokens {g['tokens']} != reference {w['tokens']}")
+            out.append(f"prompt {i}: the reference scored {w['tokens']}, not the engine's {g['tokens']}")
             continue
+        for j, (tok, top, lp, top_lp) in enumerate(zip(g["tokens"], w["top"], w["token_logprobs"], w["top_logprobs"],
+                                                       strict=True)):
+            if tok != top and top_lp - lp > TIE_NATS:
+                out.append(f"prompt {i} step {j}: the engine chose {tok} (reference logprob {lp:.3f}), the reference "
+                           f"{top} ({top_lp:.3f})")
         for what in ("token_logprobs", "prompt_logprobs"):
             for j, (a, b) in enumerate(zip(g[what], w[what], strict=True)):
                 if (a is None) != (b is None) or (b is not None and abs(a - b) > ATOL + RTOL * abs(b)):
