@@ -15,9 +15,15 @@ ENGINES := sglang==0.5.23 vllm==0.33.0
 LOCK := constraints.txt
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile $(LOCK) | sha1sum | cut -c1-12)
 
-.PHONY: setup binaries lock test test-engines test-unit e2e e2e-images demo bench crds docs troubleshooting-doc lint dev-up dev-down dev-status clean image base-image image-lint
+.PHONY: setup binaries engine-venv lock test test-engines test-engine-servers test-unit e2e e2e-images demo bench crds docs troubleshooting-doc lint dev-up dev-down dev-status clean image base-image image-lint
 
-setup: $(STAMP) binaries
+setup: $(STAMP) binaries engine-venv
+
+## engine-venv: the real engine servers' venv (vLLM's CPU build 0.32.0, SGLang 0.5.23, their torch) outside the
+## repository (~/.cache/weightsync/engine-venv-*, ~6 GB, about 3 min cold); the `engine_servers` tier and the
+## local cluster's vLLM / SGLang engine containers run in it.
+engine-venv:
+	bash e2e/scripts/engine-venv.sh >/dev/null
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -39,11 +45,15 @@ test: setup
 	$(VENV)/bin/pytest -m 'not gpu and not kind and not images' $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
-	$(VENV)/bin/pytest -m 'not gpu and not cluster and not e2e and not kind' $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m 'not gpu and not cluster and not e2e and not kind and not engine_servers' $(PYTEST_ARGS)
 
 ## test-engines: the adapters against the engines' own released code (part of `make test` too).
 test-engines: $(STAMP)
 	$(VENV)/bin/pytest -m engines $(PYTEST_ARGS)
+
+## test-engine-servers: the engines' own servers answer real agents (part of `make test` too).
+test-engine-servers: $(STAMP) engine-venv
+	$(VENV)/bin/pytest -m engine_servers $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(VENV)/bin/pytest -m gpu $(PYTEST_ARGS)
@@ -76,6 +86,7 @@ bench: setup
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --replicas 3 --fan-out relay --versions 4 --json | tee bench/results/agent-pipeline-nccl-256-replicas3-relay.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --staging ring --json | tee bench/results/agent-pipeline-ring-nccl-256.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --staging ring --json | tee bench/results/agent-pipeline-ring-nccl-1024.json
+	$(VPY) bench/engine_stall.py --engine vllm --size-mb 1024 --json | tee bench/results/engine-stall-vllm.json
 	$(VPY) bench/plan_scale.py --tensors 70000 --ranks 256 --json | tee bench/results/plan-scale.json
 	$(VPY) bench/layouts.py --preset llama-gqa --trainer-tp 2 --trainer-fsdp 2 --inference-tp 16 --json | tee bench/results/layouts-llama-gqa.json
 	$(VPY) bench/layouts.py --preset megatron-fused --trainer-tp 2 --trainer-pp 2 --inference-tp 16 --json | tee bench/results/layouts-megatron-fused.json
