@@ -43,7 +43,7 @@ class AgentMetrics:
             "weightsync_agent_copied_bytes_total", "Weight bytes copied in memory besides the wire and the engine's "
             "own load, by stage: publish (trainer into staging; ring staging: into each transfer's ring slots), "
             "snapshot (ring staging: the trainer's snapshot of its shards), pack (staging into a send buffer), unpack "
-            "(receive buffer into assembled tensors), engine_pack (into the Custom engine's segment)",
+            "(receive buffer into assembled tensors), engine_pack (into the Custom engine's segment, or the bucket packed for vLLM's weightsync backend)",
             ["stage"], registry=r)
         self.digest_bytes = Counter(
             "weightsync_agent_digest_bytes_total", "Bytes the content digest covered, by side (sent, received) and "

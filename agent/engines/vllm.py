@@ -495,6 +495,7 @@ class VLLMAdapter:
         self.lora = lora
         self.fault = fault
         self.version: int | None = None  # the version of the open update
+        self.copied_bytes = 0  # bytes packed for the engine (weightsync_agent_copied_bytes_total{stage="engine_pack"})
         self.packed = packed
         self.packed_buffer_size_bytes = packed_buffer_size_bytes
         self.packed_num_buffers = packed_num_buffers
@@ -665,6 +666,7 @@ class VLLMAdapter:
         if ws is None:
             raise EngineError("vLLM weightsync backend: no group (init failed or broke)")
         ws.buf, info = vllm_wire.pack(tensors, ws.buf, ws.device)
+        self.copied_bytes += sum(nbytes(t) for _, t in tensors)
         info.bucket = self.buckets_sent
         data = ws.buf[: info.nbytes]
         if self.fault is not None and self.fault.due("corrupt", self.version, info.bucket) and info.nbytes:
