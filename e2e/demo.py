@@ -716,12 +716,13 @@ def engine_url(pod: Mapping[str, Any]) -> str:
 @dataclass
 class VersionCheck:
     """One version as every vLLM replica served it: its /weight_info label, its greedy outputs for the
-    vllm_server.PROMPTS and what differs from transformers' forward over the trainer's saved state dict."""
+    vllm_server.PROMPTS, transformers' scoring of those outputs over the trainer's saved state dict (teacher
+    forced: the reference's best token and logprobs at every step) and what differs (vllm_server.differences)."""
 
     version: int
-    reference: list[JSON]
     labels: dict[str, str | None] = field(default_factory=dict)       # pod -> /weight_info weight_version
     outputs: dict[str, list[JSON]] = field(default_factory=dict)      # pod -> completions()
+    reference: dict[str, list[JSON]] = field(default_factory=dict)    # pod -> the reference's scoring of them
     differences: dict[str, list[str]] = field(default_factory=dict)   # pod -> vllm_server.differences()
 
     @property
@@ -731,39 +732,52 @@ class VersionCheck:
         return bool(self.outputs) and not any(self.differences.values()) and all(
             parse_version(v or "") == self.version for v in self.labels.values())
 
+    def near_ties(self, pod: str) -> int:
+        """Greedy steps of POD where the reference's best token was another one, within TIE_NATS."""
+        return sum(tok != top for g, w in zip(self.outputs[pod], self.reference[pod], strict=True)
+                   for tok, top in zip(g["tokens"], w["top"], strict=True))
+
 
 def check_vllm_version(env: Environment, pods: Mapping[str, Mapping[str, Any]], version: int) -> VersionCheck:
-    """Every inference pod's vLLM outputs and /weight_info against the reference for VERSION (the trainer's
-    <socket dir>/llama-versions/v<VERSION>.pt, run through transformers in the engine venv)."""
+    """Every inference pod's vLLM outputs and /weight_info against the reference for VERSION: transformers'
+    forward over the trainer's <socket dir>/llama-versions/v<VERSION>.pt (engine venv), one run scoring every
+    replica's outputs."""
     from weightsync.agent.demo.llama_trainer import version_path
     from weightsync.e2e.engines import vllm_server
 
     weights = version_path(trainer_socket_dir(env, pods) / "llama-versions", version)
     if not weights.exists():
         raise DemoError(f"the trainer saved no {weights}")
-    check = VersionCheck(version, vllm_server.reference(weights))
+    check = VersionCheck(version)
     for name, pod in sorted(pods.items()):
         if not is_inference_pod(pod):
             continue
         code, info = engine_get(pod, "/weight_info")
         check.labels[name] = (info or {}).get("weight_version") if code == 200 else None
-        got = vllm_server.completions(engine_url(pod))
-        check.outputs[name] = got
-        check.differences[name] = vllm_server.differences(got, check.reference)
+        check.outputs[name] = vllm_server.completions(engine_url(pod))
+    n = len(vllm_server.PROMPTS)
+    scored = vllm_server.reference(weights, vllm_server.PROMPTS * len(check.outputs),
+                                   forced=[g["tokens"] for got in check.outputs.values() for g in got])
+    for i, (name, got) in enumerate(check.outputs.items()):
+        check.reference[name] = scored[i * n:(i + 1) * n]
+        check.differences[name] = vllm_server.differences(got, check.reference[name])
     return check
 
 
 def vllm_lines(check: VersionCheck, prefix: str = "") -> list[str]:
-    """What the demo prints for one version: the reference's greedy tokens for the first prompt, then per
-    replica its /weight_info, its tokens and whether all outputs equal the reference."""
-    from weightsync.e2e.engines.vllm_server import PROMPTS
+    """What the demo prints for one version: per replica its /weight_info, its greedy tokens for the first
+    prompt and whether its outputs for every prompt are the reference's."""
+    from weightsync.e2e.engines import vllm_server
 
-    lines = [f"[demo] version {check.version}: prompt {PROMPTS[0]} -> reference (transformers over the trainer's "
-             f"v{check.version}.pt) {check.reference[0]['tokens']}"]
+    lines = [f"[demo] version {check.version}: greedy tokens for prompt {vllm_server.PROMPTS[0]}, every replica's "
+             f"outputs ({len(vllm_server.PROMPTS)} prompts x {vllm_server.MAX_TOKENS} tokens) scored by transformers over the trainer's "
+             f"v{check.version}.pt:"]
     for name, got in check.outputs.items():
         diff = check.differences.get(name) or []
-        verdict = (f"= reference ({len(got)} prompts: tokens equal, logprobs within bf16 tolerance)" if not diff
-                   else f"DIFFERS: {'; '.join(diff[:2])}")
+        ties = check.near_ties(name)
+        verdict = ("= reference (each token its best, logprobs within bf16 tolerance"
+                   + (f"; near-ties within {vllm_server.TIE_NATS} nats at {ties} steps" if ties else "") + ")") if not diff else (
+            f"DIFFERS: {'; '.join(diff[:2])}")
         lines.append(f"    {name.removeprefix(prefix)}: weight_info={check.labels.get(name)} "
                      f"tokens {got[0]['tokens']} {verdict}")
     return lines
@@ -801,12 +815,12 @@ def run_vllm_demo(env: Environment, namespace: str, timeout: float, out: Callabl
                 job = get_job(custom, namespace, name)
                 for line in table.update(time.monotonic() - t0, job, job_pods(api, namespace, name)):
                     out("    " + line)
-                st = job.get("status") or {}
-                reps = st.get("replicas") or {}
-                ok = (st.get("servedVersion") or 0) >= version and reps.get("synced") == reps.get("inference") == replicas
-                # Synced=True needs status.trainerVersion, which stays unset while version 1 is the newest when
-                # the trainer published it before its agent's pod link was up (the agent's start overwrites
-                # the version it staged with what its pod showed: nothing): checked for the last version only.
+                reps = (job.get("status") or {}).get("inferenceReplicas") or []
+                ok = len(reps) == replicas and all((r.get("servedVersion") or 0) >= version and r.get("ready")
+                                                   for r in reps)
+                # Not Synced=True before the last version: it needs status.trainerVersion, which stays unset while
+                # version 1 is the newest when the trainer published it before its agent's pod link was up (the
+                # agent's start replaces the version it staged by what its pod showed: none).
                 if version == last:
                     ok = ok and condition(job, contract.COND_SYNCED).get("status") == "True"
                 return job if ok else None
