@@ -37,6 +37,10 @@ A user's request streams tokens the whole time (greedy, `stream: true`, requests
                       status, start/finish), summed per version; engine side from timers the extension wraps
                       around the plugin's functions in the worker (measurement only, nothing else changes)
 
+  raw                 after the server stopped, the same bytes in the same buckets over gloo between this venv's
+                      torch and the engine venv's (one thread each): into a receive buffer kept across buckets,
+                      and into a fresh one per bucket as the plugin receives
+
 Version 1 is the warm-up (forms the group, faults pages in); figures are medians over versions 2..V.
 """
 
@@ -362,6 +366,62 @@ class AgentTimers:
         return out
 
 
+# -- the raw reference: the same bytes over gloo between the two torch builds ---------------------------------
+def run_raw(rank: int, port: int, nbytes: int, bucket: int, iters: int) -> None:
+    """Rank 0 (this venv, as the agent) broadcasts `nbytes` in `bucket`-sized pieces to rank 1 (the engine venv,
+    as vLLM's worker), one thread each as the engine serves; rank 1 prints the seconds of each round, into a
+    receive buffer kept across buckets ("reuse") and into a fresh one per bucket ("fresh", as the plugin's
+    WorkerReceiver allocates)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = datetime.timedelta(seconds=300)
+    pg = dist.ProcessGroupGloo(store, rank, 2, opts)
+    sizes = [min(bucket, nbytes - o) for o in range(0, nbytes, bucket)]
+    src = torch.ones(max(sizes), dtype=torch.uint8)
+    keep = torch.empty(max(sizes), dtype=torch.uint8)
+    bo = dist.BroadcastOptions()
+    bo.rootRank = 0
+    out: dict[str, list[float]] = {"reuse": [], "fresh": []}
+    for mode in ("reuse", "fresh"):
+        for _ in range(iters + 1):
+            pg.barrier().wait()
+            t0 = time.perf_counter()
+            for n in sizes:
+                buf = src[:n] if rank == 0 else (keep[:n] if mode == "reuse" else torch.empty(n, dtype=torch.uint8))
+                pg.broadcast([buf], bo).wait()
+                del buf
+            out[mode].append(time.perf_counter() - t0)
+        out[mode] = out[mode][1:]
+    pg.barrier().wait()
+    if rank == 1:
+        print(json.dumps(out))
+
+
+def raw_reference(nbytes: int, bucket_mb: int, iters: int = 3) -> dict[str, Any]:
+    from weightsync.e2e.engine_venv import engine_python
+    from weightsync.e2e.procs import free_port
+
+    port = free_port("127.0.0.1")
+    args = ["raw", "--port", str(port), "--nbytes", str(nbytes), "--bucket", str(bucket_mb * MiB),
+            "--iters", str(iters)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONSAFEPATH": "1"}
+    me = str(Path(__file__).resolve())
+    p0 = subprocess.Popen([sys.executable, me, *args, "--rank", "0"], env=env)
+    p1 = subprocess.run([str(engine_python()), me, *args, "--rank", "1"], env=env, capture_output=True, text=True,
+                        timeout=900)
+    p0.wait(60)
+    if p1.returncode != 0:
+        return {"error": p1.stderr[-500:]}
+    times = json.loads(p1.stdout.strip().splitlines()[-1])
+    return {f"raw_broadcast_{k}_s": round(statistics.median(v), 4) for k, v in times.items()}
+
+
 # -- the run -----------------------------------------------------------------------------------------------
 def start_server(config: dict[str, Any], run_dir: Path, host: str, port: int) -> subprocess.Popen[bytes]:
     from weightsync.agent.demo import tiny_llama
@@ -462,6 +522,13 @@ def run(size_mb: int, bucket_mb: int, versions: int, agent_threads: int | None =
             proc.kill()
 
 
+def run_all(size_mb: int, bucket_mb: int, versions: int, agent_threads: int | None, with_raw: bool) -> dict[str, Any]:
+    out = run(size_mb, bucket_mb, versions, agent_threads)
+    if with_raw:  # after the server stopped: the wire alone, same bytes, same buckets, same two torch builds
+        out["raw"] = raw_reference(out["bytes"], bucket_mb)
+    return out
+
+
 def _r(x: float | None, n: int = 4) -> float | None:
     return None if x is None else round(x, n)
 
@@ -517,11 +584,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--versions", type=int, default=4, help="versions loaded; version 1 is the warm-up")
     p.add_argument("--agent-threads", type=int, default=None,
                    help="torch intra-op threads of the adapter's process (default: torch's, as the agent runs)")
+    p.add_argument("--no-raw", action="store_true", help="skip the raw gloo reference (`raw`)")
     p.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
+    if (argv if argv is not None else sys.argv[1:])[:1] == ["raw"]:
+        rp = argparse.ArgumentParser()
+        for flag in ("--rank", "--port", "--nbytes", "--bucket", "--iters"):
+            rp.add_argument(flag, type=int, required=True)
+        r = rp.parse_args((argv if argv is not None else sys.argv[1:])[1:])
+        run_raw(r.rank, r.port, r.nbytes, r.bucket, r.iters)
+        return 0
     a = p.parse_args(argv)
     if a.versions < 2:
         p.error("--versions must be at least 2 (version 1 is the warm-up)")
-    print(json.dumps(run(a.size_mb, a.bucket_mb, a.versions, a.agent_threads), indent=1))
+    print(json.dumps(run_all(a.size_mb, a.bucket_mb, a.versions, a.agent_threads, not a.no_raw), indent=1))
     return 0
 
 
