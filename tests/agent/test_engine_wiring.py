@@ -18,7 +18,7 @@ from weightsync.crds import contract
 
 def _cfg(engine: str, device: str, role: str = contract.ROLE_INFERENCE, lora: LoraSpec | None = None) -> Any:
     return SimpleNamespace(engine_type=engine, device=device, role=role, timeout_seconds=30,
-                           engine_url="http://127.0.0.1:30000", lora=lora)
+                           engine_url="http://127.0.0.1:30000", lora=lora, engine_fault="")
 
 
 LORA = LoraSpec(adapter_name="policy", config={"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
