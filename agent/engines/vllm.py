@@ -665,12 +665,17 @@ class VLLMAdapter:
         ws = self._ws
         if ws is None:
             raise EngineError("vLLM weightsync backend: no group (init failed or broke)")
-        ws.buf, info = vllm_wire.pack(tensors, ws.buf, ws.device)
-        self.copied_bytes += sum(nbytes(t) for _, t in tensors)
+        corrupt = self.fault is not None and self.fault.due("corrupt", self.version, self.buckets_sent)
+        placed = None if corrupt else vllm_wire.in_place(tensors, ws.device)
+        if placed is not None:
+            data, info = placed  # the bucket's own bytes (the receive slot): no pack
+        else:
+            ws.buf, info = vllm_wire.pack(tensors, ws.buf, ws.device)
+            self.copied_bytes += sum(nbytes(t) for _, t in tensors)
+            data = ws.buf[: info.nbytes]
         info.bucket = self.buckets_sent
-        data = ws.buf[: info.nbytes]
-        if self.fault is not None and self.fault.due("corrupt", self.version, info.bucket) and info.nbytes:
-            data[info.nbytes // 2] ^= 0x5A  # after the leaves: the engine must refuse this bucket
+        if corrupt and info.nbytes:
+            data[info.nbytes // 2] ^= 0x5A  # in our own pack, after the leaves: the engine must refuse it
         status: list[int] = []
 
         def send() -> None:
@@ -903,7 +908,8 @@ class VLLMAdapter:
         self._release_ipc(collect=True)
         self._reset_prefix_cache(version)
         self._end_session_pause()
-        log.info("vllm.commit version=%s buckets=%s", version, self.buckets_sent)
+        log.info("vllm.commit version=%s buckets=%s engine_pack_bytes_total=%s", version, self.buckets_sent,
+                 self.copied_bytes)
 
     def _reset_prefix_cache(self, version: int) -> None:
         """Drop KV computed with the old weights: the prefix cache, and the KV of requests frozen by the

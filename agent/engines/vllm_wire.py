@@ -9,9 +9,12 @@ for vLLM's own nccl backend). The rendezvous goes through the agent's StoreServe
 per group and handed to the workers in `init_info` over the pod-local HTTP call: nothing reaches a key
 without it. gloo when the engine has no GPU, NCCL when it has (the agent then needs a GPU of its own).
 
-One bucket. The agent packs the bucket's tensors into one uint8 buffer, each at an offset aligned to
-ALIGNMENT (a multiple of every element size: vLLM-style views need it), broadcasts it, and the workers:
-1. receive it into a buffer of its own (vLLM's layer-wise reload holds views of it until their layer is whole);
+One bucket. The agent sends the bucket's bytes from where they lie when its tensors are views of one buffer
+at offsets aligned to their element sizes (the receive slot: `in_place`), else packs them into one uint8
+buffer, each at an offset aligned to ALIGNMENT (a multiple of every element size), broadcasts it, and the
+workers:
+1. receive it into a buffer nothing else views (vLLM's layer-wise reload holds views of a bucket until their
+   layer is whole; buffers are pooled and reused once no view is left);
 2. recompute every tensor's digest leaf (agent/leaves.py) and compare it with the one in `update_info`;
 3. only if all match, hand the tensors (views of the buffer) to the model's `load_weights`;
 4. report the bucket's outcome in-band: an all-reduce (MAX) of one int64 status every rank joins.
@@ -171,6 +174,38 @@ def pack(tensors: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | None, 
     return out, info
 
 
+def in_place(tensors: Sequence[tuple[str, torch.Tensor]], device: torch.device, max_slack: float = 0.25
+             ) -> tuple[torch.Tensor, WeightsyncUpdateInfo] | None:
+    """The bucket as it already lies in memory, when it can go on the wire without a pack: every tensor a
+    contiguous view of one storage on `device` (the inference agent's receive slot holds a bucket that way),
+    each at an offset from the first that is a multiple of its element size, with at most `max_slack` of
+    gaps. Returns (the byte range covering them, its description) or None (pack instead)."""
+    if not tensors or any(not t.is_contiguous() or t.device != device for _, t in tensors):
+        return None
+    sized = [t for _, t in tensors if t.numel()]
+    if not sized:
+        return None
+    storage = sized[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in sized):
+        return None
+    base = min(t.data_ptr() for t in sized)
+    offsets = [t.data_ptr() - base if t.numel() else 0 for _, t in tensors]  # an empty tensor has no address
+    sizes = [nbytes(t) for _, t in tensors]
+    total = max(o + n for o, n in zip(offsets, sizes, strict=True))
+    if any(o % t.element_size() for o, (_, t) in zip(offsets, tensors, strict=True)) or total > (1 + max_slack) * sum(sizes):
+        return None
+    region = torch.empty(0, dtype=torch.uint8, device=device)
+    region.set_(storage, base - storage.data_ptr(), (total,))
+    names = [n for n, _ in tensors]
+    shapes = [list(t.shape) for _, t in tensors]
+    dtypes = [dtype_name(t.dtype) for _, t in tensors]
+    algorithm = leaf_algorithm(device)
+    info = WeightsyncUpdateInfo(names=names, dtype_names=dtypes, shapes=shapes, offsets=offsets, nbytes=total,
+                                leaves=tensor_leaves(names, dtypes, shapes, region, offsets, algorithm),
+                                algorithm=algorithm)
+    return region, info
+
+
 def views(buf: torch.Tensor, info: WeightsyncUpdateInfo) -> list[tuple[str, torch.Tensor]]:
     """The bucket's tensors as views of the received buffer (no copy)."""
     out = []
@@ -215,16 +250,44 @@ def status_allreduce(pg: Any, status: int, device: torch.device) -> int:
     return int(t.item())
 
 
+def _use_count(t: torch.Tensor) -> int:
+    """How many tensors share `t`'s storage (c10's own count)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
 class WorkerReceiver:
     """The worker side of one group: receive, check, load, report. No vLLM in here (the plugin wraps it),
     so the same code runs in tests against a plain `load_weights`."""
 
+    #: Receive buffers kept for reuse (a fresh buffer per bucket faulted every page in again: 1.7 s per GiB
+    #: on the wire against 0.5 s into a reused one, bench/engine_stall.py).
+    MAX_POOLED = 4
+
     def __init__(self, pg: Any, device: torch.device) -> None:
         self.pg = pg
         self.device = device
+        self.pool: list[tuple[torch.Tensor, int]] = []  # (buffer, its storage's use count when nothing views it)
         self.failure: str | None = None  # the session's first failure; cleared at the next session
         self.buckets = 0
         self.loaded_tensors = 0
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        """A buffer nothing else views. vLLM's layer-wise reload keeps the tensors handed to load_weights
+        (views of a bucket's buffer) until every weight of their layer arrived, and a layer may span two
+        buckets: a buffer is reused only once its storage has no view left (its use count is back to what it
+        was when only the pool held it)."""
+        for buf, idle in self.pool:
+            if buf.numel() >= n and _use_count(buf) <= idle:
+                return buf[:n]
+        buf = torch.empty(max(n, 1), dtype=torch.uint8, device=self.device)
+        if len(self.pool) < self.MAX_POOLED:
+            self.pool.append((buf, _use_count(buf)))
+        elif self.pool:  # replace the smallest idle one, if any
+            idle = [i for i, (b, c) in enumerate(self.pool) if _use_count(b) <= c]
+            if idle:
+                i = min(idle, key=lambda i: self.pool[i][0].numel())
+                self.pool[i] = (buf, _use_count(buf))
+        return buf[:n]
 
     def start_session(self) -> None:
         self.failure = None
@@ -235,10 +298,7 @@ class WorkerReceiver:
                 ) -> int:
         """One bucket; returns the reduced status. Raises only when the group itself failed (then the
         agent is gone or broke the group; the caller records it)."""
-        # A fresh buffer per bucket, never one reused across buckets: vLLM's layer-wise reload keeps the
-        # tensors handed to load_weights (views of this buffer) until every weight of their layer arrived,
-        # and a layer may span two buckets. The memory is freed once the layer was processed.
-        buf = torch.empty(max(info.nbytes, 1), dtype=torch.uint8, device=self.device)[: info.nbytes]
+        buf = self._buffer(info.nbytes)
         broadcast(self.pg, buf)
         self.buckets += 1
         status = STATUS_OK

@@ -192,3 +192,32 @@ def test_an_nccl_group_between_two_gpus_moves_and_checks_a_bucket() -> None:
     for s in stores:
         s.close()
     server.close()
+
+
+def test_a_bucket_that_lies_in_one_buffer_goes_without_a_pack() -> None:
+    """The receive slot holds a bucket as aligned views of one buffer: its bytes go on the wire as they lie."""
+    items = _bucket(10)
+    packed, info = w.pack(items, None, torch.device("cpu"))
+    slot = w.views(packed[: info.nbytes], info)  # views of one buffer, like a receive slot's
+    placed = w.in_place(slot, torch.device("cpu"), max_slack=2.0)  # tiny tensors: mostly alignment gaps
+    assert placed is not None
+    region, placed_info = placed
+    assert region.data_ptr() == packed.data_ptr()
+    assert [o for o, (_, t) in zip(placed_info.offsets, slot, strict=True) if t.numel()] == [
+        o for o, (_, t) in zip(info.offsets, slot, strict=True) if t.numel()]
+    assert placed_info.leaves == info.leaves
+    assert w.in_place(items, torch.device("cpu")) is None  # separate tensors: packed
+    assert w.in_place([slot[0], slot[-1]], torch.device("cpu"), max_slack=0.0) is None  # mostly gaps: packed
+
+
+def test_receive_buffers_are_reused_only_once_no_view_is_left(pair: Pair) -> None:
+    held: list[tuple[str, torch.Tensor]] = []  # like vLLM's reload holding a layer's tensors
+    assert pair.bucket(_bucket(11), held.extend) == (w.STATUS_OK,) * 2
+    first = held[0][1].untyped_storage().data_ptr()
+    assert pair.bucket(_bucket(12), lambda t: None) == (w.STATUS_OK,) * 2
+    assert pair.worker.pool[1][0].untyped_storage().data_ptr() != first  # the first buffer was still viewed
+    assert all(_same(x, y) for (_, x), (_, y) in zip(held, _bucket(11), strict=True))
+    held.clear()  # the layer was processed: the views are gone
+    seen: list[int] = []
+    assert pair.bucket(_bucket(13), lambda t: seen.append(t[0][1].untyped_storage().data_ptr())) == (w.STATUS_OK,) * 2
+    assert seen == [first]  # reused, no fresh allocation
