@@ -8,7 +8,9 @@ whenever the job or a pod changes while the demo trainer publishes versions 1..N
 status.servedVersion reaches N. Then it prints `kubectl get wsj -o wide` and the pods, checks that every
 engine's weights are bit-exact with the trainer's (sha256 of every tensor, from the demo trainer's and
 engines' /checksums endpoints), `helm uninstall`s and tears everything down (--keep leaves it running
-until Ctrl-C and prints what to run against it).
+until Ctrl-C and prints what to run against it). --example vllm (run_vllm_demo) runs examples/demo-vllm.yaml
+instead: real vLLM servers, the trainer gated version by version, and each version's greedy outputs from every
+replica checked against transformers' forward over the weights the trainer saved.
 
 The helpers here (operator process, example loading, job/pod readers, the progress table, the bit-exact
 check) are also what the e2e suite (e2e/tests/) and bench/status_latency.py use.
