@@ -383,7 +383,12 @@ class Agent:
             own = self.pod.own_versions()  # what this pod's agent wrote before a restart (proven)
             if self.store is not None:
                 self.store.resume(own["published_epoch"] or 0, own["published"])
-                self.published, self.published_epoch = own["published"], own["published_epoch"] or 0
+                # A trainer may have published while the pod link came up (its socket opens first): the newer
+                # of the two stands, and is reported now (else version 1 of a fresh job went unreported).
+                before = (own["published_epoch"] or 0, own["published"])
+                if self.published is None or (before[1] is not None and before > (self.published_epoch,
+                                                                                    self.published)):
+                    self.published, self.published_epoch = own["published"], own["published_epoch"] or 0
             self._reported_served = (own["served"], own["served_epoch"])
             self._report()
         threading.Thread(target=self._loop, name="agent-loop", daemon=True).start()

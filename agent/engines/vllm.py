@@ -692,6 +692,29 @@ class VLLMAdapter:
                               f"{vllm_wire.STATUS_NAMES.get(status[0], status[0])} (the engine's log names the "
                               "tensor); the version is not finished")
 
+    def _flush_weightsync(self) -> None:
+        """Before a finish: the workers load the bucket they checked last (they load bucket k-1 while k is on
+        the wire) and report."""
+        ws = self._ws
+        if self.backend != "weightsync" or ws is None or not self.update_open:
+            return
+        status: list[int] = []
+        self._concurrently("/update_weights", update_body(asdict(vllm_wire.WeightsyncUpdateInfo(flush=True))),
+                           lambda: status.append(vllm_wire.status_allreduce(ws.pg, vllm_wire.STATUS_OK, ws.device)))
+        if status and status[0] != vllm_wire.STATUS_OK:
+            raise EngineError(f"vLLM could not load the last bucket of this version: "
+                              f"{vllm_wire.STATUS_NAMES.get(status[0], status[0])} (the engine's log says why); "
+                              "the version is not finished")
+
+    def _flush_or_abort(self, version: int) -> None:
+        """Flush before a finish; a flush that fails aborts the update at once (abandoned, finished without
+        a version, marked partial): the engine is never left inside it."""
+        try:
+            self._flush_weightsync()
+        except EngineError as exc:
+            self.abort(version, str(exc))
+            raise
+
     def _concurrently(self, route: str, body: dict[str, Any], collective: Callable[[], None]) -> None:
         """POST `route` in a thread (the engine blocks in the matching NCCL call) while this side runs
         `collective`, as vLLM's trainer does; whichever fails first is reported at once (a refused request
@@ -868,6 +891,7 @@ class VLLMAdapter:
     def _draft_session(self, version: int) -> None:
         """Close the target's update without a version, then load the held draft tensors in a
         /start_draft_weight_update session (the one commit finishes with the version)."""
+        self._flush_or_abort(version)
         self.client.post("/finish_weight_update", finish_body(None), retry=False)
         self.update_open = False
         self._release_ipc()
@@ -895,6 +919,7 @@ class VLLMAdapter:
                 self.buckets_sent += 1  # the target's finish below makes the weights a new target + old draft
                 self._draft_session(version)
             label, self.label_digest = version_label(version, self.label_digest), None
+            self._flush_or_abort(version)
             self.client.post("/finish_weight_update", finish_body(label), retry=False)
         except EngineError:
             # Unknown whether vLLM finalized: its weights are not version N for sure, maybe mixed.

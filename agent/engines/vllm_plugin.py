@@ -91,9 +91,11 @@ class WeightsyncWeightTransferEngine(_engine_base()):  # type: ignore[misc]
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         receiver = self.receiver
         if update_info.abandon:
-            if receiver is not None and receiver.failure is not None:
-                log.warning("weightsync: the agent gave up this update after: %s", receiver.failure)
-                receiver.failure = None
+            if receiver is not None:
+                receiver.drop_held()
+                if receiver.failure is not None:
+                    log.warning("weightsync: the agent gave up this update after: %s", receiver.failure)
+                    receiver.failure = None
             self._abandoned = True
             return
         if receiver is None:

@@ -16,8 +16,10 @@ workers:
 1. receive it into a buffer nothing else views (vLLM's layer-wise reload holds views of a bucket until their
    layer is whole; buffers are pooled and reused once no view is left);
 2. recompute every tensor's digest leaf (agent/leaves.py) and compare it with the one in `update_info`;
-3. only if all match, hand the tensors (views of the buffer) to the model's `load_weights`;
-4. report the bucket's outcome in-band: an all-reduce (MAX) of one int64 status every rank joins.
+3. only if all match, hand the tensors (views of the buffer) to the model's `load_weights`, while the next
+   bucket is on the wire: bucket k is received (in a thread) while bucket k-1 is loaded, and a last `flush`
+   call loads the held bucket before the agent finishes the update;
+4. report the outcome in-band: an all-reduce (MAX) of one int64 status every rank joins.
 An update the agent gives up (abort) is marked `abandon`: the workers then finish it without complaint; a
 session with a failure that is finished without that mark raises after vLLM's reload was finalized, so vLLM
 never labels it with a version.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import secrets
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -88,6 +91,8 @@ class WeightsyncUpdateInfo:
     #: The agent gives the session up (it will finish it without a version): no bytes, no collective; the
     #: session's failure is acknowledged, so that finish closes it quietly.
     abandon: bool = False
+    #: No bytes: load the bucket held from the previous call and report (sent before finish).
+    flush: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -195,7 +200,7 @@ def in_place(tensors: Sequence[tuple[str, torch.Tensor]], device: torch.device, 
     if any(o % t.element_size() for o, (_, t) in zip(offsets, tensors, strict=True)) or total > (1 + max_slack) * sum(sizes):
         return None
     region = torch.empty(0, dtype=torch.uint8, device=device)
-    region.set_(storage, base - storage.data_ptr(), (total,))
+    region.set_(storage, base - storage.data_ptr(), (total,), (1,))
     names = [n for n, _ in tensors]
     shapes = [list(t.shape) for _, t in tensors]
     dtypes = [dtype_name(t.dtype) for _, t in tensors]
@@ -268,6 +273,7 @@ class WorkerReceiver:
         self.device = device
         self.pool: list[tuple[torch.Tensor, int]] = []  # (buffer, its storage's use count when nothing views it)
         self.failure: str | None = None  # the session's first failure; cleared at the next session
+        self.held: tuple[torch.Tensor, WeightsyncUpdateInfo] | None = None  # checked, loaded at the next call
         self.buckets = 0
         self.loaded_tensors = 0
 
@@ -283,40 +289,75 @@ class WorkerReceiver:
         if len(self.pool) < self.MAX_POOLED:
             self.pool.append((buf, _use_count(buf)))
         elif self.pool:  # replace the smallest idle one, if any
-            idle = [i for i, (b, c) in enumerate(self.pool) if _use_count(b) <= c]
-            if idle:
-                i = min(idle, key=lambda i: self.pool[i][0].numel())
-                self.pool[i] = (buf, _use_count(buf))
+            free = [k for k, (b, c) in enumerate(self.pool) if _use_count(b) <= c]
+            if free:
+                smallest = min(free, key=lambda k: int(self.pool[k][0].numel()))
+                self.pool[smallest] = (buf, _use_count(buf))
         return buf[:n]
 
     def start_session(self) -> None:
         self.failure = None
+        self.held = None
         self.buckets = 0
         self.loaded_tensors = 0
 
     def receive(self, info: WeightsyncUpdateInfo, load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any]
                 ) -> int:
-        """One bucket; returns the reduced status. Raises only when the group itself failed (then the
-        agent is gone or broke the group; the caller records it)."""
+        """One bucket; returns the reduced status. Bucket k arrives (in a thread) while bucket k-1, checked
+        by the previous call, is loaded here: the wire overlaps vLLM's load. `flush` loads the held bucket
+        (the agent sends it before finishing the update). The status covers k's check and k-1's load.
+        Raises only when the group itself failed (the agent is gone or broke it; the caller records it)."""
+        if info.flush:
+            return status_allreduce(self.pg, self._load_held(load_weights), self.device)
         buf = self._buffer(info.nbytes)
-        broadcast(self.pg, buf)
+        received: list[BaseException | None] = []
+
+        def recv() -> None:
+            try:
+                broadcast(self.pg, buf)
+                received.append(None)
+            except BaseException as exc:  # handed to the caller below
+                received.append(exc)
+
+        thread = threading.Thread(target=recv, name=f"weightsync-recv-{info.bucket}", daemon=True)
+        thread.start()
+        status = self._load_held(load_weights)
+        thread.join()
+        if received and received[0] is not None:
+            raise received[0]
         self.buckets += 1
-        status = STATUS_OK
-        if self.failure is not None:
-            status = STATUS_SESSION_FAILED
-        else:
-            got = tensor_leaves(info.names, info.dtype_names, info.shapes, buf, info.offsets, info.algorithm)
-            bad = [i for i, (a, b) in enumerate(zip(got, info.leaves, strict=True)) if a != b]
-            if bad:
-                status = STATUS_DIGEST_MISMATCH
-                i = bad[0]
-                self.failure = (f"bucket {info.bucket}: digest mismatch in {len(bad)} tensor(s), first "
-                                f"{info.names[i]!r}: received {got[i]}, expected {info.leaves[i]}; not loaded")
-            else:
-                try:
-                    load_weights(views(buf, info))
-                    self.loaded_tensors += len(info.names)
-                except Exception as exc:  # reported in-band, never raised into vLLM
-                    status = STATUS_LOAD_FAILED
-                    self.failure = f"bucket {info.bucket}: load_weights failed: {type(exc).__name__}: {exc}"
+        status = max(status, self._check(buf, info))
         return status_allreduce(self.pg, status, self.device)
+
+    def _check(self, buf: torch.Tensor, info: WeightsyncUpdateInfo) -> int:
+        """Every tensor's leaf against the agent's; a bucket that passes is held for the next call's load."""
+        if self.failure is not None:
+            return STATUS_SESSION_FAILED
+        got = tensor_leaves(info.names, info.dtype_names, info.shapes, buf, info.offsets, info.algorithm)
+        bad = [i for i, (a, b) in enumerate(zip(got, info.leaves, strict=True)) if a != b]
+        if bad:
+            i = bad[0]
+            self.failure = (f"bucket {info.bucket}: digest mismatch in {len(bad)} tensor(s), first "
+                            f"{info.names[i]!r}: received {got[i]}, expected {info.leaves[i]}; not loaded")
+            return STATUS_DIGEST_MISMATCH
+        self.held = (buf, info)
+        return STATUS_OK
+
+    def _load_held(self, load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any]) -> int:
+        held, self.held = self.held, None
+        if self.failure is not None:
+            return STATUS_SESSION_FAILED
+        if held is None:
+            return STATUS_OK
+        buf, info = held
+        try:
+            load_weights(views(buf, info))
+            self.loaded_tensors += len(info.names)
+        except Exception as exc:  # reported in-band, never raised into vLLM
+            self.failure = f"bucket {info.bucket}: load_weights failed: {type(exc).__name__}: {exc}"
+            return STATUS_LOAD_FAILED
+        return STATUS_OK
+
+    def drop_held(self) -> None:
+        """The agent gave the update up: the checked bucket not yet loaded never is."""
+        self.held = None

@@ -82,6 +82,16 @@ class Pair:
         t.join(30)
         return agent, got["worker"]
 
+    def flush(self, load: Callable[[list[tuple[str, torch.Tensor]]], Any]) -> tuple[int, int]:
+        """The call before finish: the worker loads the bucket it checked last."""
+        got: dict[str, int] = {}
+        t = threading.Thread(target=lambda: got.__setitem__(
+            "worker", self.worker.receive(w.WeightsyncUpdateInfo(flush=True), load)))
+        t.start()
+        agent = w.status_allreduce(self.agent_pg, w.STATUS_OK, torch.device("cpu"))
+        t.join(30)
+        return agent, got["worker"]
+
     def close(self) -> None:
         for s in self.stores:
             s.close()
@@ -97,15 +107,16 @@ def pair() -> Any:
 
 def test_a_bucket_is_received_checked_and_loaded_bit_exact(pair: Pair) -> None:
     loaded: list[tuple[str, torch.Tensor]] = []
-    items = _bucket(2)
+    items, more = _bucket(2), _bucket(3)
     assert pair.bucket(items, loaded.extend) == (w.STATUS_OK, w.STATUS_OK)
+    assert loaded == [], "checked and held: it loads while the next bucket is on the wire"
+    assert pair.bucket(more, loaded.extend) == (w.STATUS_OK, w.STATUS_OK)
     assert [n for n, _ in loaded] == [n for n, _ in items]
-    assert all(_same(x, y) for (_, x), (_, y) in zip(loaded, items, strict=True))
-    # the next bucket lands in a buffer of its own: the first one's views (vLLM's reload keeps them until their
+    assert pair.flush(loaded.extend) == (w.STATUS_OK, w.STATUS_OK)  # before finish: the last one
+    assert [n for n, _ in loaded] == [n for n, _ in items + more]
+    # each bucket landed in a buffer of its own: the first one's views (vLLM's reload keeps them until their
     # layer is whole) still hold the first bucket's bytes
-    more: list[tuple[str, torch.Tensor]] = []
-    assert pair.bucket(_bucket(3), more.extend) == (w.STATUS_OK, w.STATUS_OK)
-    assert all(_same(x, y) for (_, x), (_, y) in zip(loaded, items, strict=True))
+    assert all(_same(x, y) for (_, x), (_, y) in zip(loaded, items + more, strict=True))
     assert pair.worker.failure is None and pair.worker.loaded_tensors == 10
 
 
@@ -113,19 +124,21 @@ def test_a_corrupted_bucket_is_never_loaded_and_every_rank_learns_it(pair: Pair)
     loaded: list[tuple[str, torch.Tensor]] = []
     pair.worker.start_session()
     assert pair.bucket(_bucket(4), loaded.extend, corrupt=True) == (w.STATUS_DIGEST_MISMATCH,) * 2
-    assert loaded == []
     assert pair.worker.failure is not None and "'c.f32'" in pair.worker.failure and "not loaded" in pair.worker.failure
-    # the rest of the session loads nothing more, and says why
-    assert pair.bucket(_bucket(5), loaded.extend) == (w.STATUS_SESSION_FAILED,) * 2 and loaded == []
+    # the rest of the session loads nothing more, and says why, up to the flush before finish
+    assert pair.bucket(_bucket(5), loaded.extend) == (w.STATUS_SESSION_FAILED,) * 2
+    assert pair.flush(loaded.extend) == (w.STATUS_SESSION_FAILED,) * 2 and loaded == []
     pair.worker.start_session()  # a new session starts clean
-    assert pair.bucket(_bucket(6), loaded.extend) == (w.STATUS_OK,) * 2 and len(loaded) == 5
+    assert pair.bucket(_bucket(6), loaded.extend) == (w.STATUS_OK,) * 2
+    assert pair.flush(loaded.extend) == (w.STATUS_OK,) * 2 and len(loaded) == 5
 
 
 def test_a_loader_error_is_reported_in_band_never_raised(pair: Pair) -> None:
     def refuse(tensors: list[tuple[str, torch.Tensor]]) -> None:
         raise KeyError("model.layers.9.unknown.weight")
 
-    assert pair.bucket(_bucket(7), refuse) == (w.STATUS_LOAD_FAILED,) * 2
+    assert pair.bucket(_bucket(7), refuse) == (w.STATUS_OK,) * 2
+    assert pair.flush(refuse) == (w.STATUS_LOAD_FAILED,) * 2
     assert pair.worker.failure is not None and "KeyError" in pair.worker.failure
 
 
@@ -212,12 +225,18 @@ def test_a_bucket_that_lies_in_one_buffer_goes_without_a_pack() -> None:
 
 def test_receive_buffers_are_reused_only_once_no_view_is_left(pair: Pair) -> None:
     held: list[tuple[str, torch.Tensor]] = []  # like vLLM's reload holding a layer's tensors
+
+    def nothing(tensors: list[tuple[str, torch.Tensor]]) -> None:
+        return None
+
     assert pair.bucket(_bucket(11), held.extend) == (w.STATUS_OK,) * 2
-    first = held[0][1].untyped_storage().data_ptr()
-    assert pair.bucket(_bucket(12), lambda t: None) == (w.STATUS_OK,) * 2
+    first = pair.worker.pool[0][0].untyped_storage().data_ptr()
+    assert pair.bucket(_bucket(12), held.extend) == (w.STATUS_OK,) * 2  # loads bucket 11: its views are kept
     assert pair.worker.pool[1][0].untyped_storage().data_ptr() != first  # the first buffer was still viewed
+    assert pair.flush(nothing) == (w.STATUS_OK,) * 2
     assert all(_same(x, y) for (_, x), (_, y) in zip(held, _bucket(11), strict=True))
     held.clear()  # the layer was processed: the views are gone
     seen: list[int] = []
     assert pair.bucket(_bucket(13), lambda t: seen.append(t[0][1].untyped_storage().data_ptr())) == (w.STATUS_OK,) * 2
+    assert pair.flush(lambda t: seen.append(t[0][1].untyped_storage().data_ptr())) == (w.STATUS_OK,) * 2
     assert seen == [first]  # reused, no fresh allocation
