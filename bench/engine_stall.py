@@ -234,6 +234,19 @@ def buckets_of(weights: dict[str, torch.Tensor], bucket_mb: int) -> list[list[tu
     return out
 
 
+def as_received(buckets: list[list[tuple[str, torch.Tensor]]]) -> list[list[tuple[str, torch.Tensor]]]:
+    """Each bucket as the inference agent hands it to the engine adapter: views of one receive slot, where
+    the trainer-to-agent wire landed it (not timed here: that hop is the job's transport, measured by
+    bench/agent_pipeline.py). The adapter then sends the slot's bytes as they lie, with no pack."""
+    from weightsync.agent.engines import vllm_wire
+
+    out = []
+    for b in buckets:
+        buf, info = vllm_wire.pack(b, None, torch.device("cpu"))
+        out.append(vllm_wire.views(buf[: info.nbytes], info))
+    return out
+
+
 def vllm_checksums(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, str]:
     """What vLLM's /weight_checker reports for these weights (compute_tensor_digests: sha256 of each
     parameter's bytes) under vLLM's Llama parameter names: qkv_proj and gate_up_proj fused in that order."""
@@ -446,7 +459,8 @@ def rpc(url: str, method: str, timeout: float = 600.0) -> Any:
     return r.json()["results"][0]
 
 
-def run(size_mb: int, bucket_mb: int, versions: int, agent_threads: int | None = None) -> dict[str, Any]:
+def run(size_mb: int, bucket_mb: int, versions: int, agent_threads: int | None = None,
+        handed: str = "slot") -> dict[str, Any]:
     from weightsync.agent.engines.base import load_version
     from weightsync.agent.engines.vllm import VLLMAdapter
     from weightsync.e2e.engines import vllm_server
@@ -478,6 +492,8 @@ def run(size_mb: int, bucket_mb: int, versions: int, agent_threads: int | None =
         for v in range(1, versions + 1):
             advance(weights)
             buckets = buckets_of(weights, bucket_mb)
+            if handed == "slot":
+                buckets = as_received(buckets)
             if v == 2:
                 stream.start()
                 time.sleep(3.0)  # a few ordinary decode steps before the first measured pause
@@ -522,8 +538,10 @@ def run(size_mb: int, bucket_mb: int, versions: int, agent_threads: int | None =
             proc.kill()
 
 
-def run_all(size_mb: int, bucket_mb: int, versions: int, agent_threads: int | None, with_raw: bool) -> dict[str, Any]:
-    out = run(size_mb, bucket_mb, versions, agent_threads)
+def run_all(size_mb: int, bucket_mb: int, versions: int, agent_threads: int | None, with_raw: bool,
+            handed: str = "slot") -> dict[str, Any]:
+    out = run(size_mb, bucket_mb, versions, agent_threads, handed)
+    out["buckets_handed_as"] = handed
     if with_raw:  # after the server stopped: the wire alone, same bytes, same buckets, same two torch builds
         out["raw"] = raw_reference(out["bytes"], bucket_mb)
     return out
@@ -585,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent-threads", type=int, default=None,
                    help="torch intra-op threads of the adapter's process (default: torch's, as the agent runs)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw gloo reference (`raw`)")
+    p.add_argument("--handed", choices=("slot", "tensors"), default="slot",
+                   help="buckets as the inference agent hands them (views of its receive slot: no pack) or as "
+                   "separate tensors (the adapter packs them)")
     p.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     if (argv if argv is not None else sys.argv[1:])[:1] == ["raw"]:
         rp = argparse.ArgumentParser()
@@ -596,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.versions < 2:
         p.error("--versions must be at least 2 (version 1 is the warm-up)")
-    print(json.dumps(run_all(a.size_mb, a.bucket_mb, a.versions, a.agent_threads, not a.no_raw), indent=1))
+    print(json.dumps(run_all(a.size_mb, a.bucket_mb, a.versions, a.agent_threads, not a.no_raw, a.handed), indent=1))
     return 0
 
 

@@ -15,6 +15,7 @@ token the reference's best (a near-tie within bf16 noise excepted), every logpro
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -138,8 +139,11 @@ def serve(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--model-dir", default="")
     a = p.parse_args(argv)
+    # one directory per config, reused by every server (it holds config.json only; the process execs vLLM and
+    # cannot clean up after itself)
+    digest = hashlib.sha256(json.dumps(tiny_llama.CONFIG, sort_keys=True).encode()).hexdigest()[:12]
     model_dir = tiny_llama.write_model_dir(Path(a.model_dir) if a.model_dir else
-                                           Path(os.environ.get("TMPDIR", "/tmp")) / f"tiny-llama-{os.getpid()}")
+                                           Path(os.environ.get("TMPDIR", "/tmp")) / f"weightsync-tiny-llama-{digest}")
     cmd = server_command(model_dir, a.host, a.port)
     sys.stdout.flush()
     os.execve(cmd[0], cmd, server_env())
