@@ -39,7 +39,7 @@ from weightsync.agent.engines.http import HttpClient
 from weightsync.e2e.engine_venv import engine_python
 from weightsync.e2e.engines import sglang_standin
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.engine_servers]  # SGLang's own HTTP app answers
 
 
 @pytest.fixture
