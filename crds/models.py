@@ -657,14 +657,6 @@ class WeightSyncJobSpec(_Model):
 
     __rules__ = (
         Rule(
-            cel="!(self.inference.engine.type == 'VLLM' && self.inference.gpusPerReplica == 0)",
-            message="spec.inference.gpusPerReplica: vLLM takes weights only through CUDA (its nccl and ipc "
-            "weight-transfer backends); give the replicas GPUs, or use engine type SGLang or Custom for a "
-            "CPU-only job",
-            check=lambda s: not (s.inference.engine.type == "VLLM" and s.inference.gpus_per_replica == 0),
-            field_path=".inference.gpusPerReplica",
-        ),
-        Rule(
             cel="!(self.placement.mode == 'Colocated' && self.inference.engine.type != 'Custom' && "
             "self.inference.gpusPerReplica == 0)",
             message="spec.inference.gpusPerReplica: a Colocated SGLang or VLLM engine takes weights as CUDA IPC "
