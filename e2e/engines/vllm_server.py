@@ -132,25 +132,30 @@ def differences(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> list[s
     return out
 
 
-def serve(argv: list[str] | None = None) -> None:
+def serve(host: str, port: int, model_dir: str = "") -> None:
     """The engine container of the local cluster's vLLM example: write the model directory, exec vLLM."""
-    p = argparse.ArgumentParser(description="serve the tiny Llama with vLLM's own server (weightsync backend)")
-    p.add_argument("--host", default=os.environ.get("WEIGHTSYNC_POD_IP", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=8001)
-    p.add_argument("--model-dir", default="")
-    a = p.parse_args(argv)
     # one directory per config, reused by every server (it holds config.json only; the process execs vLLM and
     # cannot clean up after itself)
     digest = hashlib.sha256(json.dumps(tiny_llama.CONFIG, sort_keys=True).encode()).hexdigest()[:12]
-    model_dir = tiny_llama.write_model_dir(Path(a.model_dir) if a.model_dir else
-                                           Path(os.environ.get("TMPDIR", "/tmp")) / f"weightsync-tiny-llama-{digest}")
-    cmd = server_command(model_dir, a.host, a.port)
+    path = tiny_llama.write_model_dir(Path(model_dir) if model_dir else
+                                      Path(os.environ.get("TMPDIR", "/tmp")) / f"weightsync-tiny-llama-{digest}")
+    cmd = server_command(path, host, port)
     sys.stdout.flush()
     os.execve(cmd[0], cmd, server_env())
 
 
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m weightsync.e2e.engines.vllm_server",
+                                description="a real vLLM server (engine venv) serving the tiny Llama with the "
+                                "weightsync weight-transfer backend")
+    sub = p.add_subparsers(dest="command", required=True)
+    sp = sub.add_parser("serve", help="write the model directory and exec vLLM's OpenAI server")
+    sp.add_argument("--host", default=os.environ.get("WEIGHTSYNC_POD_IP", "127.0.0.1"))
+    sp.add_argument("--port", type=int, default=8001)
+    sp.add_argument("--model-dir", default="")
+    a = p.parse_args(argv)
+    serve(a.host, a.port, a.model_dir)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["serve"]:
-        serve(sys.argv[2:])
-    else:
-        raise SystemExit("usage: python -m weightsync.e2e.engines.vllm_server serve [--host H] [--port P]")
+    main()

@@ -168,10 +168,12 @@ def test_every_command_exists_and_answers_help() -> None:
         except AssertionError as exc:
             failures.append(f"{' '.join(argv[:3])} (used by {', '.join(users[:3])}): {exc}")
     assert not failures, "\n".join(failures)
-    # The distinct commands: the console scripts, the two demo modules and the SGLang stand-in engine.
+    # The distinct commands: the console scripts, the demo modules (the tiny-Llama trainer too), the SGLang
+    # stand-in engine and the real vLLM server's launcher.
     assert {a[0] for a in checked} >= {"weightsync-operator", "weightsync-agent", "weightsync-crds", "python"}
-    assert {a[2] for a in checked if a[0] == "python"} == {"weightsync.agent.demo.trainer", "weightsync.agent.demo.engine",
-                                                                    "weightsync.e2e.engines.sglang_standin"}
+    assert {a[2] for a in checked if a[0] == "python"} == {
+        "weightsync.agent.demo.trainer", "weightsync.agent.demo.engine", "weightsync.agent.demo.llama_trainer",
+        "weightsync.e2e.engines.sglang_standin", "weightsync.e2e.engines.vllm_server"}
 
 
 def test_a_missing_script_fails_the_check() -> None:
@@ -225,6 +227,10 @@ def test_wheel_from_the_build_context_ships_the_scripts(tmp_path: Path) -> None:
         assert package.replace(".", "/") + "/__init__.py" in names, package
     assert "weightsync/agent/demo/trainer.py" in names and "weightsync/agent/demo/engine.py" in names
     assert "weightsync/e2e/engines/sglang_standin.py" in names
+    # the vLLM plugin ships in the wheel, with the entry point vLLM loads it from in every process
+    assert "weightsync/agent/engines/vllm_plugin.py" in names and "weightsync/agent/engines/vllm_wire.py" in names
+    assert re.search(r"^\[vllm\.general_plugins\]\nweightsync = weightsync\.agent\.engines\.vllm_plugin:register$",
+                     entry_points, re.M), entry_points
     # torch / nixl only through the extras: the operator target (no extras) gets neither.
     requires = re.findall(r"^Requires-Dist: (.*)$", metadata, re.M)
     for req in requires:
