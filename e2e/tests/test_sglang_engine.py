@@ -118,7 +118,9 @@ def test_sglang_load_failing_at_bucket_k_restores_the_previous_version(cluster, 
     bit for bit, and later versions load normally."""
     operator()
     body = demo.load_example("demo-sglang.yaml", process_nodes=process_runtime is not None, name_override="sgl-fail")
-    demo.set_trainer_args(body, interval=2.0)
+    # SGLang's own app takes ~20 s to start on 2 cores (longer under load): versions keep coming for ~40 s, so
+    # that the engine's 2nd session (the one that fails) comes after a first one it can restore
+    demo.set_trainer_args(body, interval=4.0, versions=10)
     body["spec"]["inference"]["replicas"] = 1
     body["spec"]["inference"]["template"]["spec"]["containers"][0]["command"] += ["--fail-load", "2:1"]
     demo.apply(cluster, body, namespace)
@@ -128,7 +130,7 @@ def test_sglang_load_failing_at_bucket_k_restores_the_previous_version(cluster, 
     (pod,) = inference_pods(kube, namespace, name).values()
     events = _events(pod)
     failed = [i for i, e in enumerate(events) if e["op"] == "update_weights_from_distributed" and e["status"] != 200]
-    assert len(failed) == 1, [e["op"] for e in events]
+    assert len(failed) == 1, "\n".join(f"{e['op']} {e.get('status')} {e.get('message', '')[:80]}" for e in events)
     k = failed[0]
     after = [e["op"] for e in events[k:]]
     # closed at once, marked partial, never resumed before the restore committed
