@@ -1,16 +1,19 @@
-"""vLLM adapter: vLLM 0.33's native weight-transfer API over HTTP, with the `nccl` or the `ipc` backend.
+"""vLLM adapter: vLLM 0.32-0.33's weight-transfer API over HTTP, with the backend the server announces:
+`weightsync` (weightsync's own, a vLLM plugin: agent/engines/vllm_wire.py, vllm_plugin.py), `nccl` or `ipc`.
 
 Protocol (vLLM 0.33.x: routes in `vllm/entrypoints/rl/online/api_router.py`, request types in
 `vllm/distributed/weight_transfer/base.py`, backends in `nccl_engine.py` / `nccl_common.py` /
 `ipc_engine.py`, packing in `packed_tensor.py`; the server runs with VLLM_SERVER_DEV_MODE=1, the RL routes
-are dev-gated, and `--weight-transfer-config '{"backend": "nccl"|"ipc"}'`):
+are dev-gated, and `--weight-transfer-config '{"backend": "weightsync"|"nccl"|"ipc"}'`):
 
-    GET  /version                                   at start: a release this adapter does not speak is refused
+    GET  /version, GET /server_info?config_format=json   at start: another release, or a server this agent
+                                                    cannot drive, is refused; the backend is the announced one
     POST /init_weight_transfer_engine {"init_info": ...}       once (again only after the group broke)
-    POST /pause?mode=keep                           (when updatePolicy.pauseGeneration)
+    POST /pause?mode=keep                           always (the session puts vLLM's layers on meta)
     POST /start_weight_update                       per version
     POST /update_weights {"update_info": ...}       per bucket
     POST /finish_weight_update {"weight_version": "<N>"}   vLLM publishes N only when finish succeeds
+    POST /reset_prefix_cache?reset_running_requests=true   no KV of the old weights survives (logged if refused)
     POST /resume                                    always, also after a failure
 
 A version with draft weights (`draft.` tensors, base.DRAFT_PREFIX) finishes the target's update without a
