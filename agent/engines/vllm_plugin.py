@@ -139,9 +139,10 @@ class WeightsyncWeightTransferEngine(_engine_base()):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         receiver, self.receiver = self.receiver, None
-        if receiver is not None:
+        abort = getattr(receiver.pg, "abort", None) if receiver is not None else None
+        if abort is not None:
             try:
-                receiver.pg.abort() if hasattr(receiver.pg, "abort") else None
+                abort()
             except Exception as exc:  # already broken
                 log.info("weightsync: group abort: %s", exc)
         store, self._store = self._store, None
