@@ -432,10 +432,12 @@ def test_forged_version_annotations_move_nothing(cluster, kube, namespace, opera
         raise AssertionError(f"{exc}\npod annotations: {anns}") from None
     # the agent writes its own version back (within its pod-write delay)
     pods_show(kube, namespace, name, contract.ANN_PUBLISHED_VERSION, str(last), role="trainer")
-    events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
-    unproven = [e for e in events if e.reason == "UnprovenVersion"]
-    named = " ".join(e.message for e in unproven)
-    assert trainer_pod in named or inference_pod in named, [(e.reason, e.message) for e in events]
+    def unproven_named() -> bool | None:  # the operator's Event may lag its status write under load
+        events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+        named = " ".join(e.message for e in events if e.reason == "UnprovenVersion")
+        return True if trainer_pod in named or inference_pod in named else None
+
+    wait(unproven_named, 30.0, f"an UnprovenVersion Event naming {trainer_pod} or {inference_pod}")
     assert_bit_exact(kube, namespace, name, last, 2)
 
 
