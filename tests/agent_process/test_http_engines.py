@@ -85,9 +85,12 @@ def test_agent_drives_an_sglang_engine_over_http(tmp_path: Path, clusters: list[
     assert st is not None and st["session_open"] is False and st["paused"] is False
 
 
-def test_agent_refuses_an_unsupported_sglang_release(tmp_path: Path, clusters: list[Cluster]) -> None:
+def _refused_by_agent(tmp_path: Path, clusters: list[Cluster], server_info: dict[str, object], needle: str,
+                      what: str) -> str:
+    """A trainer and an inference pod whose engine answers `server_info`: the agent's log once it says `needle`;
+    the agent made no weight-update call to an engine it cannot drive."""
     server = RecordingServer()
-    server.replies["/server_info"] = [(200, {"version": "0.5.5"})]
+    server.replies["/server_info"] = [(200, server_info)]
     try:
         c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
         clusters.append(c)
@@ -98,35 +101,26 @@ def test_agent_refuses_an_unsupported_sglang_release(tmp_path: Path, clusters: l
         c.start_agent(i, **{contract.ENV_ENGINE_TYPE: "SGLang", contract.ENV_ENGINE_URL: server.url})
         c.start_trainer(t, "--versions", "2", "--interval", "1.0")
         log = i.logs["agent"]
-        wait_for(lambda: "SGLang 0.5.5 is not supported" in log.read_text(), 60, "the agent refuses SGLang 0.5.5", c)
-        assert "0.5.23" in log.read_text()
-        # no weight-update call was ever made to an engine it cannot drive
+        wait_for(lambda: needle in log.read_text(), 60, what, c)
         assert [p for p in server.paths() if p not in ("/server_info",)] == []
+        return log.read_text()
     finally:
         server.close()
+
+
+def test_agent_refuses_an_unsupported_sglang_release(tmp_path: Path, clusters: list[Cluster]) -> None:
+    log = _refused_by_agent(tmp_path, clusters, {"version": "0.5.5"}, "SGLang 0.5.5 is not supported",
+                            "the agent refuses SGLang 0.5.5")
+    assert "0.5.23" in log
 
 
 def test_agent_refuses_an_sglang_server_of_another_tp_size(tmp_path: Path, clusters: list[Cluster]) -> None:
     """The job's inference TP is 1, the server reports tp_size 2 (/server_info): the weight-update group could
     never complete its rendezvous, so the agent refuses the engine once, naming both sizes, and calls no
     weight-update route."""
-    server = RecordingServer()
-    server.replies["/server_info"] = [(200, {"version": "0.5.23", "tp_size": 2, "dp_size": 1, "pp_size": 1})]
-    try:
-        c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
-        clusters.append(c)
-        t = c.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
-        i = c.add_pod("demo-inference-0-0", contract.ROLE_INFERENCE)
-        c.write_topology()
-        c.start_agent(t)
-        c.start_agent(i, **{contract.ENV_ENGINE_TYPE: "SGLang", contract.ENV_ENGINE_URL: server.url})
-        c.start_trainer(t, "--versions", "2", "--interval", "1.0")
-        log = i.logs["agent"]
-        wait_for(lambda: "SGLang configuration not supported" in log.read_text(), 60, "the agent refuses tp_size 2", c)
-        assert "tp_size=2" in log.read_text() and "parallelism.tensor is 1" in log.read_text()
-        assert [p for p in server.paths() if p not in ("/server_info",)] == []
-    finally:
-        server.close()
+    log = _refused_by_agent(tmp_path, clusters, {"version": "0.5.23", "tp_size": 2, "dp_size": 1, "pp_size": 1},
+                            "SGLang configuration not supported", "the agent refuses tp_size 2")
+    assert "tp_size=2" in log and "parallelism.tensor is 1" in log
 
 
 def test_agent_loads_each_version_as_a_lora_adapter(tmp_path: Path, clusters: list[Cluster]) -> None:
