@@ -639,6 +639,17 @@ def ensure_namespace(env: Environment, namespace: str) -> None:
              f"serviceaccount {namespace}/default")
 
 
+def print_served(env: Environment, custom: Any, namespace: str, name: str, last: int, took: float,
+                 out: Callable[[str], None]) -> None:
+    """What every demo prints once the job serves its last version: wsj, the replicas, the pods."""
+    out(f"[demo] status.servedVersion reached {last} after {took:.1f}s")
+    out(f"[demo] $ kubectl get wsj -o wide\n{env.kubectl('get', 'wsj', '-o', 'wide', '-n', namespace).stdout.rstrip()}")
+    final = get_job(custom, namespace, name)
+    out(f"[demo] status.inferenceReplicas (`kubectl get wsj {name} -o jsonpath='{{.status.inferenceReplicas}}'`):\n"
+        + "\n".join(replica_lines(final)))
+    out(f"[demo] $ kubectl get pods -o wide\n{env.kubectl('get', 'pods', '-o', 'wide', '-n', namespace).stdout.rstrip()}")
+
+
 def run_demo(env: Environment, example: str, namespace: str, timeout: float, out: Callable[[str], None] = print,
              operator_log: Callable[[], str] | None = None, body: JSON | None = None) -> BitExactReport:
     """Apply EXAMPLE (or BODY, e.g. load_example + set_trainer_args) in NAMESPACE (an operator must serve it),
@@ -670,12 +681,7 @@ def run_demo(env: Environment, example: str, namespace: str, timeout: float, out
 
         poll(check, timeout, f"{namespace}/{name} status.servedVersion >= {last} and Synced=True", interval=0.5,
              on_timeout=diagnose)
-        out(f"[demo] status.servedVersion reached {last} after {time.monotonic() - t0:.1f}s")
-        out(f"[demo] $ kubectl get wsj -o wide\n{env.kubectl('get', 'wsj', '-o', 'wide', '-n', namespace).stdout.rstrip()}")
-        final = get_job(custom, namespace, name)
-        out(f"[demo] status.inferenceReplicas (`kubectl get wsj {name} -o jsonpath='{{.status.inferenceReplicas}}'`):\n"
-            + "\n".join(replica_lines(final)))
-        out(f"[demo] $ kubectl get pods -o wide\n{env.kubectl('get', 'pods', '-o', 'wide', '-n', namespace).stdout.rstrip()}")
+        print_served(env, custom, namespace, name, last, time.monotonic() - t0, out)
         report = verify_bit_exact(job_pods(api, namespace, name), last)
         for pod, version in report.engines.items():
             verdict = "bit-exact" if pod not in report.mismatches and version == last else (
@@ -836,12 +842,7 @@ def run_vllm_demo(env: Environment, namespace: str, timeout: float, out: Callabl
             if not check.ok:
                 raise DemoError(f"version {version}: the vLLM engines' outputs differ from the reference: "
                                 f"{check.labels} {check.differences}\n{diagnose()}")
-        out(f"[demo] status.servedVersion reached {last} after {time.monotonic() - t0:.1f}s")
-        out(f"[demo] $ kubectl get wsj -o wide\n{env.kubectl('get', 'wsj', '-o', 'wide', '-n', namespace).stdout.rstrip()}")
-        final = get_job(custom, namespace, name)
-        out(f"[demo] status.inferenceReplicas (`kubectl get wsj {name} -o jsonpath='{{.status.inferenceReplicas}}'`):\n"
-            + "\n".join(replica_lines(final)))
-        out(f"[demo] $ kubectl get pods -o wide\n{env.kubectl('get', 'pods', '-o', 'wide', '-n', namespace).stdout.rstrip()}")
+        print_served(env, custom, namespace, name, last, time.monotonic() - t0, out)
     return checks
 
 

@@ -20,7 +20,6 @@ One server for the module (it takes 30-60 s to start on 2 cores); the tests run 
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 import time
@@ -81,6 +80,11 @@ class Fleet:
     def start_agent(self, **env: str) -> None:
         self.cluster.start_agent(self.inference, **{contract.ENV_ENGINE_TYPE: "VLLM",
                                                     contract.ENV_ENGINE_URL: self.url, **env})
+
+    def restart_agent(self, fault: str = "") -> None:
+        """SIGKILL the inference agent and start it again (as its pod's kubelet would), with a last-hop drill."""
+        self.cluster.kill(self.inference, "agent")
+        self.start_agent(**({contract.ENV_ENGINE_FAULT: fault} if fault else {}))
 
     def healthy(self) -> bool:
         try:
@@ -144,8 +148,7 @@ def test_a_bucket_corrupted_on_the_last_hop_is_refused_inside_the_engine_and_the
     the next version loads whole."""
     if fleet.served() != 3:
         pytest.fail("needs the first test's version 3")
-    fleet.cluster.kill(fleet.inference, "agent")
-    fleet.start_agent(**{contract.ENV_ENGINE_FAULT: "engine-corrupt:4:1"})
+    fleet.restart_agent("engine-corrupt:4:1")
     fleet.publish(4)
     agent_log = fleet.inference.logs["agent"]
     wait_for(lambda: "restored version=3" in agent_log.read_text(), LOAD_TIMEOUT, "the agent restores 3",
@@ -169,8 +172,7 @@ def test_an_agent_killed_inside_an_open_update_leaves_the_engine_alive_and_the_n
         fleet: Fleet) -> None:
     if fleet.served() != 4:
         pytest.fail("needs the previous test's version 4")
-    fleet.cluster.kill(fleet.inference, "agent")
-    fleet.start_agent(**{contract.ENV_ENGINE_FAULT: "engine-hang:5:1"})
+    fleet.restart_agent("engine-hang:5:1")
     fleet.publish(5)
     agent_log = fleet.inference.logs["agent"]
     wait_for(lambda: "hanging inside the open update" in agent_log.read_text(), LOAD_TIMEOUT,
@@ -188,4 +190,3 @@ def test_an_agent_killed_inside_an_open_update_leaves_the_engine_alive_and_the_n
     fleet.wait_served(6)
     fleet.check_reference(6)
     assert "vllm.update_left_open" in agent_log.read_text()
-    assert os.environ.get(contract.ENV_ENGINE_FAULT) is None
