@@ -245,12 +245,13 @@ class ServedState:
 class ServedTimeout(TimeoutError):
     """`wait_served` gave up: not every inference replica serves the version within the timeout."""
 
-    def __init__(self, version: int, timeout: float, state: ServedState) -> None:
+    def __init__(self, version: int, timeout: float, state: ServedState, only_serving: bool = False) -> None:
         self.version = version
         self.timeout = timeout
         self.state = state
         behind = sum(1 for v in state.replicas.values() if v is None or v < version)
-        super().__init__(f"version {version} is not served by every inference replica after {timeout:g}s: "
+        which = "every inference replica that serves something" if only_serving else "every inference replica"
+        super().__init__(f"version {version} is not served by {which} after {timeout:g}s: "
                          f"{behind} of {len(state.replicas)} replicas are behind: {state.describe(below=version)}")
 
 
@@ -529,7 +530,7 @@ class TrainerSession:
         """What every inference replica serves now (see ServedState for where it comes from)."""
         return self._retrying("served()", lambda: ServedState.from_reply(self._connection().request({"op": "served"})))
 
-    def wait_served(self, version: int, timeout: float = 600.0) -> ServedState:
+    def wait_served(self, version: int, timeout: float = 600.0, *, only_serving: bool = False) -> ServedState:
         """Block until every inference replica serves `version` or newer, i.e. its loading agents committed
         such a version into the engine (ServedState); returns what is served then. Raises ServedTimeout
         (a TimeoutError naming the version, the timeout and what each replica serves) after `timeout` s.
@@ -537,7 +538,12 @@ class TrainerSession:
         Bounded staleness for on-policy RL: `publish(model, version=step)`, then
         `wait_served(step - max_staleness, timeout)` before generating rollouts. A version < 1 is reached at
         once (nothing to wait for in the first steps). Scaled-up replicas count once they are in the
-        topology; a replica that never loads (its engine down) makes every wait time out.
+        topology; a replica that never loads (its engine down) makes every wait time out, unless
+        `only_serving`: then replicas that serve nothing right now (pod deleted or rescheduled, agent
+        restarting, engine not up yet) are not waited for, and at least one replica must serve `version`.
+        Such a replica is out of the routing Service too (its readiness gate is False until its first
+        sync), so rollouts keep coming from the others; tag each rollout with the version that generated
+        it (docs/trainer-recipes.md) to enforce the bound per rollout.
         """
         if not timeout >= 0 or timeout == float("inf"):
             raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
@@ -551,8 +557,10 @@ class TrainerSession:
             left = float(timeout) if not asked else max(0.0, end - time.monotonic())
             asked.append(left)
             # the agent answers within `left`; the slack covers a busy agent, not a lost one
-            return self._connection().request({"op": "wait_served", "version": int(version), "timeout": left},
-                                              timeout=left + 30.0)
+            req: dict[str, Any] = {"op": "wait_served", "version": int(version), "timeout": left}
+            if only_serving:
+                req["only_serving"] = True
+            return self._connection().request(req, timeout=left + 30.0)
 
         try:
             reply = self._retrying(f"wait_served({version})", ask)  # asked again after an agent restart
@@ -564,7 +572,7 @@ class TrainerSession:
                                f"within {timeout + 30.0:g}s") from None
         state = ServedState.from_reply(reply)
         if not reply.get("reached"):
-            raise ServedTimeout(version, timeout, state)
+            raise ServedTimeout(version, timeout, state, only_serving)
         return state
 
     def close(self) -> None:

@@ -12,10 +12,10 @@ Ops, app -> agent (trainer side):
   stage   {version, rank, nbytes, device}                             -> ok {segment: <handle>}
   publish {version, rank, segment: <name>, tensors: [TensorMeta...]}  -> ok {version}
   served                                                              -> ok {replicas, pods, served_version}
-  wait_served {version, timeout}                  -> ok {version, reached, replicas, pods, served_version}
+  wait_served {version, timeout, only_serving?}                 -> ok {version, reached, replicas, pods, served_version}
       replicas: [{replica, served}], pods: {pod: version}, both from the inference agents' ws.served reports
-      (agent/protocol.py); wait_served answers once every inference replica serves >= version, or with
-      reached=false after `timeout` s
+      (agent/protocol.py); wait_served answers once every inference replica serves >= version (only_serving:
+      every replica that serves something, at least one), or with reached=false after `timeout` s
 Ops, agent -> app (inference side, the agent drives; the app answers):
   pause / resume / begin {version} / bucket {version, segment, tensors} / commit {version} /
   abort {version, reason} / served                                     -> ok {version?}

@@ -560,7 +560,8 @@ class Agent:
                     reached, state = self.server.served.wait(
                         version, timeout, lambda: self.watcher.current, engine_takes_full_tensors(self.cfg.engine_type),
                         cancelled=lambda: self._stop.is_set() or local.peer_closed(conn.sock, 0),
-                        trainer_epoch=lambda: self.store.trainer_epoch if self.store is not None else 0)
+                        trainer_epoch=lambda: self.store.trainer_epoch if self.store is not None else 0,
+                        only_serving=bool(h.get("only_serving", False)))
                     conn.reply_ok(version=version, reached=reached, **state.to_dict())
                 else:
                     conn.reply_error(f"unknown trainer op {op!r}")
@@ -959,6 +960,7 @@ class Agent:
         wire = max(0, res.bytes - saved)
         self.metrics.wire_bytes.labels(self.mode).inc(wire)
         self.metrics.delta_buckets.inc(delta_buckets)
+        self.metrics.received_buckets.inc(sum(x.buckets for x in res.stats))
         self.metrics.verified_bytes.inc(res.verified_bytes)
         self.metrics.sync_seconds.labels(self.mode).observe(took)
         st = res.stats

@@ -541,11 +541,16 @@ class FleetServed:
     pods: dict[int, dict[str, int | None]]       # replica -> loading pod -> the version its agent last reported
     epochs: dict[int, int] = field(default_factory=dict)  # replica -> the trainer epoch of its version
 
-    def reaches(self, version: int, trainer_epoch: int = 0) -> bool:
+    def reaches(self, version: int, trainer_epoch: int = 0, only_serving: bool = False) -> bool:
         """Every inference replica serves `version` of `trainer_epoch` or newer, in (epoch, version) order
-        (true when the topology has no replica): a replica still on an older trainer epoch does not count."""
+        (true when the topology has no replica): a replica still on an older trainer epoch does not count.
+        `only_serving`: replicas that serve nothing (pod gone, agent restarting, engine not loaded yet) are
+        left out, but at least one replica must serve it (an RL loop goes on while a replica is replaced)."""
+        replicas = {r: v for r, v in self.replicas.items() if v is not None} if only_serving else self.replicas
+        if only_serving and not replicas:
+            return False
         return all(v is not None and (self.epochs.get(r, 0), v) >= (trainer_epoch, version)
-                   for r, v in self.replicas.items())
+                   for r, v in replicas.items())
 
     @property
     def version(self) -> int | None:
@@ -608,13 +613,14 @@ class ServedTracker:
 
     def wait(self, version: int, timeout: float, topo: Callable[[], Topology], full_tensors: bool,
              cancelled: Callable[[], bool] = lambda: False,
-             trainer_epoch: Callable[[], int] = lambda: 0) -> tuple[bool, FleetServed]:
-        """Block until every inference replica of the current topology serves `version` (of the current
-        trainer epoch) or newer, at most `timeout` s (or until `cancelled()`); returns (reached, what is served)."""
+             trainer_epoch: Callable[[], int] = lambda: 0, only_serving: bool = False) -> tuple[bool, FleetServed]:
+        """Block until every inference replica of the current topology (with `only_serving`, every one that
+        serves something, at least one) serves `version` (of the current trainer epoch) or newer, at most
+        `timeout` s (or until `cancelled()`); returns (reached, what is served)."""
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             state = self.fleet(topo(), full_tensors)
-            if state.reaches(version, trainer_epoch()):
+            if state.reaches(version, trainer_epoch(), only_serving):
                 return True, state
             remaining = deadline - time.monotonic()
             if remaining <= 0 or cancelled():

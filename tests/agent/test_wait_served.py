@@ -112,6 +112,29 @@ def test_wait_wakes_on_a_report_and_times_out_with_the_state() -> None:
     assert not reached
 
 
+def test_only_serving_leaves_out_replicas_that_serve_nothing_but_needs_one() -> None:
+    """An RL loop goes on while a replica's pod is replaced: wait_served(only_serving=True)."""
+    t = topo({0: [[0]], 1: [[0]]})
+    tr = ServedTracker()
+    tr.link_opened("j-inference-0-0", 0)
+    tr.link_opened("j-inference-1-0", 1)
+    assert not tr.fleet(t, False).reaches(1, only_serving=True), "nothing served anywhere: not reached"
+    tr.report("j-inference-0-0", 0, 4)
+    tr.report("j-inference-1-0", 1, 3)
+    state = tr.fleet(t, False)
+    assert state.reaches(3, only_serving=True) and not state.reaches(4, only_serving=True), \
+        "a replica that serves an older version is still waited for"
+    tr.link_closed("j-inference-1-0", 1)  # its pod was deleted
+    state = tr.fleet(t, False)
+    assert not state.reaches(4) and state.reaches(4, only_serving=True)
+    reached, _ = tr.wait(4, 5, lambda: t, False, only_serving=True)
+    assert reached
+    tr.link_opened("j-inference-1-0", 2)  # the new pod's agent: connected, nothing committed yet
+    assert tr.fleet(t, False).reaches(4, only_serving=True)
+    tr.report("j-inference-1-0", 2, 2)  # it loaded an old version: waited for again
+    assert not tr.fleet(t, False).reaches(4, only_serving=True)
+
+
 # --- ws.served over real links ------------------------------------------------------------------------------
 @pytest.fixture
 def server(tmp_path: Path) -> Any:
@@ -218,6 +241,10 @@ def test_client_wait_served_returns_state_or_raises_a_clear_timeout(tmp_path: Pa
             assert "replica 0" not in msg, "replicas that serve the version are not listed"
             assert s.wait_served(5, timeout=1) == state
             assert seen[-1] == {"op": "wait_served", "version": 5, "timeout": 1.0}
+            assert s.wait_served(5, timeout=1, only_serving=True) == state
+            assert seen[-1] == {"op": "wait_served", "version": 5, "timeout": 1.0, "only_serving": True}
+            with pytest.raises(ServedTimeout, match="not served by every inference replica that serves something"):
+                s.wait_served(6, timeout=1, only_serving=True)
             n = len(seen)
             s.wait_served(0, timeout=1)  # step - maxStaleness < 1 in the first steps: no wait
             assert seen[n:] == [{"op": "served"}]
