@@ -28,6 +28,12 @@ def engine_python() -> Path:
         return Path(override)
     out = subprocess.run(["bash", str(SCRIPT), "--print-path"], check=True, stdout=subprocess.PIPE,
                          text=True).stdout.strip()
-    if not (Path(out) / ".installed").is_file():
+    venv = Path(out)
+    if not (venv / ".installed").is_file():
         raise EngineVenvMissing(f"the engine venv {out} is not built: run `make setup` or `bash {SCRIPT}`")
-    return Path(out) / "bin" / "python"
+    src = venv / ".weightsync-src"
+    if (src.read_text().strip() if src.is_file() else "") != str(REPO):
+        # the venv is shared by every checkout on the machine, and its editable weightsync (the vLLM plugin)
+        # points at the one that last ran the script: another checkout's code, or a removed one, would load
+        subprocess.run(["bash", str(SCRIPT)], check=True, stdout=subprocess.DEVNULL)
+    return venv / "bin" / "python"
