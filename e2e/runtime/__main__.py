@@ -14,6 +14,7 @@ from pathlib import Path
 from weightsync.e2e.runtime.images import images_from_env
 from weightsync.e2e.runtime.ips import DEFAULT_POD_CIDR
 from weightsync.e2e.runtime.runtime import ProcessRuntime
+from weightsync.e2e.runtime.services import DEFAULT_SERVICE_CIDR
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -23,6 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--state-dir", required=True, type=Path, help="pod dirs and container logs go here")
     parser.add_argument("--python-bin-dir", type=Path, default=None, help="prepended to PATH (default: this venv)")
     parser.add_argument("--pod-cidr", default=DEFAULT_POD_CIDR, help="loopback CIDR for pod IPs (inside 127.0.0.0/8)")
+    parser.add_argument("--service-cidr", default=DEFAULT_SERVICE_CIDR,
+                        help="loopback CIDR for the Service proxy's addresses (stand-ins for ClusterIPs); '' disables it")
     parser.add_argument("--images", default=os.environ.get("WEIGHTSYNC_RUNTIME_IMAGES", ""),
                         help="buildah: run containers whose image is in this host's buildah storage from that image "
                              "(default: $WEIGHTSYNC_RUNTIME_IMAGES, else host processes only)")
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
     try:
         runtime = ProcessRuntime(args.kubeconfig, nodes, args.state_dir, args.python_bin_dir, pod_cidr=args.pod_cidr,
-                                 images=images_from_env(args.images))
+                                 images=images_from_env(args.images), service_cidr=args.service_cidr or None)
     except Exception as exc:  # one clear line instead of a traceback
         print(
             f"error: cannot start the process runtime with --kubeconfig {args.kubeconfig}: {exc} "

@@ -189,3 +189,45 @@ def service_env(api_host: str, api_port: int) -> dict[str, str]:
         "KUBERNETES_PORT_443_TCP_ADDR": api_host,
         "KUBERNETES_PORT_443_TCP_PORT": str(api_port),
     }
+
+
+def env_var_name(service_name: str) -> str:
+    """The kubelet's service env prefix: upper case, '-' -> '_' (`demo-rl-inference` -> `DEMO_RL_INFERENCE`)."""
+    return service_name.upper().replace("-", "_")
+
+
+def has_cluster_ip(service: JSON) -> bool:
+    """The kubelet's IsServiceIPSet: a ClusterIP that is neither empty nor `None` (headless)."""
+    ip = (service.get("spec") or {}).get("clusterIP") or ""
+    return ip not in ("", "None")
+
+
+def service_link_env(services: list[tuple[JSON, str]]) -> dict[str, str]:
+    """The kubelet's service links for (Service, host) pairs: `<NAME>_SERVICE_HOST`, `<NAME>_SERVICE_PORT`
+    (first port), `<NAME>_SERVICE_PORT_<PORT>` per named port and the Docker-link `<NAME>_PORT*` vars.
+
+    `host` stands in for `spec.clusterIP` (the process runtime's proxy address for the Service). Services
+    without a ClusterIP (headless, ExternalName) and without ports get nothing, like the kubelet.
+    """
+    env: dict[str, str] = {}
+    for service, host in sorted(services, key=lambda pair: pair[0].get("metadata", {}).get("name", "")):
+        ports = (service.get("spec") or {}).get("ports") or []
+        if not has_cluster_ip(service) or not ports:
+            continue
+        prefix = env_var_name(service["metadata"]["name"])
+        env[f"{prefix}_SERVICE_HOST"] = host
+        env[f"{prefix}_SERVICE_PORT"] = str(ports[0]["port"])
+        for port in ports:
+            if port.get("name"):
+                env[f"{prefix}_SERVICE_PORT_{env_var_name(port['name'])}"] = str(port["port"])
+        for i, port in enumerate(ports):
+            proto = str(port.get("protocol") or "TCP")
+            url = f"{proto.lower()}://{host}:{port['port']}"
+            if i == 0:
+                env[f"{prefix}_PORT"] = url
+            each = f"{prefix}_PORT_{port['port']}_{proto.upper()}"
+            env[each] = url
+            env[f"{each}_PROTO"] = proto.lower()
+            env[f"{each}_PORT"] = str(port["port"])
+            env[f"{each}_ADDR"] = host
+    return env

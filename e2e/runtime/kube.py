@@ -8,10 +8,12 @@ session-per-thread use.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,8 +148,13 @@ class KubeClient:
     def delete(self, path: str, body: JSON | None = None) -> JSON:
         return self.request("DELETE", path, body=body)
 
-    def watch(self, path: str, params: dict[str, Any], timeout_s: int) -> Iterator[JSON]:
-        """Yield watch events ({type, object}) until the server closes the stream."""
+    def watch(
+        self, path: str, params: dict[str, Any], timeout_s: int, on_open: Callable[[requests.Response], None] | None = None
+    ) -> Iterator[JSON]:
+        """Yield watch events ({type, object}) until the server closes the stream.
+
+        `on_open` gets the streaming response first, so another thread can end a blocked read (abort_watch).
+        """
         query = dict(params, watch="true", timeoutSeconds=str(timeout_s), allowWatchBookmarks="true")
         try:
             resp = self._session().get(
@@ -155,6 +162,8 @@ class KubeClient:
             )
         except requests.RequestException as exc:
             raise ApiError(0, f"WATCH {path}: {exc}") from exc
+        if on_open is not None:
+            on_open(resp)
         with resp:
             if resp.status_code >= 300:
                 raise ApiError(resp.status_code, f"WATCH {path}: {resp.text[:500]}")
@@ -164,6 +173,18 @@ class KubeClient:
                         yield json.loads(line)
             except (requests.RequestException, ValueError) as exc:
                 raise ApiError(0, f"WATCH {path} interrupted: {exc}") from exc
+
+
+def abort_watch(resp: requests.Response) -> None:
+    """End a watch stream another thread is blocked reading: shut its socket down (a close alone would not
+    wake the reader), then close the response."""
+    conn = getattr(resp.raw, "connection", None)
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(Exception):
+        resp.close()
 
 
 def pod_path(namespace: str, name: str, sub: str = "") -> str:

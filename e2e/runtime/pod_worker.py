@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.e2e.runtime.containers import Backoff, ContainerRunner, rfc3339
-from weightsync.e2e.runtime.envvars import EnvError, Lookup, container_env, expand, service_env
+from weightsync.e2e.runtime.envvars import (
+    EnvError,
+    Lookup,
+    container_env,
+    expand,
+    service_env,
+    service_link_env,
+)
 from weightsync.e2e.runtime.events import EventRecorder
 from weightsync.e2e.runtime.images import (
     ImageError,
@@ -66,6 +73,8 @@ class RuntimeContext:
     events: EventRecorder
     runtime_id: str
     images: ImageStore | None = None  # image mode: containers whose image is in this store run from it
+    # namespace -> (Service, proxy address) pairs for the service-link env (services.ServiceProxy.link_services)
+    service_links: Callable[[str], list[tuple[JSON, str]]] | None = None
 
 
 def pod_dir_name(namespace: str, name: str, uid: str) -> str:
@@ -336,7 +345,7 @@ class PodWorker:
         retry_at = now + max(self.ctx.backoff_base_s, 1.0)
         try:
             base = {**image_env(image.config), "HOSTNAME": self.name, RUNTIME_ID_ENV: self.ctx.runtime_id,
-                    **service_env(self.ctx.api_host, self.ctx.api_port)}
+                    **self._service_links(pod), **service_env(self.ctx.api_host, self.ctx.api_port)}
             base.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
             env = container_env(pod, spec, self.pod_ip, self.host_ip, self.ctx.lookup, base)
             uid, gid = container_user(pod, spec, image)
@@ -375,6 +384,14 @@ class PodWorker:
 
         return [str(self.ctx.python_bin_dir.parent), str(Path(weightsync.__file__).resolve().parent.parent)]
 
+    def _service_links(self, pod: JSON) -> dict[str, str]:
+        """The kubelet's service links (`enableServiceLinks`, default true): every proxied Service of the pod's
+        namespace, at the proxy's address. The pod's own env is applied on top (it wins), and `$(VAR)` in
+        command/args sees them."""
+        if self.ctx.service_links is None or pod.get("spec", {}).get("enableServiceLinks") is False:
+            return {}
+        return service_link_env(self.ctx.service_links(self.namespace))
+
     def _env(self, pod: JSON, spec: JSON) -> dict[str, str]:
         base = {
             "PATH": f"{self.ctx.python_bin_dir}:{os.environ.get('PATH', os.defpath)}",
@@ -383,6 +400,7 @@ class PodWorker:
             "PYTHONUNBUFFERED": "1",
             RUNTIME_ID_ENV: self.ctx.runtime_id,
             **{k: v for k, v in os.environ.items() if k in ("LANG", "LC_ALL", "TZ")},
+            **self._service_links(pod),
             **service_env(self.ctx.api_host, self.ctx.api_port),
         }
         env = container_env(pod, spec, self.pod_ip, self.host_ip, self.ctx.lookup, base)

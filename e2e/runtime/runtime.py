@@ -23,6 +23,7 @@ from weightsync.e2e.runtime.kube import ApiError, KubeClient, endpoint_from_kube
 from weightsync.e2e.runtime.orphans import kill_marked
 from weightsync.e2e.runtime.pod_volumes import unmount_under
 from weightsync.e2e.runtime.pod_worker import PodWorker, RuntimeContext, pod_dir_name
+from weightsync.e2e.runtime.services import DEFAULT_SERVICE_CIDR, ServiceProxy
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
@@ -85,6 +86,7 @@ class ProcessRuntime:
         backoff_max_s: float = 20.0,
         tick_s: float = 0.25,
         images: ImageStore | None = None,
+        service_cidr: str | None = DEFAULT_SERVICE_CIDR,
     ) -> None:
         if not node_names:
             raise ValueError("ProcessRuntime needs at least one node name (--nodes a,b)")
@@ -98,6 +100,11 @@ class ProcessRuntime:
         self.client = KubeClient(endpoint)
         self._ips = PodIPAllocator(pod_cidr, HostLeases(ip_lease_dir) if ip_lease_dir else None)
         self._host_ips: dict[str, str] = {}
+        # Services: one leased loopback address per ClusterIP Service (services.py); None: no proxy, no links
+        self.services: ServiceProxy | None = None
+        if service_cidr:
+            leases = HostLeases(ip_lease_dir) if ip_lease_dir else None  # its own token: never shares a pod's IP
+            self.services = ServiceProxy(self.client, PodIPAllocator(service_cidr, leases))
         tag = hashlib.sha1(str(self.state_dir).encode()).hexdigest()[:10]
         self.runtime_id = tag
         self.ctx = RuntimeContext(
@@ -120,6 +127,7 @@ class ProcessRuntime:
             events=EventRecorder(self.client),
             runtime_id=tag,
             images=images,
+            service_links=self.services.link_services if self.services is not None else None,
         )
         self._workers: dict[str, PodWorker] = {}
         self._done: dict[str, float] = {}  # uids whose worker finished (never re-admitted)
@@ -133,6 +141,8 @@ class ProcessRuntime:
         self.ctx.pods_dir.mkdir(parents=True, exist_ok=True)
         kill_marked(self.runtime_id)  # what a crashed runtime with this state dir left running
         unmount_under(self.ctx.pods_dir)
+        if self.services is not None:
+            self.services.start(wait_s)  # first: pods started next get every existing Service's links
         for node in self.node_names:
             thread = threading.Thread(target=self._watch_node, args=(node,), name=f"watch-{node}", daemon=True)
             thread.start()
@@ -155,6 +165,9 @@ class ProcessRuntime:
         kill_marked(self.runtime_id)  # children that left their process group
         unmount_under(self.ctx.pods_dir)
         self._ips.release_all()
+        if self.services is not None:
+            self.services.stop()
+            self.services.addresses.release_all()
         self.ctx.events.close()
         shutil.rmtree(self.ctx.shm_root, ignore_errors=True)
         if self.ctx.images is not None:
