@@ -162,6 +162,7 @@ class _UserPauseGuard:
     def pause(self) -> None:
         if not self.agent.user_paused:
             self.inner.pause()
+            self.agent.stall_started = time.perf_counter()
 
     def resume(self) -> None:
         if getattr(self.inner, "needs_restore", False) and self.agent.restore_version is not None:
@@ -171,6 +172,7 @@ class _UserPauseGuard:
             return
         if not self.agent.user_paused:
             self.inner.resume()
+            self.agent.stall_ended()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -282,6 +284,8 @@ class Agent:
         self.layout_fn: Callable[[dict[str, TensorShard], int, int], list[list[TensorShard]]] | None = None
         self.restore_version: int | None = None  # the last good version while a load is in flight
         self.held_paused = False  # a failed load left the engine's weights mixed: paused until restored
+        self.stall_started: float | None = None  # when a load paused generation (pauseGeneration)
+        self.last_stall: float | None = None  # the last load's pause to resume, seconds
         self.engine_refused: str | None = None  # an unsupported engine release: no load is attempted
         self._unreachable_since: float | None = None  # first failed attempt to reach the engine (monotonic)
         self._unreachable_reported = False
@@ -969,12 +973,22 @@ class Agent:
         if isinstance(engine_copied, int):
             self.metrics.copied_bytes.labels("engine_pack").inc(max(0, engine_copied - self._engine_copied))
             self._engine_copied = engine_copied
+        stall = f" stall={self.last_stall:.3f}" if self.cfg.pause_generation and self.last_stall is not None else ""
+        self.last_stall = None
         log.info("version committed version=%s bytes=%s wire_bytes=%s delta_buckets=%s seconds=%.3f handshake=%.3f "
-                 "wait=%.3f engine_load=%.3f", version, res.bytes, wire, delta_buckets, took,
-                 sum(x.handshake_seconds for x in st), sum(x.wait_seconds for x in st), sum(x.load_seconds for x in st))
+                 "wait=%.3f engine_load=%.3f%s", version, res.bytes, wire, delta_buckets, took,
+                 sum(x.handshake_seconds for x in st), sum(x.wait_seconds for x in st), sum(x.load_seconds for x in st),
+                 stall)
         self._report()
         self.peers.report_served(version, trainer_epoch)  # trainer agents answer wait_served from these reports
         self._wake.set()
+
+    def stall_ended(self) -> None:
+        """Generation resumed after a load: how long it was paused (what a user's rollouts waited)."""
+        if self.stall_started is not None:
+            self.last_stall = time.perf_counter() - self.stall_started
+            self.stall_started = None
+            self.metrics.engine_stall_seconds.observe(self.last_stall)
 
     def _hold(self, version: int, fetch: Callable[[int], Any], hold: atomic.HoldingAdapter) -> None:
         """Atomic prepare: fetch and verify `version` into host memory; the engine is not touched."""

@@ -28,6 +28,10 @@ class AgentMetrics:
             "weightsync_agent_wire_bytes_total", "Bytes an inference agent actually read for committed versions: a "
             "bucket received as a delta counts its encoded size (equals transfer bytes without delta sync)",
             ["mode"], registry=r)
+        self.received_buckets = Counter(
+            "weightsync_agent_received_buckets_total", "Buckets an inference agent received for committed versions "
+            "(what the per-bucket costs of a version scale with, where the per-tensor ones scale with tensors)",
+            registry=r)
         self.delta_buckets = Counter(
             "weightsync_agent_delta_buckets_total", "Buckets an inference agent received as a delta "
             "(spec.transfer.deltaSync) instead of in full, for committed versions", registry=r)
@@ -69,6 +73,9 @@ class AgentMetrics:
         self.sync_seconds = Histogram(
             "weightsync_agent_sync_seconds", "Seconds to fetch, load and commit one version (inference)",
             ["mode"], buckets=_SECONDS, registry=r)
+        self.engine_stall_seconds = Histogram(
+            "weightsync_agent_engine_stall_seconds", "Seconds the engine's generation was paused for one load "
+            "(updatePolicy.pauseGeneration: paused to resumed; inference)", buckets=_SECONDS, registry=r)
         self.serve_seconds = Histogram(
             "weightsync_agent_serve_seconds", "Seconds to serve one version to one inference agent (trainer)",
             ["mode"], buckets=_SECONDS, registry=r)
