@@ -7,13 +7,19 @@ machine-wide IP leases (`SERVICE_CIDR`, 127.96.0.0/16 by default, one lock file 
 and the proxy listens on `<address>:<port>` for each TCP port of the Service. That address stands in for
 the ClusterIP: the service-link env (`<NAME>_SERVICE_HOST`, see envvars.service_link_env) carries it.
 
-Every accepted connection goes to one *ready* endpoint of the Service's EndpointSlices (label
-`kubernetes.io/service-name`; `conditions.ready` unset counts as ready, as in kube-proxy), picked at random
-per connection like kube-proxy's iptables mode, on the slice port with the Service port's name. No ready
-endpoint (or the per-Service connection limit reached): the connection is reset at once (kube-proxy
-REJECTs). Services and EndpointSlices of all namespaces are list+watched, so an endpoint that turns
-not-ready stops getting new connections as soon as the EndpointSlice controller says so; established
-connections are left alone (conntrack keeps them in kube-proxy too).
+Every accepted connection goes to one *ready* endpoint of the Service, picked at random per connection like
+kube-proxy's iptables mode. No ready endpoint (or the per-Service connection limit reached): the connection
+is reset at once (kube-proxy REJECTs). Established connections are left alone when endpoints change
+(conntrack keeps them in kube-proxy too).
+
+Endpoints: the apiserver refuses loopback addresses in EndpointSlices (and Endpoints), so the EndpointSlice
+controller cannot publish process pods (127.x pod IPs). For a Service with a selector the proxy therefore
+computes the endpoints the way that controller would, from the pods: same namespace, labels matching the
+selector, a pod IP, not terminal, not being deleted, `Ready` condition True (unless
+`publishNotReadyAddresses`), port from `targetPort` (a number, or a named container port). A Service without
+a selector uses its EndpointSlices (label `kubernetes.io/service-name`; `conditions.ready` unset counts as
+ready, as in kube-proxy). Services, EndpointSlices and pods of all namespaces are list+watched, so a pod
+that turns not Ready stops getting new connections as soon as its status says so.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ DEFAULT_SERVICE_CIDR = "127.96.0.0/16"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 SERVICES_PATH = "/api/v1/services"
 SLICES_PATH = "/apis/discovery.k8s.io/v1/endpointslices"
+PODS_PATH = "/api/v1/pods"
 # The apiserver's own Service: pods reach the real apiserver through KUBERNETES_SERVICE_HOST (envvars.service_env).
 APISERVER_SERVICE: Key = ("default", "kubernetes")
 
@@ -81,6 +88,54 @@ def ready_backends(port_name: str, slices: list[JSON]) -> list[tuple[str, int]]:
                 continue
             for address in endpoint.get("addresses") or []:
                 found.add((str(address), int(port)))
+    return sorted(found)
+
+
+def _pod_ready(pod: JSON) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def _container_port(pod: JSON, name: str, protocol: str) -> int | None:
+    """A named container port of the pod (app containers, then native sidecars), like podutil.FindPort."""
+    spec = pod.get("spec") or {}
+    containers = (spec.get("containers") or []) + [
+        c for c in spec.get("initContainers") or [] if c.get("restartPolicy") == "Always"
+    ]
+    for container in containers:
+        for port in container.get("ports") or []:
+            if port.get("name") == name and str(port.get("protocol") or "TCP") == protocol:
+                return int(port["containerPort"])
+    return None
+
+
+def pod_backends(service: JSON, port_name: str, pods: list[JSON]) -> list[tuple[str, int]]:
+    """The EndpointSlice controller's endpoints for a Service with a selector, ready ones only: (pod IP, target
+    port) of the pods of its namespace matching the selector that have an IP, are not terminal or being
+    deleted, and are Ready (any readiness with `publishNotReadyAddresses`). Sorted."""
+    spec = service.get("spec") or {}
+    selector = spec.get("selector") or {}
+    namespace = (service.get("metadata") or {}).get("namespace")
+    port = next((p for p in spec.get("ports") or [] if str(p.get("name") or "") == port_name), None)
+    if not selector or port is None:
+        return []
+    protocol = str(port.get("protocol") or "TCP")
+    target = port.get("targetPort") or port["port"]
+    found: set[tuple[str, int]] = set()
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        status = pod.get("status") or {}
+        labels = meta.get("labels") or {}
+        if meta.get("namespace") != namespace or any(labels.get(k) != v for k, v in selector.items()):
+            continue
+        if not status.get("podIP") or status.get("phase") in ("Succeeded", "Failed") or meta.get("deletionTimestamp"):
+            continue
+        if not spec.get("publishNotReadyAddresses") and not _pod_ready(pod):
+            continue
+        number = int(target) if isinstance(target, int) or str(target).isdigit() else (
+            _container_port(pod, str(target), protocol))
+        if number is not None:
+            found.add((str(status["podIP"]), number))
     return sorted(found)
 
 
@@ -254,6 +309,7 @@ class ServiceProxy:
         self.connect_timeout_s = connect_timeout_s
         self._services: dict[Key, JSON] = {}
         self._slices: dict[Key, JSON] = {}  # by the slice's own (namespace, name)
+        self._pods: dict[Key, JSON] = {}
         self._backends: dict[tuple[Key, str], list[tuple[str, int]]] = {}
         self._listeners: dict[Key, _ServiceListeners] = {}
         self._lock = threading.Lock()  # the caches and _backends
@@ -262,11 +318,11 @@ class ServiceProxy:
         self._threads: list[threading.Thread] = []
         self._conn_threads: set[threading.Thread] = set()
         self._watches: dict[str, requests.Response] = {}
-        self._listed = {SERVICES_PATH: threading.Event(), SLICES_PATH: threading.Event()}
+        self._listed = {path: threading.Event() for path in (SERVICES_PATH, SLICES_PATH, PODS_PATH)}
 
     # --- public ----------------------------------------------------------------------------------------
     def start(self, wait_s: float = 30.0) -> None:
-        for path in (SERVICES_PATH, SLICES_PATH):
+        for path in self._listed:
             thread = threading.Thread(target=self._watch, args=(path,), daemon=True, name=f"svc-watch-{path}")
             thread.start()
             self._threads.append(thread)
@@ -326,13 +382,18 @@ class ServiceProxy:
         """Rebuild the ready backends of `keys` (under _lock) and log the Services whose count changed."""
         for key in keys:
             service = self._services.get(key)
-            slices = [s for (ns, _), s in self._slices.items()
-                      if ns == key[0] and ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL) == key[1]]
             old = {k: v for k, v in self._backends.items() if k[0] == key}
             for k in old:
                 del self._backends[k]
             if service is None or not proxied(service):
                 continue
+            if (service.get("spec") or {}).get("selector"):
+                pods = [p for (ns, _), p in self._pods.items() if ns == key[0]]
+                for name in set(tcp_ports(service).values()):
+                    self._backends[(key, name)] = pod_backends(service, name, pods)
+                continue
+            slices = [s for (ns, _), s in self._slices.items()
+                      if ns == key[0] and ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL) == key[1]]
             for name in set(tcp_ports(service).values()):
                 self._backends[(key, name)] = ready_backends(name, slices)
             new = {k: v for k, v in self._backends.items() if k[0] == key}
@@ -390,6 +451,12 @@ class ServiceProxy:
                     self._services.pop(key, None)
                 else:
                     self._services[key] = obj
+            elif path == PODS_PATH:
+                affected = {k for k in self._services if k[0] == key[0]}
+                if kind == "DELETED":
+                    self._pods.pop(key, None)
+                else:
+                    self._pods[key] = obj
             else:
                 old = self._slices.get(key)
                 affected = {
@@ -411,6 +478,8 @@ class ServiceProxy:
         with self._lock:
             if path == SERVICES_PATH:
                 self._services = fresh
+            elif path == PODS_PATH:
+                self._pods = fresh
             else:
                 self._slices = fresh
             keys = set(self._services) | {k[0] for k in self._backends}

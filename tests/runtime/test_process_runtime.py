@@ -560,3 +560,118 @@ def test_configmap_script_and_audience_bound_token(api: KubeClient, namespace: s
     assert pod["status"]["phase"] == "Succeeded", pod["status"]
     claims = json.loads(process_runtime.log_path(namespace, "scripted", "main").read_text())
     assert claims == {"aud": ["weightsync-agent"], "pod": "scripted", "sa": "default", "ttl": 600}
+
+
+# --- Services: a ClusterIP Service through the runtime's proxy, spread over Ready endpoints only ------------
+ECHO_SERVER = """
+    import http.server, os
+    name, ready = os.environ["POD_NAME"], [True]
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/fail":
+                ready[0] = False
+            body = name.encode()
+            self.send_response(503 if self.path == "/ready" and not ready[0] else 200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *args):
+            pass
+    http.server.ThreadingHTTPServer((os.environ["POD_IP"], 18080), Handler).serve_forever()
+"""
+ECHO_CLIENT = """
+    import json, os, sys, urllib.request
+    seen = [urllib.request.urlopen(sys.argv[1], timeout=5).read().decode() for _ in range(30)]
+    print(json.dumps({"url": sys.argv[1], "seen": seen, "port": os.environ.get("ECHO_SERVICE_PORT")}), flush=True)
+"""
+
+
+def _service_get(address: str) -> str | None:
+    """One request on a new connection; None when the proxy resets it (no ready endpoint)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{address}/", timeout=5) as resp:
+            return str(resp.read().decode())
+    except (urllib.error.URLError, ConnectionError):
+        return None
+
+
+def _ready(api: KubeClient, namespace: str, names: tuple[str, ...]) -> dict[str, bool]:
+    pods = {name: get_pod(api, namespace, name) for name in names}
+    return {name: pod is not None and condition(pod, "Ready") == "True" for name, pod in pods.items()}
+
+
+def test_cluster_ip_service_reaches_ready_endpoints_only(api: KubeClient, namespace: str, process_runtime: Any) -> None:
+    started = time.monotonic()
+    api.post(f"/api/v1/namespaces/{namespace}/services", {
+        "metadata": {"name": "echo"},
+        "spec": {"selector": {"app": "echo"},
+                 "ports": [{"name": "http", "port": 8080, "targetPort": "web", "protocol": "TCP"}]},
+    })
+    address = wait_until(lambda: process_runtime.services.address(namespace, "echo"), timeout=10,
+                         what="the proxy's address for the Service")
+    assert address.startswith("127.") and address != "127.0.0.1"
+    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    for name in ("echo-a", "echo-b"):
+        manifest = pod_manifest(name, [{
+            "name": "web", "image": "x", "command": py(ECHO_SERVER), "env": env,
+            "ports": [{"name": "web", "containerPort": 18080}],
+            "readinessProbe": {"httpGet": {"path": "/ready", "port": "web"}, "periodSeconds": 1, "failureThreshold": 1},
+        }])
+        manifest["metadata"]["labels"] = {"app": "echo"}
+        create_pod(api, namespace, manifest)
+    create_pod(api, namespace, pod_manifest(
+        "no-links",
+        [{"name": "main", "image": "x",
+          "command": py("import os; print(sorted(k for k in os.environ if k.endswith('_SERVICE_HOST')))")}],
+        restartPolicy="Never", enableServiceLinks=False,
+    ))
+    pods = {name: wait_pod(api, namespace, name, lambda p: condition(p, "Ready") == "True", "Ready")
+            for name in ("echo-a", "echo-b")}
+    # the client pod reaches the Service through its service links, $(VAR)-expanded in args; its own env wins
+    create_pod(api, namespace, pod_manifest(
+        "client",
+        [{"name": "main", "image": "x", "command": py(ECHO_CLIENT),
+          "args": ["http://$(ECHO_SERVICE_HOST):$(ECHO_SERVICE_PORT_HTTP)/"],
+          "env": [{"name": "ECHO_SERVICE_PORT", "value": "pod-wins"}]}],
+        restartPolicy="Never",
+    ))
+    client = wait_pod(api, namespace, "client", finished, "finished", timeout=30)
+    assert client["status"]["phase"] == "Succeeded", process_runtime.log_path(namespace, "client", "main").read_text()
+    lines = process_runtime.log_path(namespace, "client", "main").read_text().splitlines()
+    result = json.loads(lines[-1])
+    assert result["url"] == f"http://{address}:8080/"
+    assert result["port"] == "pod-wins"
+    assert set(result["seen"]) == {"echo-a", "echo-b"}, result["seen"]
+    wait_pod(api, namespace, "no-links", finished, "finished")
+    assert process_runtime.log_path(namespace, "no-links", "main").read_text().strip() == "['KUBERNETES_SERVICE_HOST']"
+
+    # the test itself through the same address: 30 requests reach both
+    target = f"{address}:8080"
+    assert set(_service_get(target) for _ in range(30)) == {"echo-a", "echo-b"}
+
+    # echo-a turns not Ready (its readiness probe fails): from then on new connections all go to echo-b
+    import urllib.request
+
+    urllib.request.urlopen(f"http://{pods['echo-a']['status']['podIP']}:18080/fail", timeout=5).read()
+    flipped = time.monotonic()
+    wait_until(lambda: _ready(api, namespace, ("echo-a", "echo-b")) == {"echo-a": False, "echo-b": True}, timeout=15,
+               interval=0.1, what="echo-a not Ready")
+    not_ready_s = time.monotonic() - flipped
+    wait_until(lambda: all(_service_get(target) == "echo-b" for _ in range(20)), timeout=3, interval=0.05,
+               what="the proxy sending new connections to echo-b only")
+    switch_s = time.monotonic() - flipped
+    assert [_service_get(target) for _ in range(30)] == ["echo-b"] * 30
+
+    # no ready endpoint left: the proxy resets new connections at once
+    urllib.request.urlopen(f"http://{pods['echo-b']['status']['podIP']}:18080/fail", timeout=5).read()
+    wait_until(lambda: not any(_ready(api, namespace, ("echo-a", "echo-b")).values()), timeout=15,
+               interval=0.1, what="no pod Ready")
+    wait_until(lambda: _service_get(target) is None, timeout=3, interval=0.05, what="connections reset")
+    t0 = time.monotonic()
+    assert _service_get(target) is None and time.monotonic() - t0 < 1.0
+    print(f"service test: echo-a not Ready after {not_ready_s:.2f} s, proxy switched after {switch_s:.2f} s, "
+          f"total {time.monotonic() - started:.1f} s")

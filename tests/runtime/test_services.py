@@ -23,6 +23,7 @@ from weightsync.e2e.runtime.services import (
     SERVICES_PATH,
     SLICES_PATH,
     ServiceProxy,
+    pod_backends,
     proxied,
     ready_backends,
     tcp_ports,
@@ -109,6 +110,41 @@ def test_ready_backends_by_port_name_ready_only_and_deduplicated() -> None:
     assert ready_backends("http", slices) == [("127.100.0.2", 18080), ("127.100.0.4", 18080)]
     assert ready_backends("metrics", slices) == [("127.100.0.9", 9090)]
     assert ready_backends("other", slices) == []
+
+
+def _pod(name: str, ip: str, ready: bool, labels: JSON | None = None, ns: str = "ns", **extra: Any) -> JSON:
+    return {
+        "metadata": {"name": name, "namespace": ns, "labels": labels if labels is not None else {"app": "x"},
+                     **extra.pop("meta", {})},
+        "spec": {"containers": [{"name": "c", "ports": [{"name": "web", "containerPort": 18080}]}],
+                 "initContainers": [{"name": "side", "restartPolicy": "Always",
+                                     "ports": [{"name": "side", "containerPort": 19090}]}]},
+        "status": {"podIP": ip, "phase": extra.pop("phase", "Running"),
+                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def test_pod_backends_like_the_endpointslice_controller() -> None:
+    pods = [
+        _pod("ready", "127.100.0.2", True),
+        _pod("not-ready", "127.100.0.3", False),
+        _pod("other-app", "127.100.0.4", True, labels={"app": "y"}),
+        _pod("other-ns", "127.100.0.5", True, ns="elsewhere"),
+        _pod("no-ip", "", True),
+        _pod("done", "127.100.0.6", True, phase="Succeeded"),
+        _pod("deleting", "127.100.0.7", True, meta={"deletionTimestamp": "2026-01-01T00:00:00Z"}),
+    ]
+    svc = service("s", [{"name": "http", "port": 80, "targetPort": "web"}, {"name": "num", "port": 81, "targetPort": 9000},
+                        {"name": "same", "port": 82}, {"name": "sc", "port": 83, "targetPort": "side"},
+                        {"name": "missing", "port": 84, "targetPort": "nope"}], selector={"app": "x"})
+    assert pod_backends(svc, "http", pods) == [("127.100.0.2", 18080)]
+    assert pod_backends(svc, "num", pods) == [("127.100.0.2", 9000)]
+    assert pod_backends(svc, "same", pods) == [("127.100.0.2", 82)]
+    assert pod_backends(svc, "sc", pods) == [("127.100.0.2", 19090)]  # a native sidecar's named port
+    assert pod_backends(svc, "missing", pods) == []
+    publish = {**svc, "spec": {**svc["spec"], "publishNotReadyAddresses": True}}
+    assert pod_backends(publish, "http", pods) == [("127.100.0.2", 18080), ("127.100.0.3", 18080)]
+    assert pod_backends({**svc, "spec": {**svc["spec"], "selector": {}}}, "http", pods) == []
 
 
 def test_proxied_services_and_tcp_ports() -> None:
