@@ -81,10 +81,43 @@ RAW_ITERS = 3
 
 
 # -- the model ------------------------------------------------------------------------------------------
-def model(size_mb: int) -> list[Any]:
+def model(size_mb: int, tensors: int | None = None) -> list[Any]:
+    """The Llama-shaped model of `size_mb` MiB (about 251 tensors per GiB), or, with `tensors`, an MoE-shaped one of
+    about the same bytes in exactly that many tensors (moe_metas)."""
     from transport_ratio import model_metas
 
-    return model_metas(size_mb)
+    return model_metas(size_mb) if tensors is None else moe_metas(size_mb, tensors)
+
+
+MOE_HIDDEN = 256       # the experts' hidden size (a multiple of 8: every TP rule divides)
+MOE_EXPERTS = 128      # experts per layer, as Qwen3-30B-A3B
+MOE_DENSE_SHARE = 8    # 1/8 of the bytes in the dense tensors (embed_tokens, lm_head), the rest in experts
+
+
+def moe_metas(size_mb: int, tensors: int) -> list[Any]:
+    """`tensors` bf16 tensors of about `size_mb` MiB shaped like an MoE model: two large dense ones (embed_tokens and
+    lm_head, 1/16 of the bytes each), one norm, and experts of equal size (gate/up: intermediate x hidden,
+    down: hidden x intermediate; MOE_EXPERTS per layer), so that the bytes stay put as the tensor count moves and
+    only the per-tensor cost changes. Every TP rule divides by 8."""
+    from weightsync.agent.layout import TensorMeta
+
+    if tensors < 6:
+        raise SystemExit("--tensors: at least 6 (the dense tensors and one expert)")
+    h = MOE_HIDDEN
+    total = size_mb * MiB // 2  # elements
+    n_exp = tensors - 3
+    inter = max(8, total * (MOE_DENSE_SHARE - 1) // MOE_DENSE_SHARE // n_exp // h // 8 * 8)
+    vocab = max(8, (total - n_exp * inter * h - h) // 2 // h // 8 * 8)  # the dense ones take what rounding left
+    m = [TensorMeta("model.embed_tokens.weight", "bfloat16", (vocab, h)),
+         TensorMeta("model.norm.weight", "bfloat16", (h,))]
+    for k in range(n_exp):
+        layer, rest = divmod(k, 3 * MOE_EXPERTS)
+        e, j = divmod(rest, 3)
+        proj = ("gate_proj", "up_proj", "down_proj")[j]
+        shape = (h, inter) if proj == "down_proj" else (inter, h)
+        m.append(TensorMeta(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", "bfloat16", shape))
+    m.append(TensorMeta("lm_head.weight", "bfloat16", (vocab, h)))
+    return m
 
 
 def full_tensor(meta: Any) -> torch.Tensor:
@@ -114,19 +147,24 @@ def _committed(run: Path, version: int, ranks: int, replica: int | None = None) 
 
 # -- app processes -------------------------------------------------------------------------------------
 def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, snapshot: str = "auto",
-                dp: int = 1, device: str = "cpu") -> None:
+                dp: int = 1, device: str = "cpu", tensors: int | None = None) -> None:
     """Trainer rank `rank` of `fsdp` x `dp` (HSDP: `dp` replicas of an FSDP group of `fsdp`): its shard is FSDP
     chunk rank % fsdp, which the ranks of the other replicas hold too."""
     from weightsync.agent.client import TensorShard, TrainerSession
     from weightsync.agent.layout import trainer_layout
     from weightsync.agent.plan import Box
 
-    metas = model(size_mb)
+    metas = model(size_mb, tensors)
     weights: dict[str, Any] = {}
     for s in trainer_layout(metas, fsdp_size=fsdp, fsdp_rank=rank % fsdp):
         meta = next(m for m in metas if m.name == s.name)
         local = full_tensor(meta)[s.box.slices_within(Box.full(s.global_shape))].clone().to(device)
         weights[s.name] = TensorShard(local, s.global_shape, s.box.offset)
+    prof = None
+    if os.environ.get("BENCH_PROFILE"):  # a developer's look at where publish spends its time (cProfile)
+        import cProfile
+
+        prof = cProfile.Profile()
     with TrainerSession(rank=rank, ring_snapshot=snapshot) as session, \
             (run / f"trainer-{rank}.jsonl").open("a") as fh:
         for v in range(1, versions + 1):
@@ -143,7 +181,12 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
             t0 = time.time()
             if device != "cpu":
                 torch.cuda.synchronize(device)  # the step's kernels are done before the clock starts
+            if prof is not None and v > 1:
+                prof.enable()
             res = session.publish(weights, v)
+            if prof is not None and v > 1:
+                prof.disable()
+                prof.dump_stats(os.environ["BENCH_PROFILE"] + f"/trainer-{rank}.prof")
             fh.write(json.dumps({"rank": rank, "version": v, "t_start": t0, "t_published": time.time(),
                                  "streamed": res.streamed, "served": res.served}) + "\n")
             fh.flush()
@@ -151,25 +194,28 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
 
 
 def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, device: str = "cpu",
-               replica: int = 0) -> None:
+               replica: int = 0, tensors: int | None = None) -> None:
     from weightsync.agent.client import InferenceSession
     from weightsync.agent.layout import inference_layout
     from weightsync.agent.plan import Box
 
-    metas = model(size_mb)
+    metas = model(size_mb, tensors)
     needs = inference_layout(metas, tp, rank)
     params = {s.name: torch.empty(s.box.shape, dtype=getattr(torch, s.dtype), device=device) for s in needs}
+    calls: dict[int, int] = {}  # version -> calls the agent made into this engine rank (on_bucket + on_pieces)
 
     def loaded() -> None:
         if device != "cpu":
             torch.cuda.synchronize(device)  # the engine's load is done before the agent reuses the buffer
 
     def on_bucket(version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        calls[version] = calls.get(version, 0) + 1
         for n, t in tensors:
             params[n].copy_(t)  # the engine's own load
         loaded()
 
     def on_pieces(version: int, pieces: list[tuple[str, tuple[slice, ...], torch.Tensor]]) -> None:
+        calls[version] = calls.get(version, 0) + 1
         for n, index, t in pieces:
             params[n][index].copy_(t)  # the engine's own load, of a tensor that arrives in pieces
         loaded()
@@ -192,7 +238,8 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, devic
 
     def on_commit(version: int) -> None:
         with (run / "commits.jsonl").open("a") as fh:
-            fh.write(json.dumps({"replica": replica, "rank": rank, "version": version, "t": time.time()}) + "\n")
+            fh.write(json.dumps({"replica": replica, "rank": rank, "version": version, "t": time.time(),
+                                 "engine_calls": calls.get(version, 0)}) + "\n")
         if version == versions:  # the engine is committed: nothing changes `params` any more
             threading.Thread(target=check, daemon=True).start()
 
@@ -447,7 +494,8 @@ def summed(samples: list[dict[str, float]], metric: str, *labels: str) -> dict[s
 def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: int, staging: str = "version",
         depth: int = 2, snapshot: str = "auto", with_raw: bool = True, dp: int = 1,
         device: str = "cpu", threads_per_rank: int | None = None, replicas: int = 1,
-        fan_out: str = "direct", trainer_egress_gbps: float | None = None) -> dict[str, Any]:
+        fan_out: str = "direct", trainer_egress_gbps: float | None = None,
+        tensors: int | None = None) -> dict[str, Any]:
     from podprocs import Cluster, wait_for
     from weightsync.crds import contract
     from weightsync.e2e.procs import free_port
@@ -462,7 +510,7 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
         raise SystemExit("--mode ipc runs one colocated pod whose trainer and engine ranks are the same GPUs: "
                          f"--fsdp ({fsdp}) must equal --inference-tp ({tp})")
     trainer_dev, inference_dev = pod_devices(mode, device)
-    metas = model(size_mb)
+    metas = model(size_mb, tensors)
     model_bytes = sum(int(torch.Size(m.shape).numel()) * 2 for m in metas)
     run_dir = Path(tempfile.mkdtemp(prefix="ws-bench-"))
     me = str(Path(__file__).resolve())
@@ -480,7 +528,8 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
         if fan_out == "relay":
             c.extra_env[contract.ENV_FAN_OUT] = "Relay"
     c.write_topology()
-    common = ["--run", str(run_dir), "--size-mb", str(size_mb), "--versions", str(versions)]
+    common = ["--run", str(run_dir), "--size-mb", str(size_mb), "--versions", str(versions),
+              *(["--tensors", str(tensors)] if tensors else [])]
     scrapes: list[list[dict[str, float]]] = []
     cap = EgressCap(t.ip, trainer_egress_gbps).__enter__()
     try:
@@ -589,6 +638,8 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
     digest = {k: (dig[1].get(k, 0.0) - dig[0].get(k, 0.0)) / (model_bytes * steady_versions) for k in dig[1]}
     moved = [summed(sc, "weightsync_agent_transfer_bytes_total", "direction") for sc in (scrapes[0], scrapes[-1])]
     per_byte = {k: (moved[1].get(k, 0.0) - moved[0].get(k, 0.0)) / (model_bytes * steady_versions) for k in moved[1]}
+    buckets = [summed(sc, "weightsync_agent_received_buckets_total").get("", 0.0) for sc in (scrapes[0], scrapes[-1])]
+    calls = [sum(d.get("engine_calls", 0) for d in commits if d["version"] == r["version"]) for r in steady]
     peak = sum(s.get("weightsync_agent_staging_peak_bytes{}", 0.0) for s in scrapes[-1])
     by_pod = {p.name: int(s.get("weightsync_agent_staging_peak_bytes{}", 0.0)) for p, s in zip(pods, scrapes[-1],
                                                                                               strict=True)}
@@ -605,6 +656,10 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
         "effective_gbps": round(model_bytes / e2e / 1e9, 3),
         "raw_gbps": round(model_bytes / raw_s / 1e9, 3) if raw else None,
         "copies_per_byte": round(sum(stages.values()), 3),
+        # calls the agents made into the engine ranks per version (on_bucket + on_pieces, every rank and replica: p50)
+        # against the buckets they received per version (every inference agent)
+        "engine_calls": statistics.median(calls) if calls else None,
+        "buckets": round((buckets[1] - buckets[0]) / steady_versions, 2),
         "copies_per_byte_by_stage": {k: round(v, 3) for k, v in sorted(stages.items())},
         # the content digest's reads of each byte (side/source: hashed = read, reused = leaves taken as computed)
         "digest_reads_per_byte": round(sum(v for k, v in digest.items() if k.endswith("/hashed")), 3),
@@ -633,6 +688,24 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
     }
 
 
+BASE_TENSORS = 256
+
+
+def with_per_tensor_overhead(res: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """`res` (a run at N tensors) with the slope of end_to_end_s over the tensor count at fixed bytes, against `base`
+    (the same run at BASE_TENSORS tensors): microseconds each tensor adds to a version. The two models differ in bytes
+    by a rounding of shapes only; each time is scaled to `res`'s bytes first."""
+    scaled = base["end_to_end_s"] * res["bytes"] / base["bytes"]
+    extra = res["tensors"] - base["tensors"]
+    keys = ("tensors", "bytes", "end_to_end_s", "trainer_blocked_s", "raw_s", "ratio", "bit_exact", "copies_per_byte",
+            "engine_calls", "buckets", "load_avg_1m")
+    return {**res, "per_tensor_overhead_us": round((res["end_to_end_s"] - scaled) / extra * 1e6, 2) if extra else None,
+            "trainer_blocked_per_tensor_us": round((res["trainer_blocked_s"] - base["trainer_blocked_s"]
+                                                    * res["bytes"] / base["bytes"]) / extra * 1e6, 2) if extra else None,
+            "ratio_at_base": base["ratio"],
+            "base": {k: base.get(k) for k in keys}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python bench/agent_pipeline.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd")
@@ -647,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
             sp.add_argument(flag, type=int, required=True)
         if name == "engine":
             sp.add_argument("--replica", type=int, default=0)
+        sp.add_argument("--tensors", type=int, default=None)
         sp.add_argument("--run", required=True)
         sp.add_argument("--device", default="cpu")
         if name == "trainer":
@@ -677,12 +751,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="how the replicas are fed: the trainer sends to each (direct) or to a chain (relay; nccl, gdr)")
     p.add_argument("--trainer-egress-gbps", type=float, default=None,
                    help="cap the trainer pod's egress at G Gbit/s, as its NIC would (tc htb on loopback; root)")
+    p.add_argument("--tensors", type=int, default=None,
+                   help=f"spread --size-mb over N tensors shaped like an MoE model (moe_metas), and run again at "
+                   f"{BASE_TENSORS} tensors, same bytes, for per_tensor_overhead_us; default: the Llama-shaped model "
+                   "(about 251 tensors per GiB)")
     p.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     a = p.parse_args(argv)
     if a.cmd == "trainer":
-        run_trainer(Path(a.run), a.rank, a.fsdp, a.size_mb, a.versions, a.snapshot, a.dp, a.device)
+        run_trainer(Path(a.run), a.rank, a.fsdp, a.size_mb, a.versions, a.snapshot, a.dp, a.device, a.tensors)
     elif a.cmd == "engine":
-        run_engine(Path(a.run), a.rank, a.tp, a.size_mb, a.versions, a.device, a.replica)
+        run_engine(Path(a.run), a.rank, a.tp, a.size_mb, a.versions, a.device, a.replica, a.tensors)
     elif a.cmd == "raw":
         run_raw(a.kind, a.rank, a.ip, a.store, a.nbytes, a.bucket, a.iters, Path(a.out), a.device)
     else:
@@ -690,10 +768,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--versions must be at least 2 (version 1 is the warm-up)")
         # a `timeout` or a Ctrl-C stops the pods' processes too (run()'s finally), not only this one
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        print(json.dumps(run(a.mode, a.size_mb, a.fsdp, a.inference_tp, a.bucket_mb, a.versions, a.staging, a.depth,
-                             a.snapshot, not a.no_raw, a.dp, a.device, a.threads_per_rank, a.replicas, a.fan_out,
-                             a.trainer_egress_gbps),
-                         indent=1))
+        args = (a.mode, a.size_mb, a.fsdp, a.inference_tp, a.bucket_mb, a.versions, a.staging, a.depth, a.snapshot,
+                not a.no_raw, a.dp, a.device, a.threads_per_rank, a.replicas, a.fan_out, a.trainer_egress_gbps)
+        res = run(*args, tensors=a.tensors)
+        if a.tensors is not None:
+            res = with_per_tensor_overhead(res, run(*args, tensors=BASE_TENSORS))
+        print(json.dumps(res, indent=1))
     return 0
 
 
