@@ -4,7 +4,9 @@ containers are left alone. Uses its own LocalCluster (the apiserver is killed an
 from __future__ import annotations
 
 import signal
+import socket
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +59,7 @@ def test_runtime_survives_apiserver_restart(private_cluster: LocalCluster, tmp_p
     api = KubeClient(endpoint_from_kubeconfig(str(private_cluster.kubeconfig)))
     api.post("/api/v1/nodes", {"metadata": {"name": NODE, "labels": {LABEL_PROCESS_NODE: "true"}}})
     runtime = ProcessRuntime(str(private_cluster.kubeconfig), [NODE], tmp_path / "state", watch_timeout_s=300)
+    threads_before = set(threading.enumerate())
     runtime.start()
     try:
         api.post("/api/v1/namespaces/default/pods", _pod("before"))
@@ -79,9 +82,18 @@ def test_runtime_survives_apiserver_restart(private_cluster: LocalCluster, tmp_p
         wait_until(answers, timeout=90, interval=0.5, what="the restarted apiserver")
         api.post("/api/v1/namespaces/default/pods", _pod("after"))
         wait_until(lambda: _phase(api, "after") == "Running", timeout=60, what="pod 'after' Running (watch recovered)")
+        api.post("/api/v1/namespaces/default/services",
+                 {"metadata": {"name": "after"}, "spec": {"ports": [{"name": "http", "port": 8080}]}})
+        assert runtime.services is not None
+        address = wait_until(lambda: runtime.services.address("default", "after"), timeout=30,
+                             what="the Service proxy listening for a Service made after the restart")
         status = api.get(pod_path("default", "before"))["status"]["containerStatuses"][0]
         assert status["restartCount"] == 0 and status["containerID"] == f"process://{pid}"
         api.delete(pod_path("default", "before"))
         wait_until(lambda: _phase(api, "before") is None, timeout=30, what="pod 'before' deleted by the runtime")
     finally:
         runtime.stop()
+    # the Service proxy's watches, listeners and connections are gone with the runtime, its address released
+    assert not [t.name for t in threading.enumerate() if t not in threads_before and t.name.startswith("svc-")]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((address, 8080), timeout=2).close()
