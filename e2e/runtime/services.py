@@ -266,6 +266,9 @@ class _ServiceListeners:
                 _reset(conn.client)
                 return
             upstream.settimeout(None)
+            for sock in (conn.client, upstream):  # small requests / replies go out at once, as through NAT
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.upstream = upstream
             if conn.closed:  # stopped while connecting
                 upstream.close()
