@@ -394,16 +394,15 @@ class ServiceProxy:
                 pods = [p for (ns, _), p in self._pods.items() if ns == key[0]]
                 for name in set(tcp_ports(service).values()):
                     self._backends[(key, name)] = pod_backends(service, name, pods)
-                continue
-            slices = [s for (ns, _), s in self._slices.items()
-                      if ns == key[0] and ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL) == key[1]]
-            for name in set(tcp_ports(service).values()):
-                self._backends[(key, name)] = ready_backends(name, slices)
+            else:
+                slices = [s for (ns, _), s in self._slices.items() if ns == key[0]
+                          and ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL) == key[1]]
+                for name in set(tcp_ports(service).values()):
+                    self._backends[(key, name)] = ready_backends(name, slices)
             new = {k: v for k, v in self._backends.items() if k[0] == key}
             if new != old and key in self._listeners:
-                counts = ",".join(f"{k[1] or '-'}={len(v)}" for k, v in sorted(new.items()))
-                log.info("service.proxy endpoints ns=%s name=%s listen=%s ready=%s",
-                         *key, self._listeners[key].address, counts)
+                log.info("service.proxy endpoints ns=%s name=%s listen=%s endpoints=%s", *key,
+                         self._listeners[key].address, ",".join(f"{k[1] or '-'}={len(v)}" for k, v in sorted(new.items())))
 
     def _sync_listeners(self, keys: set[Key]) -> None:
         with self._sync_lock:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import logging
 import socket
 import threading
 import time
@@ -201,7 +202,9 @@ def get(url: str) -> str:
         return str(resp.read().decode())
 
 
-def test_proxy_spreads_over_ready_endpoints_and_drops_not_ready(proxy: ServiceProxy, backends: list[tuple[str, int]]) -> None:
+def test_proxy_spreads_over_ready_endpoints_and_drops_not_ready(proxy: ServiceProxy, backends: list[tuple[str, int]],
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="weightsync.e2e.runtime.services")
     (ip_a, port_a), (ip_b, port_b) = backends
     assert port_a != port_b or ip_a != ip_b
     proxy._replace(SERVICES_PATH, [service("echo", [{"name": "http", "port": 8080, "targetPort": "web"}])])
@@ -216,6 +219,10 @@ def test_proxy_spreads_over_ready_endpoints_and_drops_not_ready(proxy: ServicePr
 
     proxy._apply(SLICES_PATH, "MODIFIED", endpoint_slice("echo-1", "echo", "http", port_a, [(ip_a, False)]))
     assert {get(f"http://{address}:8080/") for _ in range(20)} == {"b"}
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("service.proxy")]
+    assert f"service.proxy ns=ns name=echo listen={address} ports=8080 endpoints=http=0" in logged
+    assert f"service.proxy endpoints ns=ns name=echo listen={address} endpoints=http=2" in logged
+    assert logged[-1] == f"service.proxy endpoints ns=ns name=echo listen={address} endpoints=http=1"
 
     proxy._apply(SLICES_PATH, "DELETED", slices[1])  # no ready endpoint left: reset at once
     t0 = time.monotonic()
