@@ -202,32 +202,39 @@ def has_cluster_ip(service: JSON) -> bool:
     return ip not in ("", "None")
 
 
-def service_link_env(services: list[tuple[JSON, str]]) -> dict[str, str]:
-    """The kubelet's service links for (Service, host) pairs: `<NAME>_SERVICE_HOST`, `<NAME>_SERVICE_PORT`
-    (first port), `<NAME>_SERVICE_PORT_<PORT>` per named port and the Docker-link `<NAME>_PORT*` vars.
+def service_link_env(services: list[tuple[JSON, str, Mapping[int, int]]]) -> dict[str, str]:
+    """The kubelet's service links for (Service, host, port map) triples: `<NAME>_SERVICE_HOST`,
+    `<NAME>_SERVICE_PORT` (first port), `<NAME>_SERVICE_PORT_<PORT>` per named port and the Docker-link
+    `<NAME>_PORT*` vars.
 
-    `host` stands in for `spec.clusterIP` (the process runtime's proxy address for the Service). Services
-    without a ClusterIP (headless, ExternalName) and without ports get nothing, like the kubelet.
+    `host` and the port map (Service port -> the port to connect to; a port not in it is used as is) stand in
+    for `spec.clusterIP` and the Service's ports (the process runtime's proxy for the Service). The Docker-link
+    names keep the Service's port number (`<NAME>_PORT_8001_TCP`), their values the port to connect to.
+    Services without a ClusterIP (headless, ExternalName) and without ports get nothing, like the kubelet.
     """
     env: dict[str, str] = {}
-    for service, host in sorted(services, key=lambda pair: pair[0].get("metadata", {}).get("name", "")):
+    for service, host, mapped in sorted(services, key=lambda link: link[0].get("metadata", {}).get("name", "")):
         ports = (service.get("spec") or {}).get("ports") or []
         if not has_cluster_ip(service) or not ports:
             continue
         prefix = env_var_name(service["metadata"]["name"])
+
+        def to(port: Mapping[str, Any], mapped: Mapping[int, int] = mapped) -> str:
+            return str(mapped.get(int(port["port"]), port["port"]))
+
         env[f"{prefix}_SERVICE_HOST"] = host
-        env[f"{prefix}_SERVICE_PORT"] = str(ports[0]["port"])
+        env[f"{prefix}_SERVICE_PORT"] = to(ports[0])
         for port in ports:
             if port.get("name"):
-                env[f"{prefix}_SERVICE_PORT_{env_var_name(port['name'])}"] = str(port["port"])
+                env[f"{prefix}_SERVICE_PORT_{env_var_name(port['name'])}"] = to(port)
         for i, port in enumerate(ports):
             proto = str(port.get("protocol") or "TCP")
-            url = f"{proto.lower()}://{host}:{port['port']}"
+            url = f"{proto.lower()}://{host}:{to(port)}"
             if i == 0:
                 env[f"{prefix}_PORT"] = url
             each = f"{prefix}_PORT_{port['port']}_{proto.upper()}"
             env[each] = url
             env[f"{each}_PROTO"] = proto.lower()
-            env[f"{each}_PORT"] = str(port["port"])
+            env[f"{each}_PORT"] = to(port)
             env[f"{each}_ADDR"] = host
     return env

@@ -73,8 +73,8 @@ class RuntimeContext:
     events: EventRecorder
     runtime_id: str
     images: ImageStore | None = None  # image mode: containers whose image is in this store run from it
-    # namespace -> (Service, proxy address) pairs for the service-link env (services.ServiceProxy.link_services)
-    service_links: Callable[[str], list[tuple[JSON, str]]] | None = None
+    # namespace -> (Service, proxy address, port map) for the service-link env (services.ServiceProxy.link_services)
+    service_links: Callable[[str], list[tuple[JSON, str, dict[int, int]]]] | None = None
 
 
 def pod_dir_name(namespace: str, name: str, uid: str) -> str:

@@ -4,8 +4,11 @@ Pods here share the host's network namespace and can only use loopback addresses
 run on one machine at once, so a Service's real `spec.clusterIP` (allocated by each apiserver from its own
 range) is not used. Instead each Service with a ClusterIP gets its own loopback address from the runtime's
 machine-wide IP leases (`SERVICE_CIDR`, 127.96.0.0/16 by default, one lock file per address like pod IPs),
-and the proxy listens on `<address>:<port>` for each TCP port of the Service. That address stands in for
-the ClusterIP: the service-link env (`<NAME>_SERVICE_HOST`, see envvars.service_link_env) carries it.
+and the proxy listens on that address, one ephemeral port per TCP port of the Service. Address and port
+stand in for the ClusterIP and the Service's port: the service-link env (`<NAME>_SERVICE_HOST` and
+`<NAME>_SERVICE_PORT*`, see envvars.service_link_env) carries them. Not the Service's own port number: pods
+share the host's network namespace, and a pod listening on 0.0.0.0 at that number (the operator's metrics
+port behind its metrics Service) would collide with the proxy.
 
 Every accepted connection goes to one *ready* endpoint of the Service, picked at random per connection like
 kube-proxy's iptables mode. No ready endpoint (or the per-Service connection limit reached): the connection
@@ -193,6 +196,7 @@ class _ServiceListeners:
         self.uid = uid
         self.address = address
         self.ports: dict[int, tuple[str, socket.socket, threading.Thread]] = {}
+        self.bound: dict[int, int] = {}  # Service port -> the proxy's port for it on `address`
         self.active: set[_Connection] = set()
         self.lock = threading.Lock()
         self._full_logged = 0.0
@@ -206,13 +210,14 @@ class _ServiceListeners:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                sock.bind((self.address, port))
+                sock.bind((self.address, 0))
                 sock.listen(128)
             except OSError as exc:
                 sock.close()
-                log.warning("service.proxy listen failed ns=%s name=%s listen=%s:%d error=%s",
+                log.warning("service.proxy listen failed ns=%s name=%s listen=%s port=%d error=%s",
                             *self.key, self.address, port, exc)
                 continue
+            self.bound[port] = sock.getsockname()[1]
             thread = threading.Thread(target=self._accept, args=(sock, name), daemon=True,
                                       name=f"svc-{self.key[0]}/{self.key[1]}:{port}")
             self.ports[port] = (name, sock, thread)
@@ -220,6 +225,7 @@ class _ServiceListeners:
 
     def _close_port(self, port: int) -> None:
         _name, sock, thread = self.ports.pop(port)
+        self.bound.pop(port, None)
         _shutdown(sock)  # wakes the blocked accept() (Linux)
         sock.close()
         if thread is not threading.current_thread():
@@ -360,16 +366,22 @@ class ServiceProxy:
         listeners = self._listeners.get((namespace, name))
         return listeners.address if listeners is not None else None
 
-    def link_services(self, namespace: str) -> list[tuple[JSON, str]]:
-        """(Service, proxy address) of every proxied Service of `namespace`: the pod's service links."""
+    def port(self, namespace: str, name: str, service_port: int) -> int | None:
+        """The proxy's port (on `address`) for that Service port, None when not listening."""
+        listeners = self._listeners.get((namespace, name))
+        return listeners.bound.get(service_port) if listeners is not None else None
+
+    def link_services(self, namespace: str) -> list[tuple[JSON, str, dict[int, int]]]:
+        """(Service, proxy address, Service port -> proxy port) of every proxied Service of `namespace`: the
+        pod's service links."""
         with self._lock:
             services = [s for (ns, _), s in self._services.items() if ns == namespace]
-        pairs = []
+        links = []
         for service in services:
-            host = self.address(namespace, service["metadata"]["name"])
-            if host is not None:
-                pairs.append((service, host))
-        return pairs
+            listeners = self._listeners.get((namespace, service["metadata"]["name"]))
+            if listeners is not None:
+                links.append((service, listeners.address, dict(listeners.bound)))
+        return links
 
     def backends(self, key: Key, port_name: str) -> list[tuple[str, int]]:
         with self._lock:
@@ -433,7 +445,7 @@ class ServiceProxy:
                     with self._lock:
                         ready = {name or "-": len(self._backends.get((key, name), ())) for name in set(wanted.values())}
                     log.info("service.proxy ns=%s name=%s listen=%s ports=%s endpoints=%s", *key, current.address,
-                             ",".join(str(p) for p in sorted(current.ports)) or "none",
+                             ",".join(f"{p}->{current.bound[p]}" for p in sorted(current.bound)) or "none",
                              ",".join(f"{k}={v}" for k, v in sorted(ready.items())) or "0")
 
     def _drop(self, key: Key) -> None:

@@ -643,14 +643,15 @@ def test_cluster_ip_service_reaches_ready_endpoints_only(api: KubeClient, namesp
     assert client["status"]["phase"] == "Succeeded", process_runtime.log_path(namespace, "client", "main").read_text()
     lines = process_runtime.log_path(namespace, "client", "main").read_text().splitlines()
     result = json.loads(lines[-1])
-    assert result["url"] == f"http://{address}:8080/"
+    port = process_runtime.services.port(namespace, "echo", 8080)
+    assert result["url"] == f"http://{address}:{port}/"
     assert result["port"] == "pod-wins"
     assert set(result["seen"]) == {"echo-a", "echo-b"}, result["seen"]
     wait_pod(api, namespace, "no-links", finished, "finished")
     assert process_runtime.log_path(namespace, "no-links", "main").read_text().strip() == "['KUBERNETES_SERVICE_HOST']"
 
     # the test itself through the same address: 30 requests reach both
-    target = f"{address}:8080"
+    target = f"{address}:{port}"
     assert set(_service_get(target) for _ in range(30)) == {"echo-a", "echo-b"}
 
     # echo-a turns not Ready (its readiness probe fails): from then on new connections all go to echo-b

@@ -87,6 +87,8 @@ def test_runtime_survives_apiserver_restart(private_cluster: LocalCluster, tmp_p
         assert runtime.services is not None
         address = wait_until(lambda: runtime.services.address("default", "after"), timeout=30,
                              what="the Service proxy listening for a Service made after the restart")
+        port = runtime.services.port("default", "after", 8080)
+        assert port is not None
         status = api.get(pod_path("default", "before"))["status"]["containerStatuses"][0]
         assert status["restartCount"] == 0 and status["containerID"] == f"process://{pid}"
         api.delete(pod_path("default", "before"))
@@ -96,4 +98,4 @@ def test_runtime_survives_apiserver_restart(private_cluster: LocalCluster, tmp_p
     # the Service proxy's watches, listeners and connections are gone with the runtime, its address released
     assert not [t.name for t in threading.enumerate() if t not in threads_before and t.name.startswith("svc-")]
     with pytest.raises(ConnectionRefusedError):
-        socket.create_connection((address, 8080), timeout=2).close()
+        socket.create_connection((address, port), timeout=2).close()

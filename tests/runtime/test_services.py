@@ -62,7 +62,7 @@ def test_service_link_env_names_values_and_docker_links() -> None:
         {"name": "http", "port": 8000, "targetPort": 8000, "protocol": "TCP"},
         {"name": "grpc-api", "port": 9000, "protocol": "TCP"},
     ])
-    env = service_link_env([(svc, "127.96.0.7")])
+    env = service_link_env([(svc, "127.96.0.7", {})])
     assert env == {
         "DEMO_RL_INFERENCE_SERVICE_HOST": "127.96.0.7",  # the proxy's address, not spec.clusterIP
         "DEMO_RL_INFERENCE_SERVICE_PORT": "8000",
@@ -78,20 +78,26 @@ def test_service_link_env_names_values_and_docker_links() -> None:
         "DEMO_RL_INFERENCE_PORT_9000_TCP_PORT": "9000",
         "DEMO_RL_INFERENCE_PORT_9000_TCP_ADDR": "127.96.0.7",
     }
+    # the proxy's own ports (not the Service's: a pod may listen on 0.0.0.0 at that number)
+    mapped = service_link_env([(svc, "127.96.0.7", {8000: 41001, 9000: 41002})])
+    assert mapped["DEMO_RL_INFERENCE_SERVICE_PORT"] == mapped["DEMO_RL_INFERENCE_SERVICE_PORT_HTTP"] == "41001"
+    assert mapped["DEMO_RL_INFERENCE_SERVICE_PORT_GRPC_API"] == "41002"
+    assert mapped["DEMO_RL_INFERENCE_PORT_8000_TCP"] == "tcp://127.96.0.7:41001"
+    assert mapped["DEMO_RL_INFERENCE_PORT_9000_TCP_PORT"] == "41002"
 
 
 def test_service_link_env_skips_headless_and_portless_and_unnamed_port_has_no_suffix() -> None:
     headless = service("peers", [{"name": "x", "port": 1}], cluster_ip="None")
     portless = service("empty", [])
     unnamed = service("web", [{"port": 80}])
-    env = service_link_env([(headless, "127.96.0.1"), (portless, "127.96.0.2"), (unnamed, "127.96.0.3")])
+    env = service_link_env([(headless, "127.96.0.1", {}), (portless, "127.96.0.2", {}), (unnamed, "127.96.0.3", {})])
     assert not any(k.startswith(("PEERS_", "EMPTY_")) for k in env)
     assert env["WEB_SERVICE_HOST"] == "127.96.0.3" and env["WEB_SERVICE_PORT"] == "80"
     assert not any(k.startswith("WEB_SERVICE_PORT_") for k in env)
 
 
 def test_pod_env_wins_over_service_links_and_args_expand_them() -> None:
-    links = service_link_env([(service("echo", [{"name": "http", "port": 8080}]), "127.96.0.9")])
+    links = service_link_env([(service("echo", [{"name": "http", "port": 8080}]), "127.96.0.9", {})])
     pod = {"metadata": {"name": "p", "namespace": "ns"}, "spec": {}}
     spec = {"env": [{"name": "ECHO_SERVICE_PORT", "value": "mine"},
                     {"name": "URL", "value": "http://$(ECHO_SERVICE_HOST):$(ECHO_SERVICE_PORT_HTTP)/"}]}
@@ -210,24 +216,26 @@ def test_proxy_spreads_over_ready_endpoints_and_drops_not_ready(proxy: ServicePr
     proxy._replace(SERVICES_PATH, [service("echo", [{"name": "http", "port": 8080, "targetPort": "web"}])])
     address = proxy.address("ns", "echo")
     assert address is not None and address.startswith("127.96.")
+    port = proxy.port("ns", "echo", 8080)
+    assert port is not None and port != 8080, "an ephemeral port: pods may listen on 0.0.0.0:8080"
     # the two servers listen on different ports: one slice each (the controller groups by port set)
     slices = [endpoint_slice("echo-1", "echo", "http", port_a, [(ip_a, True)]),
               endpoint_slice("echo-2", "echo", "http", port_b, [(ip_b, True)])]
     proxy._replace(SLICES_PATH, slices)
-    seen = [get(f"http://{address}:8080/") for _ in range(30)]
+    seen = [get(f"http://{address}:{port}/") for _ in range(30)]
     assert set(seen) == {"a", "b"}, seen
 
     proxy._apply(SLICES_PATH, "MODIFIED", endpoint_slice("echo-1", "echo", "http", port_a, [(ip_a, False)]))
-    assert {get(f"http://{address}:8080/") for _ in range(20)} == {"b"}
+    assert {get(f"http://{address}:{port}/") for _ in range(20)} == {"b"}
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("service.proxy")]
-    assert f"service.proxy ns=ns name=echo listen={address} ports=8080 endpoints=http=0" in logged
+    assert f"service.proxy ns=ns name=echo listen={address} ports=8080->{port} endpoints=http=0" in logged
     assert f"service.proxy endpoints ns=ns name=echo listen={address} endpoints=http=2" in logged
     assert logged[-1] == f"service.proxy endpoints ns=ns name=echo listen={address} endpoints=http=1"
 
     proxy._apply(SLICES_PATH, "DELETED", slices[1])  # no ready endpoint left: reset at once
     t0 = time.monotonic()
     with pytest.raises((urllib.error.URLError, ConnectionError)):
-        get(f"http://{address}:8080/")
+        get(f"http://{address}:{port}/")
     assert time.monotonic() - t0 < 1.0
 
 
@@ -238,18 +246,20 @@ def test_proxy_links_only_its_namespace_and_releases_everything_on_stop(proxy: S
         service("peers", [{"name": "x", "port": 8082}], cluster_ip="None"),
         service("other", [{"port": 8083}], ns="elsewhere"),
     ])
-    links = {svc["metadata"]["name"]: host for svc, host in proxy.link_services("ns")}
+    links = {svc["metadata"]["name"]: (host, ports) for svc, host, ports in proxy.link_services("ns")}
     assert set(links) == {"web"}
-    address = links["web"]
+    address, ports = links["web"]
+    port = ports[8081]
+    assert port == proxy.port("ns", "web", 8081)
     assert proxy.address("elsewhere", "other") not in (None, address)
     # a listener exists (no endpoints: the connection is reset, possibly before connect() returns, not refused)
     with contextlib.suppress(ConnectionResetError):
-        socket.create_connection((address, 8081), timeout=2).close()
+        socket.create_connection((address, port), timeout=2).close()
     assert any(t.name.startswith("svc-ns/web") for t in threading.enumerate())
     proxy._apply(SERVICES_PATH, "DELETED", service("web", [{"name": "http", "port": 8081}]))
     assert proxy.address("ns", "web") is None
     with pytest.raises(ConnectionRefusedError):
-        socket.create_connection((address, 8081), timeout=2).close()
+        socket.create_connection((address, port), timeout=2).close()
     proxy.stop()
     assert not [t.name for t in threading.enumerate() if t not in before and t.name.startswith("svc-")]
     assert not (DEFAULT_LEASE_DIR / address).exists()
