@@ -334,6 +334,75 @@ def oversubscribed_threads(env: Mapping[str, str] | None = None) -> str | None:
             f"or set OMP_NUM_THREADS to at most {max(1, cores // local_ranks)}")
 
 
+ShardKey = tuple[tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
+
+
+def shard_key(shards: Sequence[LocalShard]) -> ShardKey:
+    """What a publish's staging layout depends on in its shards: names, dtypes, shapes and global boxes."""
+    return tuple((s.name, s.tensor.dtype, tuple(s.tensor.shape), s.global_shape, s.global_offset) for s in shards)
+
+
+@dataclass
+class StagingLayout:
+    """One publish's places and tensor index, kept for the next publish of the same shards into the same layout.
+
+    Why: an MoE version has tens of thousands of tensors, and the places (arena_offsets: a parse of the agent's
+    layout), the index sent with the publish, and the staging views to copy into were rebuilt per tensor and per
+    version (about 40 us per tensor). They depend only on the shards' metadata, the layout the agent sent and the
+    segment, so they are built once per layout and segment; every publish still copies every byte."""
+
+    layout: Any
+    size: int
+    key: ShardKey
+    places: Sequence[int | PiecePlaces | None]
+    metas: list[dict[str, Any]]
+    #: segment name -> the staging views each copy writes to (shard order; a shard in pieces: one per piece)
+    views: dict[str, list[torch.Tensor]]
+    layout_id: str = ""  # the agent's name for `layout` (it then replies `layout_same` instead of sending it)
+    index_id: str = ""   # the agent's name for `metas` once it accepted them (a publish then sends the name only)
+
+    def matches(self, layout: Any, size: int, key: ShardKey) -> bool:
+        return self.size == size and self.key == key and self.layout == layout
+
+
+def staging_views(seg: staging.Segment, shards: Sequence[LocalShard],
+                  places: Sequence[int | PiecePlaces | None]) -> list[torch.Tensor]:
+    """The views of `seg` the shards are copied to: one per shard staged whole, one per piece of a shard staged
+    in pieces, none for a shard another rank sends. Slices of one typed view of the segment per dtype."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    out: list[torch.Tensor] = []
+    for s, place in zip(shards, places, strict=True):
+        if place is None:
+            continue
+        dt = s.tensor.dtype
+        flat = typed.get(dt)
+        if flat is None:
+            isz = torch.empty((), dtype=dt).element_size()
+            flat = typed[dt] = seg.tensor[: seg.size // isz * isz].view(dt)
+        isz = flat.element_size()
+        for at, shape in ([(place, tuple(s.tensor.shape))] if isinstance(place, int) else
+                          [(at, shape) for _, shape, at in place]):
+            n = math.prod(shape)
+            if at % isz or at + n * isz > seg.size:
+                raise ValueError(f"{s.name}: staging place {at} (+{n * isz} B) is unaligned or outside segment "
+                                 f"{seg.name} of {seg.size} B")
+            out.append(flat[at // isz: at // isz + n].view(shape))
+    return out
+
+
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Every src into its dst: one foreach call where every tensor is on the destination's device (a loop of
+    copy_ calls in C++; from Python it cost about 5 us per tensor more), else a copy each."""
+    if not dsts:
+        return
+    dev = dsts[0].device
+    if all(t.device == dev for t in srcs):
+        torch._foreach_copy_(dsts, srcs)
+    else:
+        for d, t in zip(dsts, srcs, strict=True):
+            d.copy_(t)
+
+
 class TrainerSession:
     """A trainer rank's connection to its agent. Not thread-safe: one publish at a time per session.
 
@@ -366,12 +435,14 @@ class TrainerSession:
         self._conn: local.LocalConn | None = None
         self._segments: dict[str, staging.Segment] = {}
         self._threads_checked = False
+        self._layout: StagingLayout | None = None  # the last publish's places, index and views (StagingLayout)
 
     def _drop_connection(self) -> None:
         """Forget the agent: its connection and the staging segments it handed out."""
         for seg in self._segments.values():
             seg.close()
         self._segments.clear()
+        self._layout = None  # its views map segments of the agent that went away
         if self._streamer is not None:
             self._streamer.close()
             self._streamer = None
@@ -418,12 +489,20 @@ class TrainerSession:
         seg = self._segments.pop(name, None)
         if seg is None or seg.size != int(handle["size"]):
             if seg is not None:
+                self._forget_views(name)
                 seg.close()
             seg = staging.attach_segment(handle)
         self._segments[name] = seg  # most recently used last
         while len(self._segments) > self.KEEP_SEGMENTS:
-            self._segments.pop(next(iter(self._segments))).close()
+            old = next(iter(self._segments))
+            self._forget_views(old)
+            self._segments.pop(old).close()
         return seg
+
+    def _forget_views(self, name: str) -> None:
+        """Drop the cached views of a segment this process unmaps (they would keep its memory mapped)."""
+        if self._layout is not None:
+            self._layout.views.pop(name, None)
 
     def publish(self, weights: Weights, version: int) -> PublishResult:
         """Stage this rank's shards of `version` with the agent; returns when `weights` may be reused.
@@ -445,44 +524,96 @@ class TrainerSession:
             if why:
                 log.warning("trainer.threads_oversubscribed rank=%s %s", self.rank, why)
         conn = self._connection()
+        known = self._layout.layout_id if self._layout is not None and self._layout.layout_id else None
         reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total, "device": device,
-                              "stream": True, "skip_unsent": True})
+                              "stream": True, "skip_unsent": True, **({"layout_id": known} if known else {})})
         if "ring" in reply:
             return self._publish_streamed(conn, version, shards, aliases, sizes, t0)
         seg = self._segment(reply["segment"])
-        arena = arena_offsets(shards, reply.get("layout"), seg.size)
+        key = shard_key(shards)
+        layout = self._layout_of(reply)
+        arena = self._arena(shards, layout, seg.size, key)
         if arena is None and seg.size < total:
             # a layout without the shards other ranks send, which does not describe these tensors (the model
             # changed): ask for a segment that holds them all, packed in order
             reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total,
                                   "device": device, "stream": True})
             seg = self._segment(reply["segment"])
-            arena = arena_offsets(shards, reply.get("layout"), seg.size)
+            layout = self._layout_of(reply)
+            arena = self._arena(shards, layout, seg.size, key)
         places: Sequence[int | PiecePlaces | None] = arena or offsets
-        metas = []
+        lay = self._staging_layout(seg, shards, places, sizes, layout=layout if arena else None, key=key)
+        lay.layout_id = str(reply.get("layout_id") or "") if arena else ""
+        srcs: list[torch.Tensor] = []
+        for s, place in zip(shards, places, strict=True):
+            if place is None:  # another rank sends it (this one is a data-parallel replica): not copied
+                continue
+            if isinstance(place, int):
+                srcs.append(s.tensor)
+            else:  # each piece straight to its place in its bucket: a strided copy, the only one
+                srcs.extend(s.tensor[tuple(slice(o, o + k) for o, k in zip(off, shape, strict=True))]
+                            for off, shape, _ in place)
         with torch.no_grad():
+            copy_all(lay.views[seg.name], srcs)
+        metas = lay.metas
+        if seg.tensor.is_cuda:
+            torch.cuda.synchronize(seg.tensor.device)
+        head = {"op": "publish", "version": version, "rank": self.rank, "segment": seg.name, "aliases": aliases}
+        done: dict[str, Any] | None = None
+        if lay.index_id and reply.get("index") == lay.index_id:  # the agent holds this very index: name it
+            try:
+                done = conn.request({**head, "index": lay.index_id})
+            except local.PeerAnswer as exc:
+                if P.INDEX_UNKNOWN not in str(exc):
+                    raise
+        if done is None:
+            done = conn.request({**head, "tensors": metas})
+        lay.index_id = str(done.get("index") or "")
+        return PublishResult(version, len(metas), sum(sizes), time.perf_counter() - t0)
+
+    def _layout_of(self, reply: Mapping[str, Any]) -> Any:
+        """The staging layout of a stage reply: the one this session holds when the agent says it is the same."""
+        lay = self._layout
+        if reply.get("layout_same") is True and lay is not None and lay.layout_id and \
+                reply.get("layout_id") == lay.layout_id:
+            return lay.layout
+        return reply.get("layout")
+
+    def _arena(self, shards: Sequence[LocalShard], layout: Any, size: int, key: ShardKey
+               ) -> list[int | PiecePlaces | None] | None:
+        """arena_offsets, or the last publish's places when the layout, segment size and shards are the same."""
+        known = self._layout
+        if layout is not None and known is not None and known.matches(layout, size, key):
+            return list(known.places)
+        return arena_offsets(shards, layout, size)
+
+    def _staging_layout(self, seg: staging.Segment, shards: Sequence[LocalShard],
+                        places: Sequence[int | PiecePlaces | None], sizes: Sequence[int], *, layout: Any,
+                        key: ShardKey) -> StagingLayout:
+        """The publish's tensor index and `seg`'s views for these places: the last ones when nothing changed."""
+        known = self._layout
+        if known is None or layout is None or not known.matches(layout, seg.size, key) or \
+                list(known.places) != list(places):
+            metas = []
             for s, place, n in zip(shards, places, sizes, strict=True):
                 meta: dict[str, Any] = {
                     "name": s.name, "dtype": staging.dtype_name(s.tensor.dtype), "shape": list(s.tensor.shape),
                     "global_shape": list(s.global_shape), "global_offset": list(s.global_offset), "nbytes": n,
                 }
-                if place is None:  # another rank sends it (this one is a data-parallel replica): not copied
+                if place is None:
                     meta["unstaged"] = True
                 elif isinstance(place, int):
-                    seg.view(place, s.tensor.dtype, s.tensor.shape).copy_(s.tensor)
                     meta["offset"] = place
-                else:  # each piece straight to its place in its bucket: a strided copy, the only one
-                    for off, shape, at in place:
-                        region = s.tensor[tuple(slice(o, o + k) for o, k in zip(off, shape, strict=True))]
-                        seg.view(at, s.tensor.dtype, shape).copy_(region)
+                else:
                     meta["offset"] = place[0][2]
                     meta["pieces"] = [{"offset": list(o), "shape": list(k), "at": at} for o, k, at in place]
                 metas.append(meta)
-        if seg.tensor.is_cuda:
-            torch.cuda.synchronize(seg.tensor.device)
-        conn.request({"op": "publish", "version": version, "rank": self.rank, "segment": seg.name,
-                      "tensors": metas, "aliases": aliases})
-        return PublishResult(version, len(metas), sum(sizes), time.perf_counter() - t0)
+            for name in list(known.views) if known is not None else ():
+                self._forget_views(name)
+            known = self._layout = StagingLayout(layout, seg.size, key, list(places), metas, {})
+        if seg.name not in known.views:
+            known.views[seg.name] = staging_views(seg, shards, places)
+        return known
 
     def _stream(self) -> ring.Streamer:
         if self._streamer is None or not self._streamer.alive:
@@ -641,6 +772,8 @@ class InferenceSession:
         self.loading: int | None = None  # version begun and not yet committed or aborted
         self.connected = threading.Event()
         self._segments: dict[str, staging.Segment] = {}
+        #: (segment, first offset, entries) -> (segment, layout dict, its views): InferenceSession._pairs
+        self._layouts: dict[tuple[Any, ...], tuple[staging.Segment, Any, list[tuple[str, torch.Tensor]]]] = {}
         self._stop = threading.Event()
         self._conn: local.LocalConn | None = None
         self._thread: threading.Thread | None = None
@@ -686,10 +819,7 @@ class InferenceSession:
         op = h["op"]
         if op == "bucket":
             seg = self._segment(h["segment"])
-            layout = buckets.BucketLayout.from_dict(h["layout"])
-            if layout.nbytes > seg.size:
-                raise ValueError(f"bucket of {layout.nbytes} B does not fit segment {seg.name} ({seg.size} B)")
-            pairs = buckets.unpack(seg.tensor, layout)
+            pairs = self._pairs(seg, h["layout"])
             places = h.get("places")
             if places is None:
                 self.on_bucket(int(h["version"]), pairs)
@@ -722,6 +852,30 @@ class InferenceSession:
         elif op != "served":
             raise ValueError(f"unknown op {op!r}")
         return {"version": self.served_version, **({"pieces": True} if self.on_pieces is not None else {})}
+
+    #: bucket layouts whose views are kept (per agent connection); a version's buckets, a few times over
+    KEEP_LAYOUTS = 1024
+
+    def _pairs(self, seg: staging.Segment, layout_dict: Any) -> list[tuple[str, torch.Tensor]]:
+        """(name, view) of every entry of the bucket the agent placed in `seg`. The agent sends the same layouts
+        at the same places every version (its receive slots are kept): a layout equal to one already seen in
+        this segment takes the views made then, instead of parsing the index and making a view per tensor again
+        (for a bucket of thousands of small tensors that was most of the engine's load time)."""
+        entries = layout_dict.get("entries") if isinstance(layout_dict, dict) else None
+        first = entries[0].get("offset") if isinstance(entries, list) and entries and isinstance(entries[0], dict) \
+            else None
+        key = (seg.name, first, len(entries) if isinstance(entries, list) else -1)
+        hit = self._layouts.get(key)
+        if hit is not None and hit[0] is seg and hit[1] == layout_dict:
+            return list(hit[2])
+        layout = buckets.BucketLayout.from_dict(layout_dict)
+        if layout.nbytes > seg.size:
+            raise ValueError(f"bucket of {layout.nbytes} B does not fit segment {seg.name} ({seg.size} B)")
+        pairs = buckets.unpack(seg.tensor, layout)
+        if len(self._layouts) >= self.KEEP_LAYOUTS:
+            self._layouts.clear()
+        self._layouts[key] = (seg, layout_dict, pairs)
+        return list(pairs)
 
     def _load_pieces(self, version: int, pairs: list[tuple[str, torch.Tensor]], places: Any) -> None:
         """A bucket with pieces: whole tensors to on_bucket, pieces to on_pieces with their index."""
@@ -765,6 +919,7 @@ class InferenceSession:
 
     def _release(self, name: str) -> None:
         seg = self._segments.pop(name, None)
+        self._layouts = {k: v for k, v in self._layouts.items() if k[0] != name}  # their views map it
         if seg is not None:
             seg.close()
 
@@ -776,3 +931,4 @@ class InferenceSession:
         for seg in self._segments.values():
             seg.close()
         self._segments.clear()
+        self._layouts.clear()

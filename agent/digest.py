@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .leaves import MASK, WSUM, XXH3_128, _wsum_leaf, fmt, leaf, piece_key
+from .leaves import MASK, WSUM, XXH3_128, _wsum_leaf, _xxhash, fmt, leaf, piece_key
 from .plan import BucketPlan
 from .staging import shm_location
 from .sync import SyncError, SyncHooks
@@ -49,21 +49,44 @@ def default_algorithm(data: torch.Tensor) -> str:
     return XXH3_128 if data.device.type == "cpu" else WSUM
 
 
+PieceIds = tuple[list[str], list[int], list[tuple[int, int]]]
+
+
+def piece_ids(bucket: BucketPlan) -> PieceIds:
+    """(keys, xxh3 seeds, (offset, nbytes) spans) of the bucket's pieces, made once per plan (BucketPlan.memo):
+    the key strings and their seeds cost more than hashing a small piece's bytes, and they never change."""
+    ids: PieceIds | None = bucket.memo.get("piece_ids")
+    if ids is None:
+        keys = [piece_key(e.piece.name, e.piece.dtype, e.piece.global_shape, e.piece.box.offset, e.piece.box.shape)
+                for e in bucket.entries]
+        seed = _xxhash().xxh3_64_intdigest
+        ids = bucket.memo["piece_ids"] = (keys, [seed(k.encode()) for k in keys],
+                                          [(e.offset, e.piece.nbytes) for e in bucket.entries])
+    return ids
+
+
 def bucket_leaves(bucket: BucketPlan, data: torch.Tensor, algorithm: str) -> list[tuple[str, int]]:
     """(key, leaf) of every piece of `bucket`, read where it sits in `data` (the bucket's bytes).
 
-    WSUM (GPU buckets): every piece's sum is queued on the device and all are read back together. A read per
-    piece waited for the device once per tensor (hundreds per GiB), each wait also stalling the launches
-    queued behind it."""
-    keys = [piece_key(e.piece.name, e.piece.dtype, e.piece.global_shape, e.piece.box.offset, e.piece.box.shape)
-            for e in bucket.entries]
-    spans = [data[e.offset : e.offset + e.piece.nbytes] for e in bucket.entries]
-    if algorithm == WSUM and spans:
+    XXH3_128: one host buffer for the bucket, each piece hashed from a slice of it (the leaves of leaves.leaf,
+    without a tensor view per piece). WSUM (GPU buckets): every piece's sum is queued on the device and all are
+    read back together. A read per piece waited for the device once per tensor (hundreds per GiB), each wait
+    also stalling the launches queued behind it."""
+    keys, seeds, spans = piece_ids(bucket)
+    if algorithm == XXH3_128 and data.dtype == torch.uint8 and data.dim() == 1:
+        host = data if data.device.type == "cpu" else data.cpu()
+        if not host.is_contiguous():
+            host = host.contiguous()
+        mem = host.numpy().data if host.numel() else memoryview(b"")
+        h = _xxhash().xxh3_128_intdigest
+        return [(k, int(h(mem[o:o + n], seed=sd))) for k, sd, (o, n) in zip(keys, seeds, spans, strict=True)]
+    views = [data[o : o + n] for o, n in spans]
+    if algorithm == WSUM and views:
         from .verify import wsum_total
 
-        totals = torch.stack([wsum_total(s) for s in spans]).tolist()  # the one device sync of this bucket
-        return [(k, _wsum_leaf(k, int(v), s.numel())) for k, v, s in zip(keys, totals, spans, strict=True)]
-    return [(k, leaf(k, s, algorithm)) for k, s in zip(keys, spans, strict=True)]
+        totals = torch.stack([wsum_total(s) for s in views]).tolist()  # the one device sync of this bucket
+        return [(k, _wsum_leaf(k, int(v), s.numel())) for k, v, s in zip(keys, totals, views, strict=True)]
+    return [(k, leaf(k, s, algorithm)) for k, s in zip(keys, views, strict=True)]
 
 
 @dataclass
@@ -80,6 +103,15 @@ class Digest:
             old = self.leaves.setdefault(key, value)
         if old != value:
             raise DigestMismatch(f"piece {key} arrived twice with different bytes ({fmt(old)} vs {fmt(value)})")
+
+    def add_all(self, leaves: Leaves) -> None:
+        """`add` for a bucket's leaves, under one lock."""
+        with self._lock:
+            put = self.leaves.setdefault
+            clash = [(k, old, v) for k, v in leaves if (old := put(k, v)) != v]
+        if clash:
+            k, old, v = clash[0]
+            raise DigestMismatch(f"piece {k} arrived twice with different bytes ({fmt(old)} vs {fmt(v)})")
 
     def value(self) -> int:
         with self._lock:
@@ -252,32 +284,28 @@ class DigestHooks(SyncHooks):
             got = bucket_leaves(bucket, data, default_algorithm(data))
             self._count(got, bucket, t0)
             if self.digest is not None:
-                for key, value in got:
-                    self.digest.add(key, value)
+                self.digest.add_all(got)
             return
         algo = str(sent.get("algorithm") or XXH3_128)
         want = sent["leaves"]
         here = HASHED_HERE.get(memory_key(version, bucket, data, algo)) if HASHED_HERE else None
-        if here is not None and [fmt(v) for _, v in here] == want and [k for k, _ in here] == [
-                piece_key(e.piece.name, e.piece.dtype, e.piece.global_shape, e.piece.box.offset, e.piece.box.shape)
-                for e in bucket.entries]:
+        if here is not None and [fmt(v) for _, v in here] == want and [k for k, _ in here] == piece_ids(bucket)[0]:
             self.stats.reused_bytes += bucket.data_nbytes  # landed where this process hashed it: not read again
             if self.digest is not None:
-                for key, value in here:
-                    self.digest.add(key, value)
+                self.digest.add_all(here)
             return
         got = bucket_leaves(bucket, data, algo)
         if len(want) != len(got):
             raise DigestMismatch(f"{where}: {len(want)} piece digests for {len(got)} pieces")
-        for (key, value), expected in zip(got, want, strict=True):
-            if fmt(value) != expected:
-                raise DigestMismatch(
-                    f"{where}: piece {key} has digest {fmt(value)}, the sender computed {expected}: the bytes "
-                    "changed between the trainer's staging and this agent; the version is not loaded")
+        if [fmt(v) for _, v in got] != want:  # every leaf compared; the first that differs is named
+            for (key, value), expected in zip(got, want, strict=True):
+                if fmt(value) != expected:
+                    raise DigestMismatch(
+                        f"{where}: piece {key} has digest {fmt(value)}, the sender computed {expected}: the bytes "
+                        "changed between the trainer's staging and this agent; the version is not loaded")
         self._count(got, bucket, t0)
         if self.digest is not None:
-            for key, value in got:
-                self.digest.add(key, value)
+            self.digest.add_all(got)
 
     def _count(self, leaves: list[tuple[str, int]], bucket: BucketPlan, t0: float) -> None:
         self.stats.seconds += time.perf_counter() - t0

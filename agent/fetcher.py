@@ -244,7 +244,7 @@ class RankedBucket(PlacedTensors):
     where each piece goes (`.places`, see PlacedTensors)."""
 
     def __init__(self, tensors: NamedTensors, rank: int) -> None:
-        super().__init__(tensors, getattr(tensors, "places", None))
+        super().__init__(tensors, getattr(tensors, "places", None), getattr(tensors, "flat", None))
         self.rank = rank
 
 
@@ -316,6 +316,7 @@ class _BucketPipe:
             # The engine loaded it; drop every reference to the receiver's views before it reuses (or,
             # for IPC, unmaps) the buffer: the caller's loop variable is this same list object.
             item.clear()
+            item.flat = None  # it holds the bucket's bytes too
             del item
             done.set()
 

@@ -540,7 +540,8 @@ class Agent:
                     reply = self.store.stage_request(int(h["rank"]), int(h["version"]), int(h["nbytes"]),
                                                      str(h.get("device", "cpu")), session=session,
                                                      stream=h.get("stream") is True,
-                                                     skip_unsent=h.get("skip_unsent") is True)
+                                                     skip_unsent=h.get("skip_unsent") is True,
+                                                     known_layout=h.get("layout_id"))
                     self._stage_t0 = t0
                     conn.reply_ok(**reply)
                 elif op == "publish_stream":  # ring staging: metadata only, the trainer keeps the bytes
@@ -554,9 +555,11 @@ class Agent:
                     conn.reply_ok(withdrawn=self.store.withdraw(int(h["version"])))
                 elif op == "publish":
                     sv = self.store.publish(int(h["rank"]), int(h["version"]), str(h["segment"]), h.get("tensors"),
-                                            dict(h.get("aliases") or {}))
+                                            dict(h.get("aliases") or {}), index_id=h.get("index"))
                     self.metrics.publish_seconds.observe(time.perf_counter() - getattr(self, "_stage_t0", 0.0))
-                    conn.reply_ok(version=sv.version, complete=sv.complete)
+                    rs = sv.ranks.get(int(h["rank"]))
+                    conn.reply_ok(version=sv.version, complete=sv.complete,
+                                  **({"index": rs.index.id} if rs is not None and rs.index is not None else {}))
                 elif op in ("served", "wait_served"):
                     # what every inference replica serves, from its agents' authenticated ws.served reports
                     assert self.server is not None

@@ -114,6 +114,12 @@ class BucketPlan:
     def layout(self) -> BucketLayout:
         return BucketLayout(tuple(e.bucket_entry for e in self.entries), self.nbytes)
 
+    @cached_property
+    def memo(self) -> dict[str, Any]:
+        """What other modules derive from this bucket once per plan instead of once per version (e.g. the
+        content digest's piece keys and seeds): a plan's buckets live as long as the plan is cached."""
+        return {}
+
     def columns(self) -> BucketColumns:
         """The pieces as arrays (no objects made when the plan is columnar)."""
         if isinstance(self.entries, _Entries):

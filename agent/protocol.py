@@ -83,6 +83,11 @@ INPUTS_WAIT = 60.0            # how long a key-only transfer link waits for a si
 MAX_INPUTS_BYTES = 256 << 20  # plan inputs a serving agent accepts (70k tensors x 256 ranks: 29 MB)
 
 
+#: the trainer's local socket: the answer to a publish that names its tensor index by id (an index the agent
+#: holds from the rank's last publish) when the agent does not hold it; the client sends the index itself then
+INDEX_UNKNOWN = "tensor index unknown"
+
+
 class ProtocolError(RuntimeError):
     """A peer agent sent a message this agent cannot act on; the message says which and why."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 import uuid
@@ -51,6 +52,31 @@ class StagingError(ValueError):
     """A publish from the local trainer is inconsistent; the message says what to fix in the trainer."""
 
 
+class PublishedIndex:
+    """A rank's validated tensor index (what its publish said about each shard), shared by every version that
+    publishes the same one into a segment of the same size.
+
+    Why: a trainer publishes the same index every version; an MoE model's has tens of thousands of entries, and
+    checking it, turning it into shards, comparing those with a plan and encoding them for the metadata reply
+    cost tens of microseconds per tensor per version. The checks run once per distinct index, the rest is kept
+    here."""
+
+    def __init__(self, metas: list[dict[str, Any]], segment_size: int) -> None:
+        self.metas = metas
+        self.segment_size = segment_size
+        #: what a trainer of this release names this index by in its next publish instead of sending it again
+        self.id = uuid.uuid4().hex[:16]
+        self._shards: list[TensorShard] | None = None
+        #: plan hashes whose sources for this rank were found equal to these shards (WeightServer._send)
+        self.plans_checked: set[str] = set()
+
+    def shards(self) -> list[TensorShard]:
+        if self._shards is None:
+            self._shards = [TensorShard.of(m["name"], m["dtype"], m["global_shape"], m["global_offset"], m["shape"])
+                            for m in self.metas]
+        return self._shards
+
+
 @dataclass
 class RankStage:
     rank: int
@@ -60,12 +86,15 @@ class RankStage:
     #: the content digest's piece hashes of these bytes, per plan hash: computed by the first transfer, sent by
     #: every later one (the other replicas) without hashing again (DigestHooks.sent_leaves)
     leaves: dict[str, SentLeaves] = field(default_factory=dict)
+    index: PublishedIndex | None = None  # the validated index `metas` is (shared with earlier versions)
 
     @property
     def streamed(self) -> bool:
         return self.slot is None
 
     def shards(self) -> list[TensorShard]:
+        if self.index is not None:
+            return list(self.index.shards())
         return [TensorShard.of(m["name"], m["dtype"], m["global_shape"], m["global_offset"], m["shape"])
                 for m in self.metas]
 
@@ -77,19 +106,50 @@ class RankStage:
     def tensors(self) -> dict[str, torch.Tensor | ShardPieces]:
         """Each staged shard as a view of staging, or as its pieces where it was staged in pieces."""
         assert self.slot is not None, "a streamed rank has no staged tensors"
-        seg = self.slot.segment
-        out: dict[str, torch.Tensor | ShardPieces] = {}
-        for m in self.metas:
-            if m.get("unstaged") is True:
-                continue
-            dt = staging.dtype_from_name(m["dtype"])
-            if m.get("pieces"):
-                out[m["name"]] = ShardPieces(dt, m["shape"], {
-                    (tuple(p["offset"]), tuple(p["shape"])): seg.view(int(p["at"]), dt, p["shape"])
-                    for p in m["pieces"]})
-            else:
-                out[m["name"]] = seg.view(int(m["offset"]), dt, m["shape"])
-        return out
+        # made per transfer, not kept: a colocated pod's IPC receiver hands this very memory to its engine and
+        # refuses to release it while any other view of it is alive (agent/transports/ipc.py)
+        views = _staged_views(self.slot.segment, self.metas)
+        return {name: v if isinstance(v, torch.Tensor) else ShardPieces(v[0], v[1], v[2])
+                for name, v in views.items()}
+
+
+StagedView = torch.Tensor | tuple[torch.dtype, list[int], dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor]]
+
+
+def _staged_views(seg: staging.Segment, metas: list[dict[str, Any]]) -> dict[str, StagedView]:
+    """Each staged shard of `metas` as a view of `seg`, or (dtype, shape, its pieces' views): slices of one typed
+    view of the segment per dtype (Segment.view per tensor made four tensor ops each; tens of thousands per MoE
+    version)."""
+    typed: dict[str, Callable[[int, list[int]], torch.Tensor]] = {}
+
+    def view_of(dtype: str) -> Callable[[int, list[int]], torch.Tensor]:
+        got = typed.get(dtype)
+        if got is None:
+            dt = staging.dtype_from_name(dtype)
+            isz = itemsize(dtype)
+            flat = seg.tensor[: seg.size // isz * isz].view(dt)
+
+            def got(at: int, shape: list[int]) -> torch.Tensor:
+                n = math.prod(shape)
+                if at % isz or at < 0 or at + n * isz > seg.size:
+                    return seg.view(at, dt, shape)  # unaligned or outside: its checks say so
+                return flat[at // isz: at // isz + n].view(shape)
+
+            typed[dtype] = got
+        return got
+
+    out: dict[str, StagedView] = {}
+    for m in metas:
+        if m.get("unstaged") is True:
+            continue
+        view = view_of(m["dtype"])
+        if m.get("pieces"):
+            out[m["name"]] = (staging.dtype_from_name(m["dtype"]), m["shape"],
+                              {(tuple(p["offset"]), tuple(p["shape"])): view(int(p["at"]), p["shape"])
+                               for p in m["pieces"]})
+        else:
+            out[m["name"]] = view(int(m["offset"]), m["shape"])
+    return out
 
 
 @dataclass
@@ -222,6 +282,8 @@ class StagingStore:
         # that read none of the last PLAN_MEMORY_VERSIONS versions (replaced: bucketSizeMB or membership
         # changed) no longer counts, so the rank goes back to staging its own shards only.
         self._plans_of: dict[int, dict[str, int]] = {}
+        self._indexes: dict[int, PublishedIndex] = {}  # rank -> the index of its last publish (PublishedIndex)
+        self._layout_dicts: dict[int, tuple[str, dict[str, Any]]] = {}  # rank -> (layout id, its layout dict)
 
     def prefer_arena(self, rank: int, plan: TransferPlan, version: int | None = None) -> None:
         """Remember the source arena of `plan` for `rank` (computed once per plan), and that `plan` read
@@ -251,12 +313,16 @@ class StagingStore:
         return rs.unstaged - set(arena.unsent)
 
     def stage_request(self, rank: int, version: int, nbytes: int, device: str, session: str = "",
-                      stream: bool = False, skip_unsent: bool = False) -> dict[str, Any]:
+                      stream: bool = False, skip_unsent: bool = False, known_layout: Any = None) -> dict[str, Any]:
         """The agent's answer to a trainer's stage request: a segment to copy into and, once a plan read this
         rank, the layout to copy in (its plan arena: the buckets are then sent from staging, no pack). In
         ring mode, to a client that can stream (`stream`): no segment, the ring's depth (agent/ring.py).
         `skip_unsent`: the client stages only the shards the layout lists (it names the others `unsent` and
-        publishes them by metadata only), so the segment is the arena without them."""
+        publishes them by metadata only), so the segment is the arena without them.
+
+        `known_layout`: the `layout_id` of the layout the client holds from an earlier reply; the same layout is
+        then not sent again (`layout_same`: an MoE model's layout is megabytes of JSON). `index`: the id of the
+        rank's last published index (PublishedIndex), which the client may publish by id."""
         if self.ring is not None and stream:
             self._check_version(rank, version, session)
             with self._lock:
@@ -272,7 +338,22 @@ class StagingStore:
         else:
             size = max(nbytes, arena.nbytes if arena else 0)
         seg = self.stage(rank, version, size, device, session=session)
-        return {"segment": seg.handle(), **({"layout": arena.to_dict(skip_unsent=compact)} if arena else {})}
+        with self._lock:
+            index = self._indexes.get(rank)
+            plan_hash = self._arenas[rank][0] if rank in self._arenas else ""
+        out: dict[str, Any] = {"segment": seg.handle(), **({"index": index.id} if index is not None else {})}
+        if arena is None:
+            return out
+        lid = f"{plan_hash}/{int(compact)}"
+        if known_layout == lid:
+            return {**out, "layout_id": lid, "layout_same": True}
+        with self._lock:
+            cached = self._layout_dicts.get(rank)
+        if cached is None or cached[0] != lid:
+            cached = (lid, arena.to_dict(skip_unsent=compact))
+            with self._lock:
+                self._layout_dicts[rank] = cached
+        return {**out, "layout_id": lid, "layout": cached[1]}
 
     def make_spare(self, rank: int, version: int) -> None:
         """`version` of `rank` was served: make the segment its next version will be copied into now, in the
@@ -345,17 +426,28 @@ class StagingStore:
             if session:
                 self._rank_sessions[rank] = session
 
-    def publish(self, rank: int, version: int, segment: str, metas: Any, aliases: dict[str, str]) -> StagedVersion:
+    def publish(self, rank: int, version: int, segment: str, metas: Any, aliases: dict[str, str],
+                index_id: Any = None) -> StagedVersion:
+        """A rank's staged version: its tensor index is `metas`, or, from a client of this release that published
+        the same index before (`index_id`, given by the stage reply), the rank's last index."""
         with self._lock:
             slot = self._pending.get((rank, version))
             if slot is None or slot.segment.name != segment:
                 raise StagingError(f"publish of version {version} rank {rank} without a matching stage request")
-        metas = validate_metas(metas, slot.segment.size)
+        if metas is None and index_id is not None:
+            with self._lock:
+                last = self._indexes.get(rank)
+            if last is None or last.id != index_id or last.segment_size != slot.segment.size:
+                raise StagingError(f"{P.INDEX_UNKNOWN}: publish of version {version} rank {rank} names tensor index "
+                                   f"{index_id}, which this agent does not hold for a segment of this size")
+            index = last
+        else:
+            index = self._index_of(rank, metas, slot.segment.size)
         with self._lock:
             del self._pending[(rank, version)]
             sv = self._versions.setdefault(version, StagedVersion(version))
             old = sv.ranks.get(rank)
-            sv.ranks[rank] = RankStage(rank, slot, metas)
+            sv.ranks[rank] = RankStage(rank, slot, index.metas, index=index)
             sv.aliases.update(aliases)
             for pool in self._pools.values():
                 if slot in pool._slots:
@@ -371,6 +463,18 @@ class StagingStore:
         if newly and self.on_complete:
             self.on_complete(sv)
         return sv
+
+    def _index_of(self, rank: int, metas: Any, segment_size: int) -> PublishedIndex:
+        """The validated index of a publish: the rank's last one when the trainer sent the same index for a segment
+        of the same size (the same checks would pass), else `metas` checked now (validate_metas)."""
+        with self._lock:
+            last = self._indexes.get(rank)
+        if last is not None and last.segment_size == segment_size and last.metas == metas:
+            return last
+        index = PublishedIndex(validate_metas(metas, segment_size), segment_size)
+        with self._lock:
+            self._indexes[rank] = index
+        return index
 
     def publish_stream(self, rank: int, version: int, metas: Any, aliases: dict[str, str],
                        snapshot_bytes: int = 0) -> StagedVersion:
@@ -687,6 +791,8 @@ class WeightServer:
         self._rdv: dict[tuple[Any, ...], _Rendezvous] = {}
         self._rdv_lock = threading.Lock()
         self._failures: dict[str, int] = {}
+        #: the last metadata reply: (its ranks' indexes, aliases, payload) (_meta_payload)
+        self._meta_cache: tuple[tuple[tuple[int, PublishedIndex], ...], dict[str, str], bytes] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="ws-accept", daemon=True)
         metrics.rejected_connections.set_function(lambda: self.listener.rejected)
@@ -788,10 +894,22 @@ class WeightServer:
                 link.send({"kind": P.META, "id": rid, "version": version, "ok": False, "latest": self.store.latest(),
                            "error": f"version {version} is not staged on {self.pod}"})
                 return
-            payload = P.encode_meta({r: rs.shards() for r, rs in sv.ranks.items()}, sv.aliases)
+            payload = self._meta_payload(sv)
             link.send({"kind": P.META, "id": rid, "version": version, "ok": True}, payload)
         else:
             raise P.ProtocolError(f"unknown request kind {kind!r} on a control link")
+
+    def _meta_payload(self, sv: StagedVersion) -> bytes:
+        """The metadata reply of a staged version: encoded once per set of rank indexes and aliases (an MoE
+        model's shard table took tens of milliseconds to encode, per version and per replica asking)."""
+        key = tuple(sorted((r, rs.index) for r, rs in sv.ranks.items() if rs.index is not None))
+        cached = self._meta_cache
+        if len(key) == len(sv.ranks) and cached is not None and cached[0] == key and cached[1] == sv.aliases:
+            return cached[2]
+        payload = P.encode_meta({r: rs.shards() for r, rs in sv.ranks.items()}, sv.aliases)
+        if len(key) == len(sv.ranks):
+            self._meta_cache = (key, dict(sv.aliases), payload)
+        return payload
 
     def announce(self, version: int, trainer_epoch: int = 0) -> None:
         with self._subs_lock:
@@ -929,11 +1047,14 @@ class WeightServer:
                 rs = sv.ranks.get(rdv.src)
                 if rs is None:
                     raise StagingError(f"rank {rdv.src} has no shards in version {rdv.version}")
-                mine = {s.name: s for s in rs.shards()}
-                theirs = {s.name: s for s in rdv.plan.sources[rdv.src]}
-                if mine != theirs:
-                    raise StagingError(f"the destination's plan describes source rank {rdv.src} differently from "
-                                       f"what was staged for version {rdv.version}")
+                if rs.index is None or rdv.plan.hash not in rs.index.plans_checked:
+                    mine = {s.name: s for s in rs.shards()}
+                    theirs = {s.name: s for s in rdv.plan.sources[rdv.src]}
+                    if mine != theirs:
+                        raise StagingError(f"the destination's plan describes source rank {rdv.src} differently "
+                                           f"from what was staged for version {rdv.version}")
+                    if rs.index is not None:  # the same index against the same plan: the same answer
+                        rs.index.plans_checked.add(rdv.plan.hash)
                 if not rs.streamed:
                     # every local rank learns the plan's arena, also one the plan sends nothing from (a data-
                     # parallel replica whose shards another rank sends: it then stages nothing at all)

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .buckets import dtype_name, entry_view, to_dtype
+from .buckets import BucketLayout, dtype_name, entry_view, entry_views, to_dtype
 from .link import Link, LinkError, Mailbox, RemoteAbort
 from .plan import BucketPlan, TensorShard, TransferPlan
 from .transports.base import (
@@ -68,10 +68,13 @@ class PlacedTensors(list[tuple[str, torch.Tensor]]):
     `hand_pieces`): `places[i]` says where pair i goes in it. The engine loads each piece into its place
     itself (its own load), instead of the agent assembling the tensor first and the engine copying that."""
 
-    def __init__(self, items: Iterable[tuple[str, torch.Tensor]] = (), places: Mapping[int, Place] | None = None
-                 ) -> None:
+    def __init__(self, items: Iterable[tuple[str, torch.Tensor]] = (), places: Mapping[int, Place] | None = None,
+                 flat: tuple[torch.Tensor, BucketLayout] | None = None) -> None:
         super().__init__(items)
         self.places: dict[int, Place] = dict(places or {})
+        #: (the bucket's bytes, its layout) when pair i is entry i of the layout viewed in those bytes, every
+        #: pair: an engine may then take the bucket whole (one request) instead of finding each tensor
+        self.flat = flat
 
 
 class BucketStream(Protocol):
@@ -196,6 +199,8 @@ def source_region(t: torch.Tensor | ShardPieces, box: Any, src_box: Any) -> torc
     """The part `box` (global coordinates) of a source shard `t` whose box is `src_box`."""
     if isinstance(t, ShardPieces):
         return t.region([o - so for o, so in zip(box.offset, src_box.offset, strict=True)], box.shape)
+    if box == src_box:  # the whole shard (the common case): no view to make
+        return t
     return t[box.slices_within(src_box)]
 
 
@@ -211,10 +216,11 @@ def in_place(bucket: BucketPlan, regions: Sequence[torch.Tensor]) -> torch.Tenso
     base = first.data_ptr() - bucket.entries[0].offset
     if base < sp or base - sp + bucket.nbytes > storage.nbytes():
         return None
+    dev = first.device
+    # each region starts at its entry's offset from `base`, inside the bucket's range of the first region's
+    # storage (checked above), and is contiguous: then the bucket's bytes there are exactly the regions'
     for e, r in zip(bucket.entries, regions, strict=True):
-        if not r.is_contiguous() or r.data_ptr() != base + e.offset or r.untyped_storage().data_ptr() != sp:
-            return None
-        if r.device != first.device:
+        if r.data_ptr() != base + e.offset or r.device != dev or not r.is_contiguous():
             return None
     return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, base - sp, (bucket.nbytes,), (1,))
 
@@ -756,7 +762,8 @@ class WeightReceiver(_Endpoint):
             copied += bucket.nbytes
             direct = True
         ready = PlacedTensors()
-        for e in bucket.entries:
+        views = entry_views(data, bucket.layout.entries) if into is None else None
+        for k, e in enumerate(bucket.entries):
             p = e.piece
             need = self.needs[p.name]
             remaining[p.name] -= 1
@@ -767,7 +774,8 @@ class WeightReceiver(_Endpoint):
                 if remaining[p.name] == 0:
                     ready.append((p.name, into[p.name]))
                 continue
-            view = entry_view(data, e.bucket_entry)
+            assert views is not None
+            view = views[k]
             if p.box == need.box:
                 ready.append((p.name, view))  # the whole tensor in one piece: hand the view itself
                 continue
@@ -781,6 +789,9 @@ class WeightReceiver(_Endpoint):
             copied += p.nbytes
             if remaining[p.name] == 0:
                 ready.append((p.name, asm))
+        if into is None and len(ready) == len(bucket.entries) and not copied and \
+                all(t is v for (_, t), v in zip(ready, views or (), strict=True)):
+            ready.flat = (data, bucket.layout)
         if ready and on_bucket is not None:
             on_bucket(ready)
         return copied

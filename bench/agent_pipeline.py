@@ -120,11 +120,17 @@ def moe_metas(size_mb: int, tensors: int) -> list[Any]:
     return m
 
 
+_PATTERN: list[torch.Tensor] = []
+
+
 def full_tensor(meta: Any) -> torch.Tensor:
-    """The trainer's full tensor before version 1 (a cheap deterministic byte pattern)."""
+    """The trainer's full tensor before version 1 (a cheap deterministic byte pattern, made once per process: at
+    16,384 tensors, making it per tensor took minutes)."""
     from transport_ratio import _pattern, synth_full
 
-    return synth_full(_pattern(), meta.name, meta.dtype, meta.shape)
+    if not _PATTERN:
+        _PATTERN.append(_pattern())
+    return synth_full(_PATTERN[0], meta.name, meta.dtype, meta.shape)
 
 
 def advance(t: torch.Tensor, versions: int = 1) -> None:

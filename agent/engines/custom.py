@@ -87,6 +87,7 @@ class CustomEngineAdapter:
         self.request_timeout = request_timeout  # spec.transfer.timeoutSeconds: a hung engine fails the load
         self.device = device
         self._segment: staging.Segment | None = None
+        self._whole_dict: dict[str, Any] = {}  # the layout dict of the last bucket _whole_bucket took
         self._version: int | None = None
         #: transports of this agent receive into these shared segments (see fetcher.fetch_version)
         self.receive_allocator = staging.SharedSlotAllocator(f"{prefix}-recv")
@@ -201,12 +202,45 @@ class CustomEngineAdapter:
             shared.append((seg, layout, [i for _, i in items]))
         return shared, sorted(rest)
 
+    #: (bucket layout, segment name, offset) -> the layout of that bucket where it lies in the segment
+    _WHOLE_MAX = 256
+
+    def _whole_bucket(self, tensors: NamedTensors) -> tuple[staging.Segment | staging.MappedFile,
+                                                            buckets.BucketLayout, list[int]] | None:
+        """A bucket the receiver handed on whole where it landed (PlacedTensors.flat) and that lies in shared
+        memory the app can map: (segment, its layout at the bucket's offset there, every index). One lookup
+        for the bucket instead of one per tensor, and the layout made once per bucket and receive slot."""
+        flat = getattr(tensors, "flat", None)
+        if flat is None:
+            return None
+        data, layout = flat
+        if len(layout.entries) != len(tensors):
+            return None
+        found = staging.SHARED.locate(data)
+        if found is None:
+            return None
+        seg, base = found
+        cache: dict[tuple[int, str, int], tuple[buckets.BucketLayout, buckets.BucketLayout, dict[str, Any]]] = \
+            self.__dict__.setdefault("_whole", {})
+        key = (id(layout), seg.name, base)
+        hit = cache.get(key)
+        if hit is None or hit[0] is not layout:
+            shifted = buckets.BucketLayout(tuple(buckets.BucketEntry(e.name, e.dtype, e.shape, e.offset + base)
+                                                 for e in layout.entries), base + layout.nbytes, 1)
+            shifted.validate()
+            if len(cache) >= self._WHOLE_MAX:
+                cache.clear()
+            hit = cache[key] = (layout, shifted, shifted.to_dict())
+        self._whole_dict = hit[2]
+        return seg, hit[1], list(range(len(tensors)))
+
     def load_bucket(self, tensors: NamedTensors) -> None:
         if self._version is None:
             raise EngineError("load_bucket called before begin_update")
         self._release_dead_segments()
         places = getattr(tensors, "places", None) or {}
-        shared, rest = self._split(tensors)
+        whole = self._whole_bucket(tensors)
+        shared, rest = ([whole], []) if whole is not None else self._split(tensors)
         parts = list(shared)
         self.shared_bytes += sum(e.nbytes for _, layout, _ in shared for e in layout.entries)
         if rest:
@@ -220,7 +254,7 @@ class CustomEngineAdapter:
             if seg.tensor.is_cuda:
                 torch.cuda.synchronize(seg.tensor.device)
             header: dict[str, Any] = {"op": "bucket", "version": self._version, "segment": seg.handle(),
-                                      "layout": layout.to_dict()}
+                                      "layout": self._whole_dict if whole is not None else layout.to_dict()}
             if any(i in places for i in index):  # pieces: where each goes in its tensor (the app loads them there)
                 header["places"] = [None if i not in places else {"offset": list(places[i][0]),
                                                                   "shape": list(places[i][1])} for i in index]
