@@ -115,11 +115,13 @@ def _sharded_tensor_shard(name: str, t: Any) -> LocalShard | None:
 def _shard_of(name: str, value: Any) -> LocalShard | None:
     if isinstance(value, TensorShard):
         t = value.tensor.detach()
-        if len(value.global_shape) != t.dim() or len(value.global_offset) != t.dim():
+        shape = t.shape
+        if len(value.global_shape) != len(shape) or len(value.global_offset) != len(shape):
             raise ValueError(f"{name}: global shape/offset rank does not match the tensor's {t.dim()} dims")
-        for d, (g, o) in enumerate(zip(value.global_shape, value.global_offset, strict=True)):
-            if o < 0 or o + t.shape[d] > g:
-                raise ValueError(f"{name}: dim {d} shard [{o}, {o + t.shape[d]}) lies outside global size {g}")
+        if any(o < 0 or o + n > g for g, o, n in zip(value.global_shape, value.global_offset, shape, strict=True)):
+            d, g, o, n = next((d, g, o, n) for d, (g, o, n) in enumerate(zip(value.global_shape, value.global_offset,
+                                                                             shape, strict=True)) if o < 0 or o + n > g)
+            raise ValueError(f"{name}: dim {d} shard [{o}, {o + n}) lies outside global size {g}")
         return LocalShard(name, t, tuple(value.global_shape), tuple(value.global_offset))
     if type(value).__name__ == "DTensor":
         return _dtensor_shard(name, value)
@@ -134,7 +136,9 @@ def _shard_of(name: str, value: Any) -> LocalShard | None:
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     if type(t).__name__ == "DTensor" or _is_sharded_tensor(t) or t.numel() == 0:
         return None
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    # the first byte's address stands for (storage, offset): two views that start at the same address with the
+    # same shape, strides and dtype are the same bytes (and it costs no storage object per tensor)
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def local_shards(weights: Weights) -> tuple[list[LocalShard], dict[str, str]]:
@@ -592,7 +596,7 @@ class TrainerSession:
                         key: ShardKey) -> StagingLayout:
         """The publish's tensor index and `seg`'s views for these places: the last ones when nothing changed."""
         known = self._layout
-        if known is None or layout is None or not known.matches(layout, seg.size, key) or \
+        if known is None or not known.matches(layout, seg.size, key) or \
                 list(known.places) != list(places):
             metas = []
             for s, place, n in zip(shards, places, sizes, strict=True):
@@ -819,7 +823,7 @@ class InferenceSession:
         op = h["op"]
         if op == "bucket":
             seg = self._segment(h["segment"])
-            pairs = self._pairs(seg, h["layout"])
+            pairs = self._pairs_by_id(seg, h) if "layout_id" in h else self._pairs(seg, h["layout"])
             places = h.get("places")
             if places is None:
                 self.on_bucket(int(h["version"]), pairs)
@@ -851,7 +855,8 @@ class InferenceSession:
             self._release(str(h.get("name", "")))
         elif op != "served":
             raise ValueError(f"unknown op {op!r}")
-        return {"version": self.served_version, **({"pieces": True} if self.on_pieces is not None else {})}
+        return {"version": self.served_version, "layout_ids": True,
+                **({"pieces": True} if self.on_pieces is not None else {})}
 
     #: bucket layouts whose views are kept (per agent connection); a version's buckets, a few times over
     KEEP_LAYOUTS = 1024
@@ -876,6 +881,22 @@ class InferenceSession:
             self._layouts.clear()
         self._layouts[key] = (seg, layout_dict, pairs)
         return list(pairs)
+
+    def _pairs_by_id(self, seg: staging.Segment, h: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        """A bucket whose layout the agent names by id (it sends the layout with the id once, then the id only):
+        its views, made when the layout came. An id this session does not hold (evicted, or never sent to it)
+        is refused by name (protocol.LAYOUT_UNKNOWN) and the agent sends the layout again."""
+        lid = ("id", str(h["layout_id"]))
+        if "layout" in h:
+            pairs = self._pairs(seg, h["layout"])
+            if len(self._layouts) >= self.KEEP_LAYOUTS:
+                self._layouts.clear()
+            self._layouts[lid] = (seg, None, pairs)
+            return pairs
+        hit = self._layouts.get(lid)
+        if hit is None or hit[0] is not seg:
+            raise ValueError(f"{P.LAYOUT_UNKNOWN}: {lid[1]} in segment {seg.name}")
+        return list(hit[2])
 
     def _load_pieces(self, version: int, pairs: list[tuple[str, torch.Tensor]], places: Any) -> None:
         """A bucket with pieces: whole tensors to on_bucket, pieces to on_pieces with their index."""
@@ -919,7 +940,7 @@ class InferenceSession:
 
     def _release(self, name: str) -> None:
         seg = self._segments.pop(name, None)
-        self._layouts = {k: v for k, v in self._layouts.items() if k[0] != name}  # their views map it
+        self._layouts = {k: v for k, v in self._layouts.items() if v[0].name != name}  # their views map it
         if seg is not None:
             seg.close()
 

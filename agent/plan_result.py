@@ -320,6 +320,12 @@ class TransferPlan:
                 to.setdefault(d, []).append(b)
         return frm, to
 
+    @cached_property
+    def memo(self) -> dict[Any, Any]:
+        """What endpoints derive from the plan once instead of once per version (a receiver's needs by name and
+        piece counts): the plan is immutable and cached for as long as its layout lasts."""
+        return {}
+
     def buckets_from(self, src: int) -> list[BucketPlan]:
         """The buckets source rank `src` sends, in plan order."""
         return list(self._by_rank[0].get(src, ()))

@@ -86,6 +86,9 @@ MAX_INPUTS_BYTES = 256 << 20  # plan inputs a serving agent accepts (70k tensors
 #: the trainer's local socket: the answer to a publish that names its tensor index by id (an index the agent
 #: holds from the rank's last publish) when the agent does not hold it; the client sends the index itself then
 INDEX_UNKNOWN = "tensor index unknown"
+#: a Custom engine's local socket: the answer to a bucket that names its layout by id when the app does not hold
+#: that layout (InferenceSession keeps a bounded number); the agent sends the layout itself then
+LAYOUT_UNKNOWN = "bucket layout unknown"
 
 
 class ProtocolError(RuntimeError):

@@ -325,17 +325,24 @@ class WeightSender(_Endpoint):
         missing = [d for d in self.dsts if d not in self.peers]
         if missing:
             raise SyncError(f"source rank {rank} has no control link to destination ranks {missing}")
-        self.shards: dict[str, TensorShard] = {s.name: s for s in plan.sources[rank]} if rank < plan.num_src else {}
+        known = plan.memo.get(("sender", rank))
+        if known is None:  # once per plan and rank: an MoE plan has tens of thousands of pieces
+            shards = {s.name: s for s in plan.sources[rank]} if rank < plan.num_src else {}
+            sent = sorted({e.piece.name for b in self.buckets for e in b.entries})
+            known = plan.memo[("sender", rank)] = (shards, [(n, shards[n].box.shape, to_dtype(shards[n].dtype))
+                                                            for n in sent])
+        self.shards: dict[str, TensorShard] = known[0]
+        self._expected: list[tuple[str, tuple[int, ...], torch.dtype]] = known[1]
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor | ShardPieces]) -> None:
         """Raise SyncError unless `tensors` has every tensor this rank sends, with its local shape/dtype."""
         problems = []
-        for name in sorted({e.piece.name for b in self.buckets for e in b.entries}):
+        for name, shape, dtype in self._expected:
             s = self.shards[name]
             t = tensors.get(name)
             if t is None:
                 problems.append(f"{name!r} is missing")
-            elif tuple(t.shape) != s.box.shape or dtype_name(t.dtype) != s.dtype:
+            elif t.shape != shape or t.dtype != dtype:
                 problems.append(f"{name!r} is {dtype_name(t.dtype)}{list(t.shape)}, the plan says "
                                 f"{s.dtype}{list(s.box.shape)}")
         if problems:
@@ -542,12 +549,17 @@ class WeightReceiver(_Endpoint):
         missing = [s for s in self.srcs if s not in self.peers]
         if missing:
             raise SyncError(f"destination rank {rank} has no control link to source ranks {missing}")
-        self.needs: dict[str, TensorShard] = {s.name: s for s in plan.needs[rank]}
+        known = plan.memo.get(("receiver", rank))
+        if known is None:  # once per plan and rank: an MoE plan has tens of thousands of pieces
+            needs = {s.name: s for s in plan.needs[rank]}
+            counts: dict[str, int] = {}
+            for b in self.buckets:
+                for e in b.entries:
+                    counts[e.piece.name] = counts.get(e.piece.name, 0) + 1
+            known = plan.memo[("receiver", rank)] = (needs, counts)
+        self.needs: dict[str, TensorShard] = known[0]
         # Tensors that arrive in several pieces are assembled in buffers reused across versions.
-        self._pieces: dict[str, int] = {}
-        for b in self.buckets:
-            for e in b.entries:
-                self._pieces[e.piece.name] = self._pieces.get(e.piece.name, 0) + 1
+        self._pieces: dict[str, int] = known[1]
         self._assembly: dict[str, torch.Tensor] = {}
 
     def _assembly_buffer(self, name: str) -> torch.Tensor:
@@ -739,6 +751,32 @@ class WeightReceiver(_Endpoint):
         if incomplete:
             raise SyncError(f"tensors {incomplete[:5]} did not arrive completely")
 
+    def _hand_whole(self, bucket: BucketPlan, remaining: dict[str, int]) -> dict[int, Place] | None:
+        """The places of the pieces (PlacedTensors.places) when every piece of `bucket` is a whole needed tensor
+        or a piece the engine places itself (`hand_pieces`): then the bucket is handed on as it landed, each
+        entry a view, with no per-piece decision; None when some piece is assembled here. The box comparisons are
+        made once per plan and rank (BucketPlan.memo); `remaining` is counted down here."""
+        key = ("whole", self.rank, self.hand_pieces)
+        if key not in bucket.memo:
+            places: dict[int, Place] = {}
+            whole = True
+            for k, e in enumerate(bucket.entries):
+                p, need = e.piece, self.needs[e.piece.name]
+                if p.box == need.box:
+                    continue
+                if not self.hand_pieces:
+                    whole = False
+                    break
+                places[k] = (tuple(o - n for o, n in zip(p.box.offset, need.box.offset, strict=True)),
+                             need.box.shape)
+            bucket.memo[key] = places if whole else None
+        known: dict[int, Place] | None = bucket.memo[key]
+        if known is None:
+            return None
+        for e in bucket.entries:
+            remaining[e.piece.name] -= 1
+        return known
+
     def _consume(
         self,
         version: int,
@@ -763,6 +801,14 @@ class WeightReceiver(_Endpoint):
             direct = True
         ready = PlacedTensors()
         views = entry_views(data, bucket.layout.entries) if into is None else None
+        places = self._hand_whole(bucket, remaining) if views is not None else None
+        if places is not None:
+            ready.extend(zip((e.name for e in bucket.layout.entries), views or (), strict=True))
+            ready.places.update(places)
+            ready.flat = (data, bucket.layout)
+            if on_bucket is not None:
+                on_bucket(ready)
+            return 0
         for k, e in enumerate(bucket.entries):
             p = e.piece
             need = self.needs[p.name]
@@ -789,9 +835,6 @@ class WeightReceiver(_Endpoint):
             copied += p.nbytes
             if remaining[p.name] == 0:
                 ready.append((p.name, asm))
-        if into is None and len(ready) == len(bucket.entries) and not copied and \
-                all(t is v for (_, t), v in zip(ready, views or (), strict=True)):
-            ready.flat = (data, bucket.layout)
         if ready and on_bucket is not None:
             on_bucket(ready)
         return copied

@@ -216,14 +216,14 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, devic
 
     def on_bucket(version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         calls[version] = calls.get(version, 0) + 1
-        for n, t in tensors:
-            params[n].copy_(t)  # the engine's own load
+        # the engine's own load, a bucket at a time (one foreach call, as an engine loads a flat bucket)
+        torch._foreach_copy_([params[n] for n, _ in tensors], [t for _, t in tensors])
         loaded()
 
     def on_pieces(version: int, pieces: list[tuple[str, tuple[slice, ...], torch.Tensor]]) -> None:
         calls[version] = calls.get(version, 0) + 1
-        for n, index, t in pieces:
-            params[n][index].copy_(t)  # the engine's own load, of a tensor that arrives in pieces
+        # the engine's own load, of tensors that arrive in pieces: each piece into its place, one foreach call
+        torch._foreach_copy_([params[n][index] for n, index, _ in pieces], [t for _, _, t in pieces])
         loaded()
 
     def check() -> None:

@@ -17,13 +17,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from weightsync.agent import buckets, local, staging
 from weightsync.agent.engines.base import EngineError, NamedTensors
+from weightsync.agent.protocol import LAYOUT_UNKNOWN
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _WholeLayout:
+    """A bucket handed on whole, where it lies in a shared segment: made once per bucket and receive slot."""
+
+    source: buckets.BucketLayout  # the plan bucket's own layout (offsets from the bucket's start)
+    layout: buckets.BucketLayout  # at the bucket's offset in the segment
+    as_dict: dict[str, Any]
+    nbytes: int
+    id: str  # what the app knows it by once it got it (InferenceSession takes layouts by id)
 
 
 class AppRegistry:
@@ -87,7 +100,11 @@ class CustomEngineAdapter:
         self.request_timeout = request_timeout  # spec.transfer.timeoutSeconds: a hung engine fails the load
         self.device = device
         self._segment: staging.Segment | None = None
-        self._whole_dict: dict[str, Any] = {}  # the layout dict of the last bucket _whole_bucket took
+        #: (bucket layout, segment, offset) -> that bucket's layout where it lies in the segment (_whole_bucket)
+        self._whole: dict[tuple[int, str, int], _WholeLayout] = {}
+        self._last_whole = _WholeLayout(buckets.BucketLayout((), 0), buckets.BucketLayout((), 0), {}, 0, "")
+        self._layout_seq = 0
+        self._ids: dict[int, tuple[local.LocalConn, set[str] | None]] = {}  # rank -> (session, layout ids it holds)
         self._version: int | None = None
         #: transports of this agent receive into these shared segments (see fetcher.fetch_version)
         self.receive_allocator = staging.SharedSlotAllocator(f"{prefix}-recv")
@@ -220,19 +237,30 @@ class CustomEngineAdapter:
         if found is None:
             return None
         seg, base = found
-        cache: dict[tuple[int, str, int], tuple[buckets.BucketLayout, buckets.BucketLayout, dict[str, Any]]] = \
-            self.__dict__.setdefault("_whole", {})
         key = (id(layout), seg.name, base)
-        hit = cache.get(key)
-        if hit is None or hit[0] is not layout:
+        hit = self._whole.get(key)
+        if hit is None or hit.source is not layout:
             shifted = buckets.BucketLayout(tuple(buckets.BucketEntry(e.name, e.dtype, e.shape, e.offset + base)
                                                  for e in layout.entries), base + layout.nbytes, 1)
             shifted.validate()
-            if len(cache) >= self._WHOLE_MAX:
-                cache.clear()
-            hit = cache[key] = (layout, shifted, shifted.to_dict())
-        self._whole_dict = hit[2]
-        return seg, hit[1], list(range(len(tensors)))
+            if len(self._whole) >= self._WHOLE_MAX:
+                self._whole.clear()
+            self._layout_seq += 1
+            hit = self._whole[key] = _WholeLayout(layout, shifted, shifted.to_dict(),
+                                                  sum(e.nbytes for e in shifted.entries),
+                                                  f"{seg.name}@{base}#{self._layout_seq}")
+        self._last_whole = hit
+        return seg, hit.layout, list(range(len(tensors)))
+
+    def _layout_ids(self, rank: int) -> set[str] | None:
+        """The layout ids rank's app holds, when its InferenceSession takes a layout by id (this release: it
+        answers `served` with layout_ids); None for an app of an earlier release (it gets every layout)."""
+        conn = self.registry.wait(rank, self.connect_timeout)
+        known = self._ids.get(rank)
+        if known is None or known[0] is not conn:
+            reply = self._request(rank, {"op": "served"})
+            known = self._ids[rank] = (conn, set() if reply.get("layout_ids") is True else None)
+        return known[1]
 
     def load_bucket(self, tensors: NamedTensors) -> None:
         if self._version is None:
@@ -242,7 +270,8 @@ class CustomEngineAdapter:
         whole = self._whole_bucket(tensors)
         shared, rest = ([whole], []) if whole is not None else self._split(tensors)
         parts = list(shared)
-        self.shared_bytes += sum(e.nbytes for _, layout, _ in shared for e in layout.entries)
+        self.shared_bytes += self._last_whole.nbytes if whole is not None else \
+            sum(e.nbytes for _, layout, _ in shared for e in layout.entries)
         if rest:
             layout = buckets.BucketLayout.build((tensors[i][0], tensors[i][1].dtype, tensors[i][1].shape) for i in rest)
             seg = self._ensure_segment(layout.nbytes)
@@ -253,12 +282,27 @@ class CustomEngineAdapter:
         for seg, layout, index in parts:
             if seg.tensor.is_cuda:
                 torch.cuda.synchronize(seg.tensor.device)
-            header: dict[str, Any] = {"op": "bucket", "version": self._version, "segment": seg.handle(),
-                                      "layout": self._whole_dict if whole is not None else layout.to_dict()}
+            header: dict[str, Any] = {"op": "bucket", "version": self._version, "segment": seg.handle()}
             if any(i in places for i in index):  # pieces: where each goes in its tensor (the app loads them there)
                 header["places"] = [None if i not in places else {"offset": list(places[i][0]),
                                                                   "shape": list(places[i][1])} for i in index]
-            self._request(self.rank, header)
+            ids = self._layout_ids(self.rank) if whole is not None else None
+            if ids is None:
+                self._request(self.rank, {**header, "layout": self._last_whole.as_dict if whole is not None
+                                          else layout.to_dict()})
+                continue
+            # a layout the app already holds is named, not sent (an MoE bucket's is a megabyte of JSON each way)
+            lid = self._last_whole.id
+            if lid in ids:
+                try:
+                    self._request(self.rank, {**header, "layout_id": lid})
+                    continue
+                except EngineError as exc:
+                    if LAYOUT_UNKNOWN not in str(exc):
+                        raise
+                    ids.discard(lid)
+            self._request(self.rank, {**header, "layout_id": lid, "layout": self._last_whole.as_dict})
+            ids.add(lid)
 
     def commit(self, version: int) -> None:
         self._all({"op": "commit", "version": version})

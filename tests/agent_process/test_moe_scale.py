@@ -1,0 +1,185 @@
+"""MoE-scale versions (issue 33): the per-tensor work done once per layout, plan or bucket must give the same bytes,
+the same digest leaves and the same checks as the per-tensor code it replaced, and a client and an agent of
+different releases must still publish to each other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from weightsync.agent import buckets, staging
+from weightsync.agent import digest as D
+from weightsync.agent import protocol as P
+from weightsync.agent.client import TrainerSession, checksums
+from weightsync.agent.leaves import leaf, piece_key
+from weightsync.agent.local import LocalServer
+from weightsync.agent.plan import TensorShard, build_plan
+from weightsync.agent.server import StagingError, StagingStore
+
+
+def serve(path: Path, store: StagingStore, requests: list[dict[str, Any]], *, current: bool) -> LocalServer:
+    """A trainer agent's local socket over `store`, recording each request. `current`: this release's answers
+    (layout ids, publish by index); else an earlier release's (it ignores both)."""
+    def handler(conn: Any) -> None:
+        conn.recv()
+        conn.reply_ok()
+        while True:
+            h, _ = conn.recv()
+            requests.append(h)
+            try:
+                if h["op"] == "stage":
+                    reply = store.stage_request(h["rank"], h["version"], h["nbytes"], h["device"],
+                                                skip_unsent=h.get("skip_unsent") is True,
+                                                known_layout=h.get("layout_id") if current else None)
+                    conn.reply_ok(**(reply if current else {k: v for k, v in reply.items() if k == "segment"}))
+                else:
+                    sv = store.publish(h["rank"], h["version"], h["segment"], h.get("tensors"), h["aliases"],
+                                       index_id=h.get("index") if current else None)
+                    rs = sv.ranks[h["rank"]]
+                    conn.reply_ok(**({"index": rs.index.id} if current and rs.index is not None else {}))
+            except StagingError as exc:
+                conn.reply_error(str(exc))
+
+    return LocalServer(path, handler).start()
+
+
+def _weights(n: int, step: int) -> dict[str, torch.Tensor]:
+    return {f"model.layers.0.mlp.experts.{i}.up_proj.weight": torch.full((4, 3), float(i + step)) for i in range(n)}
+
+
+@pytest.mark.parametrize("current", [True, False], ids=["this-release", "earlier-agent"])
+def test_an_unchanged_index_is_published_by_id_and_the_bytes_stay_exact(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        current: bool) -> None:
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    store = StagingStore([0], f"wstest-moe-{current}", keep=1)
+    requests: list[dict[str, Any]] = []
+    server = serve(tmp_path / "agent.sock", store, requests, current=current)
+    try:
+        with TrainerSession(tmp_path / "agent.sock", rank=0) as s:
+            for v in (1, 2, 3):
+                w = _weights(300, v)
+                s.publish(w, version=v)
+                got = store.get(v)
+                assert got is not None
+                assert checksums(got.ranks[0].tensors().items()) == checksums(w.items())
+            w = {**_weights(299, 4), "extra": torch.ones(5)}  # a changed model: its index is sent again
+            s.publish(w, version=4)
+            got = store.get(4)
+            assert got is not None and checksums(got.ranks[0].tensors().items()) == checksums(w.items())
+    finally:
+        server.close()
+        store.close()
+    publishes = [h for h in requests if h["op"] == "publish"]
+    by_id = ["tensors" not in h and "index" in h for h in publishes]
+    assert by_id == ([False, True, True, False] if current else [False] * 4)
+
+
+def test_a_publish_by_an_unknown_index_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    store = StagingStore([0], "wstest-moe-unknown")
+    try:
+        seg = store.stage(0, 1, 4096, "cpu")
+        with pytest.raises(StagingError, match=P.INDEX_UNKNOWN):
+            store.publish(0, 1, seg.name, None, {}, index_id="not-an-index")
+    finally:
+        store.close()
+
+
+def _mixed_bucket() -> tuple[Any, torch.Tensor]:
+    named = {"a": torch.randn(7, 3), "b": torch.arange(5, dtype=torch.int64), "c": torch.zeros(0),
+             "d": torch.randn(11).to(torch.bfloat16), "e": torch.tensor([True, False, True])}
+    shards = [TensorShard.full(n, t.dtype, t.shape) for n, t in named.items()]
+    (bucket,) = build_plan([shards], [shards], 1 << 20).buckets
+    data = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    for e in bucket.entries:
+        t = named[e.piece.name]
+        if t.numel():
+            data[e.offset: e.offset + e.piece.nbytes] = t.reshape(-1).view(torch.uint8)
+    return bucket, data
+
+
+def test_bucket_leaves_are_the_per_piece_leaves() -> None:
+    """The digest's leaves must keep their values (agents of mixed releases compare them)."""
+    bucket, data = _mixed_bucket()
+    want = [(piece_key(e.piece.name, e.piece.dtype, e.piece.global_shape, e.piece.box.offset, e.piece.box.shape),
+             leaf(piece_key(e.piece.name, e.piece.dtype, e.piece.global_shape, e.piece.box.offset, e.piece.box.shape),
+                  data[e.offset: e.offset + e.piece.nbytes]))
+            for e in bucket.entries]
+    assert D.bucket_leaves(bucket, data, D.XXH3_128) == want
+    assert D.bucket_leaves(bucket, data, D.XXH3_128) == want  # from the bucket's memo the second time
+    flipped = data.clone()
+    flipped[bucket.entries[1].offset] ^= 1
+    assert D.bucket_leaves(bucket, flipped, D.XXH3_128)[1] != want[1]
+
+
+def test_a_digest_clash_within_one_bucket_is_refused() -> None:
+    d = D.Digest()
+    d.add_all([("k1", 1), ("k2", 2)])
+    with pytest.raises(D.DigestMismatch, match="k2"):
+        d.add_all([("k1", 1), ("k2", 3)])
+
+
+def test_entry_views_are_entry_view() -> None:
+    bucket, data = _mixed_bucket()
+    entries = bucket.layout.entries
+    views = buckets.entry_views(data, entries)
+    for e, v in zip(entries, views, strict=True):
+        ref = buckets.entry_view(data, e)
+        assert v.dtype == ref.dtype and v.shape == ref.shape and v.data_ptr() == ref.data_ptr()
+    odd = torch.zeros(bucket.nbytes + 1, dtype=torch.uint8)[1:]  # a buffer no typed view can start
+    with pytest.raises(RuntimeError, match="divisible"):  # as entry_view refuses it
+        buckets.entry_views(odd, entries)
+    with pytest.raises(buckets.BucketError, match="ends at byte"):
+        buckets.entry_views(data[:8], entries)
+
+
+def test_a_whole_bucket_is_one_request_and_its_layout_is_named_once(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket handed on whole (PlacedTensors.flat) goes to the app in one request; the app gets its layout once
+    and then its id; an app that lost the layout (evicted) is sent it again, and every load is exact."""
+    from test_agent_inprocess import engine_registry_server
+    from weightsync.agent.client import InferenceSession
+    from weightsync.agent.engines.base import load_version
+    from weightsync.agent.engines.custom import CustomEngineAdapter
+    from weightsync.agent.sync import PlacedTensors
+
+    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    registry, server = engine_registry_server(tmp_path / "agent.sock")
+    named = {f"e{i}": torch.full((2, 3), float(i)) for i in range(50)}
+    params = {n: torch.zeros(2, 3) for n in named}
+    seen: list[dict[str, Any]] = []
+
+    def on_bucket(version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        torch._foreach_copy_([params[n] for n, _ in tensors], [t for _, t in tensors])
+
+    sess = InferenceSession(on_bucket, lambda v: None, socket_path=tmp_path / "agent.sock", rank=0).start()
+    real = sess._handle
+
+    def recording(h: dict[str, Any]) -> dict[str, Any]:
+        if h["op"] == "bucket":
+            seen.append(h)
+        return real(h)
+
+    sess._handle = recording  # type: ignore[method-assign]
+    adapter = CustomEngineAdapter(registry, [0], prefix="wstest-moe", connect_timeout=10)
+    try:
+        layout = buckets.BucketLayout.build((n, t.dtype, t.shape) for n, t in named.items())
+        slot = adapter.receive_allocator(layout.nbytes, torch.device("cpu"))
+        for v in (1, 2, 3):
+            if v == 3:
+                sess._layouts.clear()  # the app evicted what it held
+            step = {n: t + v for n, t in named.items()}
+            buckets.pack(slot, layout, list(step.values()))
+            views = buckets.unpack(slot, layout)
+            load_version(adapter, v, [PlacedTensors(views, flat=(slot, layout))], pause_generation=False)
+            assert all(torch.equal(params[n], step[n]) for n in named)
+        assert adapter.copied_bytes == 0
+        assert [("layout_id" in h, "layout" in h) for h in seen] == [(True, True), (True, False), (True, False),
+                                                                     (True, True)]
+    finally:
+        adapter.close()
+        sess.close()
+        server.close()
