@@ -42,7 +42,7 @@ binaries:
 ## test: every CI test (unit, agent multi-process, control plane, e2e); GPU tests are deselected.
 ## (`kind` tests need a kind GPU cluster: e2e/kind/run-e2e.sh runs them.)
 test: setup
-	$(VENV)/bin/pytest -m 'not gpu and not kind and not images' $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m 'not gpu and not kind and not images' --durations=25 $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -m 'not gpu and not cluster and not e2e and not kind and not engine_servers' $(PYTEST_ARGS)

@@ -10,7 +10,8 @@ engine's weights are bit-exact with the trainer's (sha256 of every tensor, from 
 engines' /checksums endpoints), `helm uninstall`s and tears everything down (--keep leaves it running
 until Ctrl-C and prints what to run against it). --example vllm (run_vllm_demo) runs examples/demo-vllm.yaml
 instead: real vLLM servers, the trainer gated version by version, and each version's greedy outputs from every
-replica checked against transformers' forward over the weights the trainer saved.
+replica checked against transformers' forward over the weights the trainer saved. --example rl (e2e/rl_demo.py)
+runs examples/rl-loop-vllm.yaml: a policy-gradient loop whose rollouts come from those servers.
 
 The helpers here (operator process, example loading, job/pod readers, the progress table, the bit-exact
 check) are also what the e2e suite (e2e/tests/) and bench/status_latency.py use.
@@ -52,10 +53,11 @@ EXAMPLES = REPO / "examples"
 CRD_FILE = REPO / "crds" / f"{contract.GROUP}_{contract.PLURAL}.yaml"
 OPERATOR_BIN = Path(sys.executable).parent / "weightsync-operator"
 DEMO_EXAMPLES = {"separated": "demo-separated.yaml", "colocated": "demo-colocated.yaml", "sglang": "demo-sglang.yaml",
-                 "vllm": "demo-vllm.yaml"}
+                 "vllm": "demo-vllm.yaml", "rl": "rl-loop-vllm.yaml"}
 BOTH = ("separated", "colocated", "sglang")  # --example both: every demo job but vLLM's (2 vLLM servers: ~5 GiB)
 #: The trainers of the demo examples and the number of versions each publishes without --versions.
 TRAINER_MODULES = {"weightsync.agent.demo.trainer": 5, "weightsync.agent.demo.llama_trainer": 3}
+RL_TIMEOUT = 900.0    # --example rl: two vLLM servers start (30-60 s each on 2 cores), then 30 steps
 TRAINER_PORT = 8000   # --port of the demo trainer in the examples
 ENGINE_PORT = 8001    # --port of the demo engine in the examples
 JSON = dict[str, Any]
@@ -207,7 +209,7 @@ def set_trainer_args(body: JSON, **flags: Any) -> JSON:
     """Replace (or add) `--flag value` arguments of the demo trainer's command (e.g. versions=3)."""
     for c in body["spec"]["trainer"]["template"]["spec"]["containers"]:
         argv = [str(a) for a in c.get("command") or []]
-        if not any(module in argv for module in TRAINER_MODULES):
+        if not any(module in argv for module in (*TRAINER_MODULES, "weightsync.agent.demo.rl_trainer")):
             continue
         for key, value in flags.items():
             flag = "--" + key.replace("_", "-")
@@ -873,7 +875,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m weightsync.e2e.demo", description=__doc__.splitlines()[0])
     p.add_argument("--example", choices=[*DEMO_EXAMPLES, "both"], default="separated",
                    help="which demo job to run (default: separated, NCCL over gloo; colocated: IPC; sglang: the "
-                   "SGLang stand-in; vllm: a real vLLM server (CPU); both: all but vllm)")
+                   "SGLang stand-in; vllm: a real vLLM server (CPU); rl: an RL loop whose rollouts come from real "
+                   "vLLM servers; both: all but vllm and rl)")
     p.add_argument("--namespace", default="demo", help="the job's namespace (default demo)")
     p.add_argument("--operator-namespace", default="weightsync-system", help="where the chart is installed")
     p.add_argument("--release", default="weightsync", help="the helm release name (default weightsync)")
@@ -925,10 +928,15 @@ def main(argv: list[str] | None = None) -> int:
             for ex, ns in zip(examples, namespaces, strict=True):
                 if ex == "vllm":
                     run_vllm_demo(env, ns, args.timeout, say, operator_log=lambda: release.logs(tail=40))
+                elif ex == "rl":
+                    from weightsync.e2e.rl_demo import run_rl_demo
+
+                    run_rl_demo(env, ns, max(args.timeout, RL_TIMEOUT), say, operator_log=lambda: release.logs(tail=40))
                 else:
                     run_demo(env, ex, ns, args.timeout, say, operator_log=lambda: release.logs(tail=40))
             step("OK: every vLLM engine served each version with the reference's outputs" if examples == ["vllm"]
-                 else "OK: every engine serves the trainer's last version, bit for bit")
+                 else "OK: the policy learned from rollouts the vLLM servers generated with its fresh versions"
+                 if examples == ["rl"] else "OK: every engine serves the trainer's last version, bit for bit")
             if args.keep:
                 say(keep_instructions(env, namespaces, release, examples))
                 with contextlib.suppress(KeyboardInterrupt):

@@ -58,12 +58,17 @@ def forward(params: dict[str, torch.Tensor], tokens: torch.Tensor, config: dict[
     return _rms_norm(x, params["model.norm.weight"], eps) @ params["lm_head.weight"].T
 
 
-def completion_logprobs(params: dict[str, torch.Tensor], prompt: list[int], completions: list[list[int]],
-                        config: dict[str, Any] | None = None) -> torch.Tensor:
-    """Log-probability [n] of each completion (equal lengths) after `prompt`: the sum over its tokens, each
-    given the prompt and the tokens before it; differentiable in `params`."""
+def token_logprobs(params: dict[str, torch.Tensor], prompt: list[int], completions: list[list[int]],
+                   config: dict[str, Any] | None = None) -> torch.Tensor:
+    """Log-probability [n, tokens] of each token of each completion (equal lengths) after `prompt`, given the
+    prompt and the tokens before it; differentiable in `params`."""
     seqs = torch.tensor([prompt + c for c in completions], dtype=torch.long)
     logp = forward(params, seqs[:, :-1], config).log_softmax(-1)
     start = len(prompt) - 1  # position whose next token is the first completion token
-    taken = logp[:, start:].gather(-1, seqs[:, len(prompt):].unsqueeze(-1)).squeeze(-1)
-    return taken.sum(-1)
+    return logp[:, start:].gather(-1, seqs[:, len(prompt):].unsqueeze(-1)).squeeze(-1)
+
+
+def completion_logprobs(params: dict[str, torch.Tensor], prompt: list[int], completions: list[list[int]],
+                        config: dict[str, Any] | None = None) -> torch.Tensor:
+    """Log-probability [n] of each completion: the sum over its tokens (token_logprobs)."""
+    return token_logprobs(params, prompt, completions, config).sum(-1)

@@ -35,9 +35,11 @@ CONFIG: dict[str, Any] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-#: The vLLM server flags that serve it (with `--model <write_model_dir()>`).
+#: The vLLM server flags that serve it (with `--model <write_model_dir()>`). `--enable-scale-out` serves
+#: vLLM's token-in/token-out `/inference/v1/generate`, whose every choice names the weight versions that
+#: sampled its tokens (`weight_versions`): what an RL loop tags its rollouts with (agent/demo/rl_trainer.py).
 VLLM_ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-             "--max-model-len", "128", "--max-num-seqs", "16"]
+             "--max-model-len", "128", "--max-num-seqs", "16", "--enable-scale-out"]
 #: The engine process's environment: a 1 GiB KV cache, and vLLM's RL routes (dev mode).
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
 

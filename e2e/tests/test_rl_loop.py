@@ -1,0 +1,121 @@
+"""An RL loop through real vLLM servers (examples/rl-loop-vllm.yaml) on the local cluster: the policy learns.
+
+The trainer (weightsync.agent.demo.rl_trainer) trains the tiny Llama with REINFORCE to emit one target token,
+publishing every step through TrainerSession; its rollouts come from the two inference pods' vLLM servers (vLLM
+0.32's own OpenAI server, CPU build, the weightsync backend) through the job's routing Service, whose address
+the process runtime gives the trainer as the kubelet does (service-link env; a userspace proxy to Ready
+endpoints). Every rollout carries the weight versions vLLM itself says sampled it (`weight_versions`, the label
+the agent set at commit). If a version were half-loaded, mislabelled or stale, the reward would not climb, or
+the labels would show it.
+
+With a fixed seed: the mean reward over the last 5 of 30 steps is at least 0.8 and at least 3x the first
+step's; no rollout a step used came from a version more than maxStaleness behind it; both replicas committed
+every version a rollout used. The second test deletes one inference pod mid-run: the loop goes on with the other
+replica (wait_served(only_serving=True)), the new pod's agent loads the current version, the bar is still met.
+The first test takes about 2 minutes here (two vLLM servers start, then 30 steps of 1-2 s on 2 shared cores).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import pytest
+from e2e_helpers import inference_pods, job, wait
+from weightsync.agent.engines.base import LABEL_DIGEST_CHARS, parse_version
+from weightsync.crds import contract
+from weightsync.e2e import demo
+from weightsync.e2e.engines import vllm_server
+from weightsync.e2e.rl_demo import EXAMPLE, RlRun, run_rl_demo
+
+pytestmark = [pytest.mark.e2e, pytest.mark.engine_servers]
+
+LABEL = re.compile(rf"^\d+-[0-9a-f]{{{LABEL_DIGEST_CHARS}}}$")
+RUN_TIMEOUT = 600.0  # two vLLM servers start in 30-60 s each on 2 cores, then 30 steps of about a second
+MAX_STALENESS = 1
+STEPS = 30
+
+
+def _body(name: str) -> dict[str, Any]:
+    body = demo.load_example(EXAMPLE, process_nodes=True, name_override=name)
+    assert body["spec"]["updatePolicy"]["maxStaleness"] == MAX_STALENESS
+    argv = body["spec"]["trainer"]["template"]["spec"]["containers"][0]["command"]
+    assert argv[argv.index("--steps") + 1] == str(STEPS) and argv[argv.index("--max-staleness") + 1] == "1"
+    return body
+
+
+def check_learned(run: RlRun) -> None:
+    rewards = run.rewards()
+    assert len(rewards) == STEPS, rewards
+    last5 = sum(rewards[-5:]) / 5
+    assert last5 >= 0.8 and last5 >= 3 * rewards[0], rewards
+    assert last5 >= 3 * sum(rewards[:3]) / 3, rewards  # not only against a lucky or unlucky first step
+
+
+def check_rollout_versions(run: RlRun) -> set[int]:
+    """Every rollout a step used: labelled by the engine with a weightsync label (N-<digest prefix>), N within
+    maxStaleness of the step's version. Returns the versions used."""
+    used: set[int] = set()
+    for rec in run.steps:
+        assert rec["labels"], rec
+        for label in rec["labels"]:
+            assert LABEL.match(label), (rec["step"], label)
+            v = parse_version(label)
+            assert v is not None and rec["version"] - MAX_STALENESS <= v <= rec["version"], (rec, label)
+            used.add(v)
+        assert min(rec["rollout_versions"]) >= rec["version"] - MAX_STALENESS, rec
+    return used
+
+
+def test_rl_loop_learns_from_rollouts_of_fresh_versions(cluster, kube, namespace, operator, process_runtime):
+    if process_runtime is None:
+        pytest.skip("reads the trainer's step records from its pod's socket dir: needs the process runtime")
+    operator()
+    run = run_rl_demo(cluster, namespace, RUN_TIMEOUT, out=print, body=_body("rl-ok"))
+    check_learned(run)
+    used = check_rollout_versions(run)
+    assert len(used) >= STEPS // 2, f"the rollouts followed the versions: {sorted(used)}"
+    pods = inference_pods(kube, namespace, "rl-ok")
+    assert len(pods) == 2 and set(run.committed) == set(pods)
+    for pod, committed in run.committed.items():
+        assert used <= set(committed), (pod, sorted(used - set(committed)))
+        assert all(committed[v] is not None and committed[v] > 0 for v in used), (pod, committed)  # paused: stall
+    # the fleet ends on the last version, and the servers say so themselves
+    last = STEPS + 1
+    assert (job(kube, namespace, "rl-ok").get("status") or {}).get("servedVersion") == last
+    for pod in pods.values():
+        code, info = demo.engine_get(pod, "/weight_info")
+        assert code == 200 and parse_version(info["weight_version"]) == last, info
+
+
+def test_rl_loop_goes_on_while_an_inference_pod_is_deleted(cluster, kube, namespace, operator, process_runtime):
+    if process_runtime is None:
+        pytest.skip("reads the trainer's step records from its pod's socket dir: needs the process runtime")
+    operator()
+    name = "rl-fault"
+    victim = f"{name}-inference-1-0"
+    deleted: dict[str, Any] = {}
+
+    def delete_mid_run(run: RlRun) -> None:
+        if not deleted and len(run.steps) >= 5:
+            pod = demo.job_pods(kube.api, namespace, name)[victim]
+            deleted.update(step=len(run.steps), uid=pod["metadata"]["uid"], at=time.monotonic())
+            kube.core.delete_namespaced_pod(victim, namespace)
+
+    run = run_rl_demo(cluster, namespace, RUN_TIMEOUT, out=print, body=_body(name), during=delete_mid_run)
+    assert deleted, "the pod was deleted mid-run"
+    check_learned(run)
+    check_rollout_versions(run)
+    # the loop did not stop for the missing replica: steps went on while the new pod served nothing yet
+    new = demo.job_pods(kube.api, namespace, name)[victim]
+    assert new["metadata"]["uid"] != deleted["uid"]
+    survivor = run.committed[f"{name}-inference-0-0"]
+    assert set(range(deleted["step"] + 1, STEPS + 2)) <= set(survivor), sorted(survivor)
+    # the new pod's agent caught up: it loaded the current version into its fresh vLLM server
+    last = STEPS + 1
+    wait(lambda: True if parse_version((demo.engine_get(new, "/weight_info")[1] or {}).get("weight_version", "")
+                                       ) == last else None, 120, f"{victim} serves version {last}")
+    assert demo.pod_condition(inference_pods(kube, namespace, name)[victim], contract.POD_CONDITION_SYNCED) == "True"
+    got = vllm_server.completions(demo.engine_url(new))
+    assert got == vllm_server.completions(demo.engine_url(demo.job_pods(kube.api, namespace, name)[f"{name}-inference-0-0"]))
