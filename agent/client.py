@@ -112,9 +112,22 @@ def _sharded_tensor_shard(name: str, t: Any) -> LocalShard | None:
     return LocalShard(name, local_t, global_shape, offset)
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """`t` out of autograd: a detached alias when it takes part in it, else itself (a detach per tensor cost
+    microseconds each, tens of thousands of times per MoE publish, to change nothing)."""
+    return t.detach() if t.requires_grad or t.grad_fn is not None else t
+
+
+def _is_parameter(value: Any) -> bool:
+    """isinstance(value, nn.Parameter) without its Python-level instance check for the common plain tensor."""
+    if type(value) is torch.Tensor and not getattr(value, "_is_param", False):
+        return False
+    return isinstance(value, torch.nn.Parameter)
+
+
 def _shard_of(name: str, value: Any) -> LocalShard | None:
     if isinstance(value, TensorShard):
-        t = value.tensor.detach()
+        t = _detached(value.tensor)
         shape = t.shape
         if len(value.global_shape) != len(shape) or len(value.global_offset) != len(shape):
             raise ValueError(f"{name}: global shape/offset rank does not match the tensor's {t.dim()} dims")
@@ -128,7 +141,7 @@ def _shard_of(name: str, value: Any) -> LocalShard | None:
     if _is_sharded_tensor(value):
         return _sharded_tensor_shard(name, value)
     if isinstance(value, torch.Tensor):
-        t = value.detach()
+        t = _detached(value)
         return LocalShard(name, t, tuple(t.shape), (0,) * t.dim())
     raise TypeError(f"{name}: expected a tensor, DTensor, ShardedTensor or TensorShard, got {type(value).__name__}")
 
@@ -161,7 +174,7 @@ def local_shards(weights: Weights) -> tuple[list[LocalShard], dict[str, str]]:
         if name in names:
             raise ValueError(f"tensor name {name!r} appears twice in one publish")
         names.add(name)
-        raw = value.data if isinstance(value, torch.nn.Parameter) else value
+        raw = value.data if not isinstance(value, TensorShard) and _is_parameter(value) else value
         key = _alias_key(raw) if isinstance(raw, torch.Tensor) else None
         if key is not None and key in seen:
             aliases[name] = seen[key]
@@ -338,12 +351,12 @@ def oversubscribed_threads(env: Mapping[str, str] | None = None) -> str | None:
             f"or set OMP_NUM_THREADS to at most {max(1, cores // local_ranks)}")
 
 
-ShardKey = tuple[tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
+ShardKey = tuple[tuple[str, torch.dtype, torch.Size, tuple[int, ...], tuple[int, ...]], ...]
 
 
 def shard_key(shards: Sequence[LocalShard]) -> ShardKey:
     """What a publish's staging layout depends on in its shards: names, dtypes, shapes and global boxes."""
-    return tuple((s.name, s.tensor.dtype, tuple(s.tensor.shape), s.global_shape, s.global_offset) for s in shards)
+    return tuple([(s.name, s.tensor.dtype, s.tensor.shape, s.global_shape, s.global_offset) for s in shards])
 
 
 @dataclass
