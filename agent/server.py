@@ -66,6 +66,8 @@ class PublishedIndex:
         self.segment_size = segment_size
         #: what a trainer of this release names this index by in its next publish instead of sending it again
         self.id = uuid.uuid4().hex[:16]
+        self.nbytes = sum(int(m["nbytes"]) for m in metas)
+        self.staged_nbytes = sum(int(m["nbytes"]) for m in metas if m.get("unstaged") is not True)
         self._shards: list[TensorShard] | None = None
         #: plan hashes whose sources for this rank were found equal to these shards (WeightServer._send)
         self.plans_checked: set[str] = set()
@@ -164,12 +166,14 @@ class StagedVersion:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(m["nbytes"]) for r in self.ranks.values() for m in r.metas)
+        return sum(r.index.nbytes if r.index is not None else sum(int(m["nbytes"]) for m in r.metas)
+                   for r in self.ranks.values())
 
     @property
     def staged_nbytes(self) -> int:
         """Bytes copied into staging (shards another rank sends are published by metadata only)."""
-        return sum(int(m["nbytes"]) for r in self.ranks.values() for m in r.metas if m.get("unstaged") is not True)
+        return sum(r.index.staged_nbytes if r.index is not None else
+                   sum(int(m["nbytes"]) for m in r.metas if m.get("unstaged") is not True) for r in self.ranks.values())
 
     @property
     def streamed(self) -> bool:
