@@ -105,12 +105,23 @@ class RankStage:
         """Shards published by metadata only: the plan the trainer staged for sends them from another rank."""
         return {str(m["name"]) for m in self.metas if m.get("unstaged") is True}
 
-    def tensors(self) -> dict[str, torch.Tensor | ShardPieces]:
-        """Each staged shard as a view of staging, or as its pieces where it was staged in pieces."""
-        assert self.slot is not None, "a streamed rank has no staged tensors"
-        # made per transfer, not kept: a colocated pod's IPC receiver hands this very memory to its engine and
-        # refuses to release it while any other view of it is alive (agent/transports/ipc.py)
-        views = _staged_views(self.slot.segment, self.metas)
+    def tensors(self, keep: bool = False) -> dict[str, torch.Tensor | ShardPieces]:
+        """Each staged shard as a view of staging, or as its pieces where it was staged in pieces.
+
+        `keep`: the views are kept with the slot for the next version staged in it with the same index (made
+        per tensor, tens of thousands per MoE version); they go with the slot. Not over IPC: a colocated pod's
+        receiver hands this very memory to its engine and refuses to release it while another view of it is
+        alive (agent/transports/ipc.py)."""
+        slot = self.slot
+        assert slot is not None, "a streamed rank has no staged tensors"
+        kept = slot.__dict__.get("views")
+        if keep and self.index is not None and kept is not None and kept[0] is self.index and \
+                kept[1] is slot.segment.tensor:
+            views = kept[2]
+        else:
+            views = _staged_views(slot.segment, self.metas)
+            slot.__dict__["views"] = (self.index, slot.segment.tensor, views) if keep and self.index is not None \
+                else None
         return {name: v if isinstance(v, torch.Tensor) else ShardPieces(v[0], v[1], v[2])
                 for name, v in views.items()}
 
@@ -1087,7 +1098,7 @@ class WeightServer:
                     seg = rs.slot.segment
                     if isinstance(seg, staging.ShmSegment) and callable(getattr(transport, "register_shared", None)):
                         transport.register_shared(str(seg.path), seg.tensor)  # IPC hands buckets out of staging
-                    stats = sender.send_version(rdv.version, rs.tensors())
+                    stats = sender.send_version(rdv.version, rs.tensors(keep=transport.name != "ipc"))
                     self.store.make_spare(rdv.src, rdv.version)  # the next version's segment, faulted in now
         except (SyncError, StagingError, LinkError, RingError) as exc:
             self._failures[gname] = self._failures.get(gname, 0) + 1
