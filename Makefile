@@ -81,6 +81,10 @@ bench: setup
 	$(VPY) bench/agent_pipeline.py --mode gdr --size-mb 1024 --fsdp 2 --inference-tp 2 --json | tee bench/results/agent-pipeline-gdr-fsdp2-tp2.json
 	$(VPY) bench/agent_pipeline.py --mode ipc --size-mb 1024 --fsdp 2 --inference-tp 2 --json | tee bench/results/agent-pipeline-ipc-fsdp2-tp2.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --dp 2 --json | tee bench/results/agent-pipeline-nccl-dp2.json
+	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --tensors 16384 --json | tee bench/results/agent-pipeline-nccl-moe16384.json
+	$(VPY) bench/agent_pipeline.py --mode ipc --size-mb 1024 --tensors 16384 --json | tee bench/results/agent-pipeline-ipc-moe16384.json
+	$(VPY) bench/agent_pipeline.py --mode gdr --size-mb 1024 --tensors 16384 --json | tee bench/results/agent-pipeline-gdr-moe16384.json
+	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 1024 --fsdp 2 --inference-tp 2 --tensors 16384 --json | tee bench/results/agent-pipeline-nccl-fsdp2-tp2-moe16384.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --json | tee bench/results/agent-pipeline-nccl-256.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --replicas 3 --fan-out direct --versions 4 --json | tee bench/results/agent-pipeline-nccl-256-replicas3-direct.json
 	$(VPY) bench/agent_pipeline.py --mode nccl --size-mb 256 --replicas 3 --fan-out relay --versions 4 --json | tee bench/results/agent-pipeline-nccl-256-replicas3-relay.json

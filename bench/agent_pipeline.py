@@ -3,7 +3,7 @@
     .venv/bin/python bench/agent_pipeline.py --mode {nccl,ipc,gdr} --size-mb N \
         [--fsdp A [--dp R] --inference-tp B] [--bucket-mb M] [--versions V] \
         [--staging {version,ring} [--depth D] [--snapshot {auto,copy,none}]] [--device {cpu,cuda}] [--no-raw] \
-        [--replicas N [--fan-out {direct,relay}]] [--trainer-egress-gbps G] --json
+        [--replicas N [--fan-out {direct,relay}]] [--trainer-egress-gbps G] [--tensors N] --json
 
 What runs is what a pod runs: `--fsdp A` x `--dp R` trainer processes (TrainerSession, each publishing its FSDP
 Shard(0) chunk of a Llama-shaped bf16 model), their agent, an inference agent and `--inference-tp B`
@@ -27,6 +27,10 @@ sizes: gloo send/recv (nccl; ProcessGroupNCCL with --device cuda), NIXL READ (gd
 --device cuda), and for ipc a writer process copying into a shared-memory file and a reader process copying it
 out (the two copies any hand-off through shared memory needs; with --device cuda a CUDA IPC buffer).
 
+`--tensors N` spreads the same bytes over N tensors shaped like an MoE model (moe_metas: experts of equal size plus
+two large dense tensors), and runs the same bench again at 256 tensors in the same invocation: the difference is
+what each tensor costs (`per_tensor_overhead_us`). Without it, the Llama-shaped model has about 251 tensors per GiB.
+
 JSON fields (steady state: version 1 excluded, it forms groups, faults pages in and learns the layout):
   end_to_end_s       p50 of first publish call -> last engine rank committed
   trainer_blocked_s  p50 of the longest TrainerSession.publish (how long training is held)
@@ -45,6 +49,13 @@ JSON fields (steady state: version 1 excluded, it forms groups, faults pages in 
   bit_exact          every engine rank's tensors equal the trainer's last version, byte for byte
   replicas, fan_out  inference replicas, and how they are fed (direct: the trainer sends to each; relay: a chain)
   trainer_egress_gbps  the cap on the trainer pod's egress (null: none)
+  tensors            the model's tensors (--tensors N, else the Llama shapes')
+  engine_calls       p50 of the calls the agents made into the engine ranks per version (on_bucket + on_pieces,
+                     every rank and replica), against `buckets`: the buckets the inference agents received per
+                     version (weightsync_agent_received_buckets_total)
+  per_tensor_overhead_us  with --tensors: the slope of end_to_end_s over the tensor count at fixed bytes, from this
+                     run and one at 256 tensors (`base`: its figures; `ratio_at_base`: its ratio), each scaled to
+                     this run's bytes; `trainer_blocked_per_tensor_us`: the same for trainer_blocked_s
   trainer_sent_per_byte  bytes the trainer agent sent per model byte and version (what leaves the trainer pod:
                      N with direct fan-out to N replicas, 1 with relay); `relayed_per_byte`: bytes the inference
                      agents forwarded per model byte and version (N - 1 with relay)
