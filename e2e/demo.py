@@ -57,7 +57,7 @@ DEMO_EXAMPLES = {"separated": "demo-separated.yaml", "colocated": "demo-colocate
 BOTH = ("separated", "colocated", "sglang")  # --example both: every demo job but vLLM's (2 vLLM servers: ~5 GiB)
 #: The trainers of the demo examples and the number of versions each publishes without --versions.
 TRAINER_MODULES = {"weightsync.agent.demo.trainer": 5, "weightsync.agent.demo.llama_trainer": 3}
-RL_TIMEOUT = 900.0    # --example rl: two vLLM servers start (30-60 s each on 2 cores), then 30 steps
+RL_TIMEOUT = 900.0    # --example rl: two vLLM servers start (30-60 s each on 2 cores), then 20 steps
 TRAINER_PORT = 8000   # --port of the demo trainer in the examples
 ENGINE_PORT = 8001    # --port of the demo engine in the examples
 JSON = dict[str, Any]

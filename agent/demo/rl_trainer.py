@@ -1,18 +1,20 @@
 """An RL loop through real engines: a policy-gradient trainer whose rollouts come from the job's vLLM servers.
 
-    python -m weightsync.agent.demo.rl_trainer --steps 30 --max-staleness 1
+    python -m weightsync.agent.demo.rl_trainer --steps 20 --max-staleness 1
 
 The policy is the tiny Llama (agent/demo/tiny_llama.py) in fp32, trained in plain torch
 (agent/demo/llama_policy.py) with REINFORCE and a group-mean baseline. The task: after a fixed prompt, emit one
 target token; the reward of a sample is the share of its `--tokens` sampled tokens that equal it. The target is
 the token the initial policy samples about `--target-share` of the time (1 %: rare enough that the reward has
-far to climb, frequent enough that 16 samples see it). Each token's advantage is its reward-to-go (the target
-tokens at and after it, over `--tokens`) minus the group's mean at that position: with a whole-sequence
-advantage, Adam's first step (every weight moves by about the learning rate) pushed up the rest of a lucky
-sample so hard that the target's share fell from 1 % to 0 and never came back (checked on vLLM's own samples
-of step 3 of the seeded run). The initial policy is `init_weights(seed)` with its output head scaled by
-`--head-scale` (0.25): at full scale it samples nearly one sequence, a group of identical samples has no
-advantage, and the loop stalled at a reward of 1/8 for good in one run. Every step:
+far to climb, frequent enough that 16 samples see it). Each token is credited with its own reward (1/`--tokens`
+if it is the target), less the group's mean at that position. Two other choices failed on the real servers:
+- a whole-sequence advantage: Adam's first step (every weight moves by about the learning rate) pushed up the
+  rest of a lucky sample so hard that the target's share fell from 1 % to 0 and never came back (vLLM's own
+  samples of step 3 of the seeded run, replayed offline);
+- reward-to-go: the tokens before a hit are reinforced too, the policy soon samples one sequence, a group of
+  identical samples has no advantage, and the reward stayed at 2/8 for 25 steps.
+The initial policy is `init_weights(seed)` with its output head scaled by `--head-scale` (0.25): at full scale
+it samples nearly one sequence from the start. Every step:
 
 1. Rollouts: `--requests` POSTs to vLLM's `/inference/v1/generate` (prompt token ids in, token ids out) through
    the job's routing Service `<job>-inference` (Ready replicas only), `n` samples each, temperature 1, a seed
@@ -173,7 +175,7 @@ def rollouts_for_step(url: str, step: int, *, oldest: int, requests: int, per_re
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--max-staleness", type=int, default=1,
                    help="spec.updatePolicy.maxStaleness: rollouts at most this many versions behind")
     p.add_argument("--samples", type=int, default=16, help="rollouts per step")
@@ -222,8 +224,8 @@ def main(argv: list[str] | None = None) -> None:
             t2 = time.perf_counter()
             hits = torch.tensor([[float(t == target) for t in r.tokens] for r in rollouts])  # [samples, tokens]
             rewards = hits.mean(1)
-            to_go = hits.flip(1).cumsum(1).flip(1) / hits.shape[1]   # reward-to-go of each token
-            advantages = to_go - to_go.mean(0, keepdim=True)          # group baseline per position
+            # each token's own reward, less the group's mean at its position
+            advantages = (hits - hits.mean(0, keepdim=True)) / hits.shape[1]
             logp = token_logprobs(params, PROMPT, [r.tokens for r in rollouts])
             loss = -(advantages * logp).sum(1).mean()
             opt.zero_grad()

@@ -8,11 +8,11 @@ endpoints). Every rollout carries the weight versions vLLM itself says sampled i
 the agent set at commit). If a version were half-loaded, mislabelled or stale, the reward would not climb, or
 the labels would show it.
 
-With a fixed seed: the mean reward over the last 5 of 30 steps is at least 0.8 and at least 3x the first
+With a fixed seed: the mean reward over the last 5 of 20 steps is at least 0.8 and at least 3x the first
 step's; no rollout a step used came from a version more than maxStaleness behind it; both replicas committed
 every version a rollout used. The second test deletes one inference pod mid-run: the loop goes on with the other
 replica (wait_served(only_serving=True)), the new pod's agent loads the current version, the bar is still met.
-The first test takes about 2 minutes here (two vLLM servers start, then 30 steps of 1-2 s on 2 shared cores).
+Each test takes about 2 minutes here (two vLLM servers start, then 20 steps of 1-2 s on 2 shared cores).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from weightsync.e2e.rl_demo import EXAMPLE, RlRun, run_rl_demo
 pytestmark = [pytest.mark.e2e, pytest.mark.engine_servers]
 
 LABEL = re.compile(rf"^\d+-[0-9a-f]{{{LABEL_DIGEST_CHARS}}}$")
-RUN_TIMEOUT = 600.0  # two vLLM servers start in 30-60 s each on 2 cores, then 30 steps of about a second
+RUN_TIMEOUT = 600.0  # two vLLM servers start in 30-60 s each on 2 cores, then 20 steps of 1-2 s
 MAX_STALENESS = 1
-STEPS = 30
+STEPS = 20
 
 
 def _body(name: str) -> dict[str, Any]:
@@ -98,7 +98,7 @@ def test_rl_loop_goes_on_while_an_inference_pod_is_deleted(cluster, kube, namesp
     deleted: dict[str, Any] = {}
 
     def delete_mid_run(run: RlRun) -> None:
-        if not deleted and len(run.steps) >= 5:
+        if not deleted and len(run.steps) >= 2:  # before the reward climbs: it climbs on one replica
             pod = demo.job_pods(kube.api, namespace, name)[victim]
             deleted.update(step=len(run.steps), uid=pod["metadata"]["uid"], at=time.monotonic())
             kube.core.delete_namespaced_pod(victim, namespace)
