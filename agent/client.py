@@ -408,12 +408,14 @@ def staging_views(seg: staging.Segment, shards: Sequence[LocalShard],
 
 
 def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Every src into its dst: one foreach call where every tensor is on the destination's device (a loop of
-    copy_ calls in C++; from Python it cost about 5 us per tensor more), else a copy each."""
+    """Every src into its dst: one foreach call for CPU tensors (a loop of copy_ calls in C++; from Python it cost
+    about 5 us per tensor more), else a copy each. Not on CUDA: into a staging segment opened from the agent's CUDA
+    IPC handle, `_foreach_copy_` left the engines with other bytes (bench/agent_pipeline.py --device cuda on an
+    H200, torch 2.11: bit_exact false; the same copies one by one, and foreach between one process's own views,
+    were exact). CUDA copies are asynchronous launches anyway."""
     if not dsts:
         return
-    dev = dsts[0].device
-    if all(t.device == dev for t in srcs):
+    if all(t.device.type == "cpu" for t in dsts) and all(t.device.type == "cpu" for t in srcs):
         torch._foreach_copy_(dsts, srcs)
     else:
         for d, t in zip(dsts, srcs, strict=True):

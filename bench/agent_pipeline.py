@@ -212,7 +212,7 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
 
 def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, device: str = "cpu",
                replica: int = 0, tensors: int | None = None) -> None:
-    from weightsync.agent.client import InferenceSession
+    from weightsync.agent.client import InferenceSession, copy_all
     from weightsync.agent.layout import inference_layout
     from weightsync.agent.plan import Box
 
@@ -227,14 +227,15 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, devic
 
     def on_bucket(version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         calls[version] = calls.get(version, 0) + 1
-        # the engine's own load, a bucket at a time (one foreach call, as an engine loads a flat bucket)
-        torch._foreach_copy_([params[n] for n, _ in tensors], [t for _, t in tensors])
+        # the engine's own load, a bucket at a time (one foreach call on CPU, as an engine loads a flat bucket;
+        # one copy each on CUDA, see agent/client.py copy_all)
+        copy_all([params[n] for n, _ in tensors], [t for _, t in tensors])
         loaded()
 
     def on_pieces(version: int, pieces: list[tuple[str, tuple[slice, ...], torch.Tensor]]) -> None:
         calls[version] = calls.get(version, 0) + 1
         # the engine's own load, of tensors that arrive in pieces: each piece into its place, one foreach call
-        torch._foreach_copy_([params[n][index] for n, index, _ in pieces], [t for _, _, t in pieces])
+        copy_all([params[n][index] for n, index, _ in pieces], [t for _, _, t in pieces])
         loaded()
 
     def check() -> None:

@@ -41,14 +41,20 @@ for d in agent crds operator e2e; do ln -sfn "$REPO/$d" "/tmp/wspy/weightsync/$d
 export PYTHONPATH=/tmp/wspy:$SITE PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 "$PY" -c 'import weightsync.agent.main, weightsync.agent.transports.gdr, nixl, kopf; print("imports ok")' || exit 1
 
+if [ "${MOE:-}" != 1 ]; then
 echo "== CUDA IPC across namespaces"
 timeout 120 "$PY" bench/cuda_ipc_namespaces.py --json | tee "$OUT/cuda-ipc-namespaces.json"
+fi
 
 echo "== gpu tests"
+if [ "${MOE:-}" = 1 ]; then  # the MoE form: the agent's own CUDA paths only, then the two MoE benches below
+  GPU_TESTS=(tests/agent/test_agent_gpu.py)
+else
+  GPU_TESTS=(tests/agent/test_agent_gpu.py tests/agent_process/test_ring_staging.py
+             tests/engines/test_sglang_gpu.py tests/engines/test_vllm_gpu.py)
+fi
 timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -m gpu -p no:cacheprovider -q -o addopts=-ra \
-  --junitxml="$OUT/gpu-junit.xml" \
-  tests/agent/test_agent_gpu.py tests/agent_process/test_ring_staging.py \
-  tests/engines/test_sglang_gpu.py tests/engines/test_vllm_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
+  --junitxml="$OUT/gpu-junit.xml" "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 # the engine stand-ins' own output (a crash there shows in the test only as a dropped connection)
 find /tmp/pytest-of-* -name 'standin-*.log' 2>/dev/null \
   | while read -r f; do echo "-- $f"; tail -n 30 "$f"; done >>"$OUT/diagnostics.log"
@@ -70,7 +76,8 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("agent-pipeline-*.json")):
         print(f"{f.stem}: no result")
         continue
     keys = ("end_to_end_s", "raw_s", "ratio", "trainer_blocked_s", "copies_per_byte", "peak_staging_bytes",
-            "bit_exact", "trainer_sent_per_byte", "relayed_per_byte", "load_avg_1m")
+            "bit_exact", "trainer_sent_per_byte", "relayed_per_byte", "load_avg_1m", "tensors",
+            "per_tensor_overhead_us", "ratio_at_base", "engine_calls", "buckets")
     print(f.stem, {k: d.get(k) for k in keys})
 pathlib.Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
 EOF
@@ -85,7 +92,10 @@ bench() {  # NAME ARGS...: one agent_pipeline run
            | tee -a "$OUT/diagnostics.log" | tail -n 80; }
   merge >/dev/null
 }
-if [ "${QUICK:-}" = 1 ]; then  # the short form: IPC at 256 MiB only
+if [ "${MOE:-}" = 1 ]; then  # MoE-scale versions (docs/performance.md): 1 GiB in 16,384 tensors, and in 256, per mode
+  bench agent-pipeline-ipc-cuda-1024-moe16384 --mode ipc --device cuda --size-mb 1024 --tensors 16384
+  bench agent-pipeline-gdr-cuda-1024-moe16384 --mode gdr --device cuda --size-mb 1024 --tensors 16384
+elif [ "${QUICK:-}" = 1 ]; then  # the short form: IPC at 256 MiB only
   bench agent-pipeline-ipc-cuda-256 --mode ipc --device cuda --size-mb 256
 else  # most wanted first: a call stopped at its limit keeps what had finished
 bench agent-pipeline-ipc-cuda-1024 --mode ipc --device cuda --size-mb 1024
