@@ -115,7 +115,7 @@ class BucketPlan:
         return BucketLayout(tuple(e.bucket_entry for e in self.entries), self.nbytes)
 
     @cached_property
-    def memo(self) -> dict[str, Any]:
+    def memo(self) -> dict[Any, Any]:
         """What other modules derive from this bucket once per plan instead of once per version (e.g. the
         content digest's piece keys and seeds): a plan's buckets live as long as the plan is cached."""
         return {}
