@@ -183,3 +183,24 @@ def test_a_whole_bucket_is_one_request_and_its_layout_is_named_once(tmp_path: Pa
         adapter.close()
         sess.close()
         server.close()
+
+
+def test_the_pipeline_bench_measures_the_cost_per_tensor() -> None:
+    """bench/agent_pipeline.py --tensors N: an MoE-shaped model of exactly N tensors, run again at 256 in the same
+    invocation; one engine call per bucket, one copy per byte, and every engine rank exact."""
+    import json
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "agent_pipeline.py"
+    out = subprocess.run([sys.executable, str(bench), "--mode", "nccl", "--size-mb", "8", "--tensors", "600",
+                          "--bucket-mb", "2", "--versions", "3", "--no-raw", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["tensors"] == 600 and r["base"]["tensors"] == 256
+    assert r["bit_exact"] is True and r["base"]["bit_exact"] is True
+    assert r["copies_per_byte"] == pytest.approx(1.0, abs=0.01)
+    assert r["buckets"] >= 4 and r["engine_calls"] == r["buckets"]  # a call per bucket, not per tensor
+    assert isinstance(r["per_tensor_overhead_us"], float)
+    assert abs(r["bytes"] - r["base"]["bytes"]) < 0.01 * r["bytes"]  # the same bytes in other tensors
