@@ -168,12 +168,13 @@ def test_every_command_exists_and_answers_help() -> None:
         except AssertionError as exc:
             failures.append(f"{' '.join(argv[:3])} (used by {', '.join(users[:3])}): {exc}")
     assert not failures, "\n".join(failures)
-    # The distinct commands: the console scripts, the demo modules (the tiny-Llama trainer too), the SGLang
-    # stand-in engine and the real vLLM server's launcher.
+    # The distinct commands: the console scripts, the demo modules (the tiny-Llama trainer and the RL trainer
+    # too), the SGLang stand-in engine and the real vLLM server's launcher.
     assert {a[0] for a in checked} >= {"weightsync-operator", "weightsync-agent", "weightsync-crds", "python"}
     assert {a[2] for a in checked if a[0] == "python"} == {
         "weightsync.agent.demo.trainer", "weightsync.agent.demo.engine", "weightsync.agent.demo.llama_trainer",
-        "weightsync.e2e.engines.sglang_standin", "weightsync.e2e.engines.vllm_server"}
+        "weightsync.agent.demo.rl_trainer", "weightsync.e2e.engines.sglang_standin",
+        "weightsync.e2e.engines.vllm_server"}
 
 
 def test_a_missing_script_fails_the_check() -> None:
