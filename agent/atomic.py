@@ -87,7 +87,7 @@ class Held:
     epoch: int
     buckets: list[tuple[int | None, list[tuple[str, torch.Tensor]], torch.device]] = field(default_factory=list)
     nbytes: int = 0
-    digest: str | None = None  # its content digest, checked piece by piece as it arrived (agent/digest.py)
+    digest: str | None = None  # its content digest, checked piece by piece as it arrived (agent/transfer/digest.py)
     relayed_from: list[str] = field(default_factory=list)  # fanOut Relay: the upstream pods it came through
 
     @property

@@ -1,7 +1,7 @@
 """The client library apps import: `TrainerSession` for trainers, `InferenceSession` for Custom engines.
 
-Both talk to the pod's agent over its Unix socket (agent/local.py); tensor bytes go through staging
-segments (agent/staging.py), so a publish is one copy of the trainer's local shards into shared memory and
+Both talk to the pod's agent over its Unix socket (agent/wire/local.py); tensor bytes go through staging
+segments (agent/staging/segments.py), so a publish is one copy of the trainer's local shards into shared memory and
 returns as soon as the trainer may reuse (or keep updating) its own memory.
 
     with TrainerSession() as s:
@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from weightsync.agent import buckets, local, ring, staging
-from weightsync.agent import protocol as P
+from weightsync.agent.plan import buckets
+from weightsync.agent.staging import ring, segments
+from weightsync.agent.wire import local
+from weightsync.agent.wire import protocol as P
 from weightsync.crds import contract
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,7 @@ def _dtensor_shard(name: str, t: Any) -> LocalShard:
     """The local tensor and its box; a placement with no box (a _StridedShard whose rows are not
     contiguous, Partial, unknown types) is refused by name (dtensor_layout.PlacementError)."""
     from torch.distributed.tensor import DTensor
-    from weightsync.agent.dtensor_layout import dtensor_local_box
+    from weightsync.agent.layout.dtensor import dtensor_local_box
 
     assert isinstance(t, DTensor)
     offset, _shape = dtensor_local_box(name, t)
@@ -205,7 +207,7 @@ class PublishResult:
     tensors: int
     bytes: int
     seconds: float
-    #: ring staging (agent/ring.py): "snapshot" (returned after a snapshot of `snapshot_bytes`), "held" (returned
+    #: ring staging (agent/staging/ring.py): "snapshot" (returned after a snapshot of `snapshot_bytes`), "held" (returned
     #: once the fleet served the version, or after hold_timeout: then `served` is False); "" otherwise
     streamed: str = ""
     snapshot_bytes: int = 0
@@ -311,7 +313,7 @@ def arena_offsets(shards: Sequence[LocalShard], layout: Any, size: int) -> list[
         return None
     out: list[int | PiecePlaces | None] = []
     for s in shards:
-        dtype, shape, isz = staging.dtype_name(s.tensor.dtype), tuple(s.tensor.shape), s.tensor.element_size()
+        dtype, shape, isz = segments.dtype_name(s.tensor.dtype), tuple(s.tensor.shape), s.tensor.element_size()
         if s.name in unsent:
             out.append(None)
             continue
@@ -382,7 +384,7 @@ class StagingLayout:
         return self.size == size and self.key == key and self.layout == layout
 
 
-def staging_views(seg: staging.Segment, shards: Sequence[LocalShard],
+def staging_views(seg: segments.Segment, shards: Sequence[LocalShard],
                   places: Sequence[int | PiecePlaces | None]) -> list[torch.Tensor]:
     """The views of `seg` the shards are copied to: one per shard staged whole, one per piece of a shard staged
     in pieces, none for a shard another rank sends. Slices of one typed view of the segment per dtype."""
@@ -435,7 +437,7 @@ class TrainerSession:
                  timeout: float = 120.0, reconnect_timeout: float = 120.0, ring_snapshot: str = "auto",
                  hold_timeout: float = 600.0) -> None:
         """`ring_snapshot` and `hold_timeout` apply when the agent streams versions (ring staging,
-        agent/ring.py): `auto` snapshots CUDA tensors on their device and holds CPU tensors (publish returns
+        agent/staging/ring.py): `auto` snapshots CUDA tensors on their device and holds CPU tensors (publish returns
         once every inference replica serves the version, at most `hold_timeout` s); `copy` snapshots every
         tensor on its device; `none` holds every tensor."""
         if ring_snapshot not in ring.SNAPSHOT_MODES:
@@ -452,7 +454,7 @@ class TrainerSession:
         # increase the version is a restarted trainer (a new trainer epoch), not a stale one.
         self.session_id = uuid.uuid4().hex
         self._conn: local.LocalConn | None = None
-        self._segments: dict[str, staging.Segment] = {}
+        self._segments: dict[str, segments.Segment] = {}
         self._threads_checked = False
         self._layout: StagingLayout | None = None  # the last publish's places, index and views (StagingLayout)
 
@@ -503,14 +505,14 @@ class TrainerSession:
     #: the plan sends less from this rank, is unmapped here so that its memory is freed)
     KEEP_SEGMENTS = 4
 
-    def _segment(self, handle: dict[str, Any]) -> staging.Segment:
+    def _segment(self, handle: dict[str, Any]) -> segments.Segment:
         name = str(handle["name"])
         seg = self._segments.pop(name, None)
         if seg is None or seg.size != int(handle["size"]):
             if seg is not None:
                 self._forget_views(name)
                 seg.close()
-            seg = staging.attach_segment(handle)
+            seg = segments.attach_segment(handle)
         self._segments[name] = seg  # most recently used last
         while len(self._segments) > self.KEEP_SEGMENTS:
             old = next(iter(self._segments))
@@ -533,8 +535,8 @@ class TrainerSession:
     def _publish_once(self, weights: Weights, version: int) -> PublishResult:
         t0 = time.perf_counter()
         shards, aliases = local_shards(weights)
-        sizes = [staging.tensor_nbytes(s.tensor) for s in shards]
-        offsets, total = staging.pack_offsets(sizes)
+        sizes = [segments.tensor_nbytes(s.tensor) for s in shards]
+        offsets, total = segments.pack_offsets(sizes)
         devices = {s.tensor.device.type for s in shards}
         device = "cpu" if devices <= {"cpu"} else str(next(s.tensor.device for s in shards if s.tensor.is_cuda))
         if "cpu" in devices and not self._threads_checked:
@@ -606,7 +608,7 @@ class TrainerSession:
             return list(known.places)
         return arena_offsets(shards, layout, size)
 
-    def _staging_layout(self, seg: staging.Segment, shards: Sequence[LocalShard],
+    def _staging_layout(self, seg: segments.Segment, shards: Sequence[LocalShard],
                         places: Sequence[int | PiecePlaces | None], sizes: Sequence[int], *, layout: Any,
                         key: ShardKey) -> StagingLayout:
         """The publish's tensor index and `seg`'s views for these places: the last ones when nothing changed."""
@@ -616,7 +618,7 @@ class TrainerSession:
             metas = []
             for s, place, n in zip(shards, places, sizes, strict=True):
                 meta: dict[str, Any] = {
-                    "name": s.name, "dtype": staging.dtype_name(s.tensor.dtype), "shape": list(s.tensor.shape),
+                    "name": s.name, "dtype": segments.dtype_name(s.tensor.dtype), "shape": list(s.tensor.shape),
                     "global_shape": list(s.global_shape), "global_offset": list(s.global_offset), "nbytes": n,
                 }
                 if place is None:
@@ -644,13 +646,13 @@ class TrainerSession:
 
     def _publish_streamed(self, conn: local.LocalConn, version: int, shards: list[LocalShard],
                           aliases: dict[str, str], sizes: list[int], t0: float) -> PublishResult:
-        """Ring staging (agent/ring.py): nothing is copied into staging here. The shards (or a snapshot of
+        """Ring staging (agent/staging/ring.py): nothing is copied into staging here. The shards (or a snapshot of
         them) stay in this process and each transfer has the stream thread copy them, bucket by bucket,
         into its ring."""
         streamer = self._stream()
         source, snap, hold = ring.snapshot_of({s.name: s.tensor for s in shards}, self.ring_snapshot)
         streamer.add(version, source)
-        metas = [{"name": s.name, "dtype": staging.dtype_name(s.tensor.dtype), "shape": list(s.tensor.shape),
+        metas = [{"name": s.name, "dtype": segments.dtype_name(s.tensor.dtype), "shape": list(s.tensor.shape),
                   "global_shape": list(s.global_shape), "global_offset": list(s.global_offset), "nbytes": n}
                  for s, n in zip(shards, sizes, strict=True)]
         try:
@@ -752,7 +754,7 @@ class InferenceSession:
     piece), ...])` (optional): a tensor that arrives in pieces (a resharded layout: trainer FSDP, engine TP) is
     handed over piece by piece, each to be loaded into `tensor[index]` of the engine's own tensor, in place of
     the agent assembling it first (a copy per byte of such tensors); the same rule as `on_bucket` applies (the
-    pieces alias reused memory). `layout` (agent/engine_layout.py:
+    pieces alias reused memory). `layout` (agent/layout/engine.py:
     head counts, experts, expert parallelism) makes the agent send each rank its head-wise boxes instead of the
     default row split; every rank passes the same one.
     """
@@ -775,7 +777,7 @@ class InferenceSession:
         self.on_bucket = on_bucket
         self.on_pieces = on_pieces
         if layout is not None:  # refused here, by field, rather than by the agent at every reconnect
-            from weightsync.agent.engine_layout import EngineLayout
+            from weightsync.agent.layout.engine import EngineLayout
 
             EngineLayout.from_dict(layout)
         self.layout = dict(layout) if layout is not None else None
@@ -790,9 +792,9 @@ class InferenceSession:
         self.paused = False
         self.loading: int | None = None  # version begun and not yet committed or aborted
         self.connected = threading.Event()
-        self._segments: dict[str, staging.Segment] = {}
+        self._segments: dict[str, segments.Segment] = {}
         #: (segment, first offset, entries) -> (segment, layout dict, its views): InferenceSession._pairs
-        self._layouts: dict[tuple[Any, ...], tuple[staging.Segment, Any, list[tuple[str, torch.Tensor]]]] = {}
+        self._layouts: dict[tuple[Any, ...], tuple[segments.Segment, Any, list[tuple[str, torch.Tensor]]]] = {}
         self._stop = threading.Event()
         self._conn: local.LocalConn | None = None
         self._thread: threading.Thread | None = None
@@ -876,7 +878,7 @@ class InferenceSession:
     #: bucket layouts whose views are kept (per agent connection); a version's buckets, a few times over
     KEEP_LAYOUTS = 1024
 
-    def _pairs(self, seg: staging.Segment, layout_dict: Any) -> list[tuple[str, torch.Tensor]]:
+    def _pairs(self, seg: segments.Segment, layout_dict: Any) -> list[tuple[str, torch.Tensor]]:
         """(name, view) of every entry of the bucket the agent placed in `seg`. The agent sends the same layouts
         at the same places every version (its receive slots are kept): a layout equal to one already seen in
         this segment takes the views made then, instead of parsing the index and making a view per tensor again
@@ -897,7 +899,7 @@ class InferenceSession:
         self._layouts[key] = (seg, layout_dict, pairs)
         return list(pairs)
 
-    def _pairs_by_id(self, seg: staging.Segment, h: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    def _pairs_by_id(self, seg: segments.Segment, h: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
         """A bucket whose layout the agent names by id (it sends the layout with the id once, then the id only):
         its views, made when the layout came. An id this session does not hold (evicted, or never sent to it)
         is refused by name (protocol.LAYOUT_UNKNOWN) and the agent sends the layout again."""
@@ -945,11 +947,11 @@ class InferenceSession:
             except Exception:
                 log.exception("engine abort callback failed")
 
-    def _segment(self, handle: dict[str, Any]) -> staging.Segment:
+    def _segment(self, handle: dict[str, Any]) -> segments.Segment:
         name = str(handle["name"])
         seg = self._segments.get(name)
         if seg is None:
-            seg = staging.attach_segment(handle)
+            seg = segments.attach_segment(handle)
             self._segments[name] = seg
         return seg
 

@@ -2,10 +2,10 @@
 
 Roles (contract.ENV_ROLE):
 * trainer: weight server. The local trainer publishes versions over the Unix socket into staging
-  segments; the agent announces them and serves them to inference agents (agent/server.py).
+  segments; the agent announces them and serves them to inference agents (agent/transfer/serve.py).
 * inference: weight client. For the target version (pod annotation when Kubernetes is on, else the
   newest version every trainer agent announced) it fetches its slices, hands buckets to the engine and
-  commits only after everything arrived (agent/fetcher.py).
+  commits only after everything arrived (agent/transfer/fetch.py).
 * colocated: both in one process; its inference side connects to its own trainer side, and the IPC
   transport moves the bytes through shared memory.
 
@@ -26,24 +26,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.agent import atomic, local
+from weightsync.agent import atomic
 from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
-from weightsync.agent.delta import DeltaConfig
-from weightsync.agent.engine_layout import EngineLayout
 from weightsync.agent.engines import factory
 from weightsync.agent.engines.base import EngineAdapter, EngineError, EngineUnsupported
 from weightsync.agent.engines.custom import AppRegistry, CustomEngineAdapter
-from weightsync.agent.fetcher import FetchError, TrainerPeers, fetch_version
-from weightsync.agent.groups import TransportCache, group_for, proposal_of
 from weightsync.agent.health import HealthServer
-from weightsync.agent.layout import LayoutError
+from weightsync.agent.layout.engine import EngineLayout
+from weightsync.agent.layout.rules import LayoutError
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.plan import TensorShard, TransferPlan
 from weightsync.agent.podstatus import Desired, PodLink, synced_state
-from weightsync.agent.relay import RelayHub, RelayServer
-from weightsync.agent.ring import RingStaging, staging_mode_from_env
-from weightsync.agent.server import StagedVersion, StagingError, StagingStore, WeightServer
-from weightsync.agent.staging import cleanup_stale, shm_dir
+from weightsync.agent.staging.ring import RingStaging, staging_mode_from_env
+from weightsync.agent.staging.segments import cleanup_stale, shm_dir
+from weightsync.agent.transfer.fetch import FetchError, TrainerPeers, fetch_version
+from weightsync.agent.transfer.groups import TransportCache, group_for, proposal_of
+from weightsync.agent.transfer.relay import RelayHub, RelayServer
+from weightsync.agent.transfer.serve import StagedVersion, StagingError, StagingStore, WeightServer
+from weightsync.agent.transports.delta import DeltaConfig
+from weightsync.agent.wire import local
 from weightsync.crds import contract
 from weightsync.crds.topology import InferenceReplicaTopology, PodMember, Topology
 
@@ -89,7 +90,7 @@ def make_adapter(cfg: AgentConfig, registry: AppRegistry, ranks: list[int], tp_s
         if cfg.device.startswith("cuda"):
             options["devices"] = engine_devices(cfg.device, tp_size)
         if cfg.engine_fault:
-            from .engines.vllm import EngineFault
+            from weightsync.agent.engines.vllm import EngineFault
 
             options["fault"] = EngineFault.parse(cfg.engine_fault)
     if cfg.lora is not None:
@@ -100,8 +101,8 @@ def make_adapter(cfg: AgentConfig, registry: AppRegistry, ranks: list[int], tp_s
 def lora_adapter(cfg: AgentConfig, tp_size: int) -> EngineAdapter:
     """A LoRA job: the engine's adapter-loading endpoint, not its weight-update session (which the agent
     then never opens: no update group, no GPU of the agent's own for vLLM)."""
-    from .engines import lora
-    from .engines.http import HttpClient
+    from weightsync.agent.engines import lora
+    from weightsync.agent.engines.http import HttpClient
 
     assert cfg.lora is not None
     if not cfg.engine_url:
@@ -109,12 +110,12 @@ def lora_adapter(cfg: AgentConfig, tp_size: int) -> EngineAdapter:
     client = HttpClient(cfg.engine_url, cfg.engine_type, timeout=float(cfg.timeout_seconds))
     loader: lora.LoraLoader
     if cfg.engine_type == "SGLang":
-        from .engines.sglang import SGLangAdapter
+        from weightsync.agent.engines.sglang import SGLangAdapter
 
         inner: EngineAdapter = SGLangAdapter(cfg.engine_url, tp_size=tp_size, client=client)
         loader = lora.SGLangLoraLoader(client, tp_size)
     elif cfg.engine_type == "VLLM":
-        from .engines.vllm import VLLMAdapter
+        from weightsync.agent.engines.vllm import VLLMAdapter
 
         inner = VLLMAdapter(cfg.engine_url, client=client, lora=True)
         loader = lora.VLLMLoraLoader(client, shm_dir() / "lora")
@@ -124,7 +125,7 @@ def lora_adapter(cfg: AgentConfig, tp_size: int) -> EngineAdapter:
 
 
 def _checked_digest(res: Any) -> str | None:
-    """A fetch's content digest when every piece was checked against its sender's hash (agent/digest.py)."""
+    """A fetch's content digest when every piece was checked against its sender's hash (agent/transfer/digest.py)."""
     digest = getattr(res, "digest", "")
     return str(digest) if digest and getattr(res, "digest_checked", False) else None
 
@@ -268,7 +269,7 @@ class Agent:
         self.user_paused = False
         self.served: int | None = None
         self.served_epoch: int | None = None  # trainer epoch of `served` (None: unknown, e.g. an adopted version)
-        self.served_digest: str | None = None  # content digest of `served` (agent/digest.py; None: unknown)
+        self.served_digest: str | None = None  # content digest of `served` (agent/transfer/digest.py; None: unknown)
         self._reported_served: tuple[int | None, int | None] = (None, None)  # (served, epoch) on the pod at start
         self.published: int | None = None
         self.published_epoch = 0  # trainer epoch of `published`
@@ -279,7 +280,7 @@ class Agent:
         self._stop = threading.Event()
         self._attempt = 0
         self._engine_known = False  # the engine reported its served version (hello or served_version())
-        # a Custom engine's layout from its hello (agent/engine_layout.py), and the needs function made of it
+        # a Custom engine's layout from its hello (agent/layout/engine.py), and the needs function made of it
         self.layout: EngineLayout | None = None
         self.layout_fn: Callable[[dict[str, TensorShard], int, int], list[list[TensorShard]]] | None = None
         self.restore_version: int | None = None  # the last good version while a load is in flight
@@ -337,7 +338,7 @@ class Agent:
                 self.cache.host_store()
         self.adapter: EngineAdapter | None = None
         self.peers: TrainerPeers | None = None
-        # fanOut Relay (agent/relay.py): an inference pod's agent forwards what it receives to the next
+        # fanOut Relay (agent/transfer/relay.py): an inference pod's agent forwards what it receives to the next
         # replica of a chain, on the control port a pod that serves no trainer rank leaves free
         self.relay: RelayServer | None = None
         self._relay_next = True  # offer to relay on the next fetch (not right after a failed one: direct then)
@@ -355,7 +356,7 @@ class Agent:
         self.health = HealthServer(cfg.pod_ip, cfg.metrics_port, self.metrics.registry, self._health)
 
     def _ring(self, cfg: AgentConfig) -> RingStaging | None:
-        """Ring staging (agent/ring.py) when WEIGHTSYNC_STAGING=ring and the transfer can send from it; else
+        """Ring staging (agent/staging/ring.py) when WEIGHTSYNC_STAGING=ring and the transfer can send from it; else
         None (whole-version staging), with the reason logged."""
         try:
             mode, depth = staging_mode_from_env()
@@ -483,7 +484,7 @@ class Agent:
             conn.reply_error(f"unknown client kind {kind!r}: expected trainer or inference")
 
     def _engine_layout(self, spec: Any, rank: int) -> str:
-        """Take a Custom engine's layout from its hello (agent/engine_layout.py); the reason when refused. While
+        """Take a Custom engine's layout from its hello (agent/layout/engine.py); the reason when refused. While
         ranks are connected, another rank must send the same layout (a replica has one); an engine whose ranks
         all left may come back with another."""
         others = [r for r in self.registry.ranks() if r != rank]

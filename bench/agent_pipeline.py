@@ -12,7 +12,7 @@ process on its own loopback "pod" address (separated pods: NCCL over gloo, or GD
 colocated pod (IPC over POSIX shared memory, A == B). No Kubernetes: the agents follow the trainer's
 announcements. The trainers publish version v+1 only after every engine rank committed v, so every version
 is measured alone. `--replicas N` runs N such inference pods (one replica each); `--fan-out relay` sets
-spec.transfer.fanOut Relay on every agent (agent/relay.py): the replicas fetching a version are chained and the
+spec.transfer.fanOut Relay on every agent (agent/transfer/relay.py): the replicas fetching a version are chained and the
 trainer sends it once. `--trainer-egress-gbps G` caps what leaves the trainer pod's address at G Gbit/s (an htb
 class on the loopback device, for the agents and the raw reference alike; needs root and `tc`), as a trainer
 node's NIC caps it: on loopback nothing else is the bottleneck that fan-out removes.
@@ -43,7 +43,7 @@ JSON fields (steady state: version 1 excluded, it forms groups, faults pages in 
                      `peak_staging_bytes_by_pod` per agent (it includes the first version, staged before the
                      trainer knows the plan); `staging_bytes_at_end_by_pod`: what each agent holds after the
                      last version (weightsync_agent_staging_bytes), the steady state
-  staging, depth     whole-version staging (the default) or the ring of DEPTH bucket slots (agent/ring.py)
+  staging, depth     whole-version staging (the default) or the ring of DEPTH bucket slots (agent/staging/ring.py)
   snapshot_bytes     ring: memory the trainers hold as snapshots of the last version (device memory on GPUs;
                      0 when the trainer is held instead: CPU tensors with --snapshot auto or none)
   bit_exact          every engine rank's tensors equal the trainer's last version, byte for byte
@@ -110,7 +110,7 @@ def moe_metas(size_mb: int, tensors: int) -> list[Any]:
     lm_head, 1/16 of the bytes each), one norm, and experts of equal size (gate/up: intermediate x hidden,
     down: hidden x intermediate; MOE_EXPERTS per layer), so that the bytes stay put as the tensor count moves and
     only the per-tensor cost changes. Every TP rule divides by 8."""
-    from weightsync.agent.layout import TensorMeta
+    from weightsync.agent.layout.rules import TensorMeta
 
     if tensors < 6:
         raise SystemExit("--tensors: at least 6 (the dense tensors and one expert)")
@@ -168,7 +168,7 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
     """Trainer rank `rank` of `fsdp` x `dp` (HSDP: `dp` replicas of an FSDP group of `fsdp`): its shard is FSDP
     chunk rank % fsdp, which the ranks of the other replicas hold too."""
     from weightsync.agent.client import TensorShard, TrainerSession
-    from weightsync.agent.layout import trainer_layout
+    from weightsync.agent.layout.rules import trainer_layout
     from weightsync.agent.plan import Box
 
     metas = model(size_mb, tensors)
@@ -213,7 +213,7 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
 def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, device: str = "cpu",
                replica: int = 0, tensors: int | None = None) -> None:
     from weightsync.agent.client import InferenceSession, copy_all
-    from weightsync.agent.layout import inference_layout
+    from weightsync.agent.layout.rules import inference_layout
     from weightsync.agent.plan import Box
 
     metas = model(size_mb, tensors)

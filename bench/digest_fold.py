@@ -3,7 +3,7 @@
     python bench/digest_fold.py [--mib 1024] [--runs 5] --json
 
 The trainer's `publish()` copies its tensors into the staging file (memory-backed, as the pod's staging volume
-is); that copy is what holds training. The trainer agent then hashes each piece (xxh3-128, `agent/digest.py`)
+is); that copy is what holds training. The trainer agent then hashes each piece (xxh3-128, `agent/transfer/digest.py`)
 as it sends the bucket, pipelined with the wire. Folding the hash into the copy (each 1 MiB chunk hashed right
 after it is copied, while it is in cache) saves a read of every byte from memory, but the trainer would pay
 for it. One process, one thread (as torchrun starts a rank among several), median of RUNS, each variant in turn:

@@ -3,7 +3,7 @@
     python bench/layouts.py --preset NAME [--trainer-tp A --trainer-fsdp B --trainer-pp C --trainer-ep D
         --inference-tp E --inference-ep F] [--fp8] [--transport nccl|ipc] [--bucket-kb K] [--iters N] --json
 
-Presets (agent/layout_presets.py) are scaled-down fixtures with real models' shape rules: `llama-gqa`
+Presets (agent/layout/presets.py) are scaled-down fixtures with real models' shape rules: `llama-gqa`
 (32 query heads, 8 KV heads, HF names on both sides), `megatron-fused` (Megatron names, fused
 linear_qkv per KV group and linear_fc1 = [gate, up] per TP shard, local layer numbers per pipeline
 stage on the trainer; HF names on the engine), `fsdp2-tp-strided` (every trainer rank runs FSDP2
@@ -11,9 +11,9 @@ stage on the trainer; HF names on the engine), `fsdp2-tp-strided` (every trainer
 column-parallel weights are `_StridedShard`).
 
 Every trainer and inference rank is its own process (bench.transport_ratio.run_workers). A trainer rank
-maps its local trainer tensors to engine boxes (agent/layout_spec.py: renames, fused components as
+maps its local trainer tensors to engine boxes (agent/layout/spec.py: renames, fused components as
 strided views) and copies them once into its plan arena; the agent's WeightSender / transport /
-WeightReceiver move them; each inference rank needs its head-wise boxes (agent/layout_heads.py: KV heads
+WeightReceiver move them; each inference rank needs its head-wise boxes (agent/layout/heads.py: KV heads
 replicated when TP exceeds them). The check is independent of that code: the full HF tensors are random,
 the Megatron tensors are built from them by concatenation following Megatron's layout, and each
 inference rank's expected slices follow the engines' head rules written out again here.
@@ -36,11 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from weightsync.agent.dtensor_layout import PlacementError
-from weightsync.agent.fp8 import block_rel_err, fp8_shards, quantize_blocks, scale_name
-from weightsync.agent.layout import LayoutError, TensorMeta, trainer_layout
-from weightsync.agent.layout_experts import moe_layout
-from weightsync.agent.layout_presets import (
+from weightsync.agent.layout.dtensor import PlacementError
+from weightsync.agent.layout.experts import moe_layout
+from weightsync.agent.layout.fp8 import block_rel_err, fp8_shards, quantize_blocks, scale_name
+from weightsync.agent.layout.presets import (
     PRESETS,
     DeepSeekShape,
     ModelShape,
@@ -50,9 +49,10 @@ from weightsync.agent.layout_presets import (
     hf_stage_metas,
     megatron_metas,
 )
-from weightsync.agent.layout_spec import SourcePart, map_shards, stage_layers
+from weightsync.agent.layout.rules import LayoutError, TensorMeta, trainer_layout
+from weightsync.agent.layout.spec import SourcePart, map_shards, stage_layers
 from weightsync.agent.plan import Box, PlanError, TensorShard, TransferPlan, build_plan
-from weightsync.agent.sync import WeightReceiver, WeightSender
+from weightsync.agent.transfer.sync import WeightReceiver, WeightSender
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 if BENCH_DIR not in sys.path:
@@ -521,7 +521,7 @@ def run(cfg: LayoutsConfig) -> dict[str, Any]:
         with socket.socket() as s:
             s.bind((HOST, 0))
             cfg.dtensor_port = s.getsockname()[1]
-    results = run_workers(cfg, _run, ["weightsync.agent.layout_spec", "weightsync.agent.transports.nccl",
+    results = run_workers(cfg, _run, ["weightsync.agent.layout.spec", "weightsync.agent.transports.nccl",
                                          "weightsync.agent.transports.ipc"])
     dst = [r for r in results if r["role"] == "dst"]
     per_iter = [max(r["seconds"][i] for r in results) for i in range(cfg.iters)]

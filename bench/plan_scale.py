@@ -7,7 +7,7 @@ least one per rank; hidden columns), FSDP Shard(0) over `--ranks` trainer ranks 
 pod), to `--inference-tp` ranks that each need a column shard of every tensor (the default TP rules).
 `--model llama` mixes column-parallel, row-parallel and replicated (norm) tensors instead.
 
-It runs what the agents do (agent/fetcher.py, agent/server.py, agent/protocol.py). The trainer side lays
+It runs what the agents do (agent/transfer/fetch.py, agent/transfer/serve.py, agent/wire/protocol.py). The trainer side lays
 out its ranks (a ShardTable) and encodes each pod's metadata (`layout_s`, `meta_s`, all pods one after
 the other). The inference agent, per version: decodes every pod's metadata, joins it into the sources,
 lays out its needs (the default TP rules), makes the plan inputs (payload and key) and asks the plan
@@ -31,9 +31,9 @@ import time
 from typing import Any
 
 import numpy as np
-from weightsync.agent import protocol as P
 from weightsync.agent.plan import PlanInputs, ShardTable, TransferPlan
-from weightsync.agent.plan_cache import PlanCache
+from weightsync.agent.plan.cache import PlanCache
+from weightsync.agent.wire import protocol as P
 
 
 def model(kind: str, tensors: int, ranks: int, hidden: int) -> tuple[list[str], list[tuple[int, ...]]]:

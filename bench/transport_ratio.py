@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from weightsync.agent.buckets import BucketLayout, entry_view, itemsize, to_dtype
-from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
-from weightsync.agent.link import LinkListener, Mailbox, connect
+from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import Box, TensorShard, TransferPlan, build_plan
-from weightsync.agent.sync import SyncHooks, WeightReceiver, WeightSender
+from weightsync.agent.plan.buckets import BucketLayout, entry_view, itemsize, to_dtype
+from weightsync.agent.transfer.sync import SyncHooks, WeightReceiver, WeightSender
 from weightsync.agent.transports.base import Transport
+from weightsync.agent.wire.link import LinkListener, Mailbox, connect
 
 # Plugins sit next to this file; with PYTHONSAFEPATH (the Makefile's) a script's folder is not on sys.path.
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -448,7 +448,7 @@ def run_workers(cfg: Any, run: Callable[..., dict[str, Any]], preload: list[str]
     from weightsync.agent.transports.nccl import make_store
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "weightsync.agent.sync", "weightsync.agent.layout", *preload])
+    ctx.set_forkserver_preload(["torch", "weightsync.agent.transfer.sync", "weightsync.agent.layout.rules", *preload])
     store = make_store(HOST, 0, is_master=True, timeout=cfg.timeout)
     out = ctx.Queue()
     procs = [ctx.Process(target=_report, args=(run, cfg, "src", r, store.port, out), daemon=True)

@@ -29,12 +29,12 @@ from typing import Any
 import torch
 import transport_ratio as bench
 from transport_ratio import BenchConfig, MiB, register_bench, register_option
-from weightsync.agent import verify
-from weightsync.agent.delta import DeltaConfig
-from weightsync.agent.link import Mailbox
 from weightsync.agent.plan import Box, TransferPlan, build_plan
-from weightsync.agent.sync import WeightReceiver, WeightSender
+from weightsync.agent.transfer import verify
+from weightsync.agent.transfer.sync import WeightReceiver, WeightSender
+from weightsync.agent.transports.delta import DeltaConfig
 from weightsync.agent.transports.gdr import Backoff, GdrTransport, NixlEndpoint, _desc, _mem_of
+from weightsync.agent.wire.link import Mailbox
 
 _CHECKSUM_BENCH_BYTES = 256 * MiB
 

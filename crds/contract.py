@@ -70,7 +70,7 @@ ANN_VERSION_PROOF: Final = f"{GROUP}/version-proof"
 # inference, Atomic: the version this agent fetched, verified and holds (not served) until the commit
 ANN_PREPARED_VERSION: Final = f"{GROUP}/prepared-version"
 ANN_PREPARED_EPOCH: Final = f"{GROUP}/prepared-epoch"
-# inference: the content digest of served-version as this pod's agent checked it (agent/digest.py; 32 hex)
+# inference: the content digest of served-version as this pod's agent checked it (agent/transfer/digest.py; 32 hex)
 ANN_SERVED_DIGEST: Final = f"{GROUP}/served-digest"
 VERSION_PROOF_KEYS: Final = (ANN_PUBLISHED_VERSION, ANN_PUBLISHED_EPOCH, ANN_SERVED_VERSION, ANN_SERVED_EPOCH,
                              ANN_PREPARED_VERSION, ANN_PREPARED_EPOCH, ANN_SERVED_DIGEST)

@@ -16,9 +16,9 @@ pytest_plugins = ["weightsync.e2e.pytest_plugin"]
 def memory_staging_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A staging directory on tmpfs, as the pod's memory-backed staging volume is: the kernel pins (for DMA)
     memory-backed files only, and pytest's tmp_path may be on a disk."""
-    from weightsync.agent import staging
+    from weightsync.agent.staging import segments
 
     path = Path(tempfile.mkdtemp(prefix="ws-test-", dir="/dev/shm"))
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(path))
     yield path
     shutil.rmtree(path, ignore_errors=True)

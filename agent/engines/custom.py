@@ -1,6 +1,6 @@
 """The Custom engine adapter: forwards every engine operation to the app's InferenceSession.
 
-The app connects to the agent's Unix socket (agent/local.py) and says hello as `inference`; the agent
+The app connects to the agent's Unix socket (agent/wire/local.py) and says hello as `inference`; the agent
 registers that connection in an `AppRegistry`. Only a bucket's index travels over the socket (one round
 trip per bucket); its bytes are in shared memory the app maps:
 * zero copy: the agent's transports receive into shared segments (`receive_allocator`), so tensors that
@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from weightsync.agent import buckets, local, staging
 from weightsync.agent.engines.base import EngineError, NamedTensors
-from weightsync.agent.protocol import LAYOUT_UNKNOWN
+from weightsync.agent.plan import buckets
+from weightsync.agent.staging import segments
+from weightsync.agent.wire import local
+from weightsync.agent.wire.protocol import LAYOUT_UNKNOWN
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ class CustomEngineAdapter:
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout  # spec.transfer.timeoutSeconds: a hung engine fails the load
         self.device = device
-        self._segment: staging.Segment | None = None
+        self._segment: segments.Segment | None = None
         #: (bucket layout, segment, offset) -> that bucket's layout where it lies in the segment (_whole_bucket)
         self._whole: dict[tuple[int, str, int], _WholeLayout] = {}
         self._last_whole = _WholeLayout(buckets.BucketLayout((), 0), buckets.BucketLayout((), 0), {}, 0, "")
@@ -107,7 +109,7 @@ class CustomEngineAdapter:
         self._ids: dict[int, tuple[local.LocalConn, set[str] | None]] = {}  # rank -> (session, layout ids it holds)
         self._version: int | None = None
         #: transports of this agent receive into these shared segments (see fetcher.fetch_version)
-        self.receive_allocator = staging.SharedSlotAllocator(f"{prefix}-recv")
+        self.receive_allocator = segments.SharedSlotAllocator(f"{prefix}-recv")
         self.copied_bytes = 0  # bytes packed into the engine segment (not handed over in place)
         self.shared_bytes = 0  # bytes handed over where the transport received them
         self._pieces: dict[int, tuple[local.LocalConn, bool]] = {}  # rank -> (its session, loads pieces)
@@ -157,7 +159,7 @@ class CustomEngineAdapter:
         self._version = version
         self._all({"op": "begin", "version": version})
 
-    def _ensure_segment(self, nbytes: int) -> staging.Segment:
+    def _ensure_segment(self, nbytes: int) -> segments.Segment:
         seg = self._segment
         if seg is not None and seg.size >= nbytes:
             return seg
@@ -165,14 +167,14 @@ class CustomEngineAdapter:
             for r in self.registry.connected():
                 self._request(r, {"op": "release", "name": seg.name})
             seg.unlink()
-        self._segment = staging.create_segment(nbytes, f"{self.prefix}-engine", self.device)
+        self._segment = segments.create_segment(nbytes, f"{self.prefix}-engine", self.device)
         return self._segment
 
     def _release_dead_segments(self) -> None:
         """Shared memory that went away (receive segments a transport dropped, files an IPC reader unmapped):
         the app unmaps it first, then owned segments are unlinked."""
         dead = self.receive_allocator.reap()
-        names = {seg.name for seg in dead} | set(staging.SHARED.take_gone())
+        names = {seg.name for seg in dead} | set(segments.SHARED.take_gone())
         for name in sorted(names):
             for r in self.registry.connected():
                 try:
@@ -183,7 +185,7 @@ class CustomEngineAdapter:
             seg.unlink()
 
     @staticmethod
-    def in_place(tensors: NamedTensors) -> tuple[list[tuple[staging.Segment | staging.MappedFile, buckets.BucketLayout]],
+    def in_place(tensors: NamedTensors) -> tuple[list[tuple[segments.Segment | segments.MappedFile, buckets.BucketLayout]],
                                                   NamedTensors]:
         """Split a bucket into what already lies in shared segments the app can map, as (segment, index at
         the tensors' own offsets) per segment, and the rest (private memory, such as tensors assembled
@@ -192,14 +194,14 @@ class CustomEngineAdapter:
         return [(seg, layout) for seg, layout, _ in shared], [tensors[i] for i in rest]
 
     @staticmethod
-    def _split(tensors: NamedTensors) -> tuple[list[tuple[staging.Segment | staging.MappedFile, buckets.BucketLayout,
+    def _split(tensors: NamedTensors) -> tuple[list[tuple[segments.Segment | segments.MappedFile, buckets.BucketLayout,
                                                            list[int]]], list[int]]:
         """in_place, by index into `tensors`: (segment, layout, the pair each entry is) per segment, and the
         indices of the pairs to pack."""
-        groups: dict[str, tuple[staging.Segment | staging.MappedFile, list[tuple[buckets.BucketEntry, int]]]] = {}
+        groups: dict[str, tuple[segments.Segment | segments.MappedFile, list[tuple[buckets.BucketEntry, int]]]] = {}
         rest: list[int] = []
         for i, (name, t) in enumerate(tensors):
-            found = staging.SHARED.locate(t)
+            found = segments.SHARED.locate(t)
             if found is None:
                 rest.append(i)
                 continue
@@ -222,7 +224,7 @@ class CustomEngineAdapter:
     #: (bucket layout, segment name, offset) -> the layout of that bucket where it lies in the segment
     _WHOLE_MAX = 256
 
-    def _whole_bucket(self, tensors: NamedTensors) -> tuple[staging.Segment | staging.MappedFile,
+    def _whole_bucket(self, tensors: NamedTensors) -> tuple[segments.Segment | segments.MappedFile,
                                                             buckets.BucketLayout, list[int]] | None:
         """A bucket the receiver handed on whole where it landed (PlacedTensors.flat) and that lies in shared
         memory the app can map: (segment, its layout at the bucket's offset there, every index). One lookup
@@ -233,7 +235,7 @@ class CustomEngineAdapter:
         data, layout = flat
         if len(layout.entries) != len(tensors):
             return None
-        found = staging.SHARED.locate(data)
+        found = segments.SHARED.locate(data)
         if found is None:
             return None
         seg, base = found

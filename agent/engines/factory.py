@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import EngineAdapter, EngineError
+from weightsync.agent.engines.base import EngineAdapter, EngineError
 
 ENGINE_TYPES = ("SGLang", "VLLM", "Custom")
 _ALIASES = {"sglang": "SGLang", "vllm": "VLLM", "custom": "Custom"}
@@ -27,15 +27,15 @@ def make_adapter(engine_type: str, *, url: str | None = None, **options: Any) ->
     the keyword arguments of CustomEngineAdapter (registry, ranks, prefix, ...)."""
     t = normalize_engine_type(engine_type)
     if t == "Custom":
-        from .custom import CustomEngineAdapter
+        from weightsync.agent.engines.custom import CustomEngineAdapter
 
         return CustomEngineAdapter(**options)
     if not url:
         raise EngineError(f"{t} engine needs its URL (WEIGHTSYNC_ENGINE_URL, e.g. http://127.0.0.1:30000)")
     if t == "SGLang":
-        from .sglang import SGLangAdapter
+        from weightsync.agent.engines.sglang import SGLangAdapter
 
         return SGLangAdapter(url, **options)
-    from .vllm import VLLMAdapter
+    from weightsync.agent.engines.vllm import VLLMAdapter
 
     return VLLMAdapter(url, **options)

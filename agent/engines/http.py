@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import requests
-
-from .base import EngineError
+from weightsync.agent.engines.base import EngineError
 
 log = logging.getLogger(__name__)
 

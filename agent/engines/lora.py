@@ -35,12 +35,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-
-from ..client import tensor_checksum
-from ..config import LoraSpec
-from . import sglang, vllm
-from .base import EngineAdapter, EngineError, NamedTensors, version_label
-from .http import EngineHTTPError, HttpClient
+from weightsync.agent.client import tensor_checksum
+from weightsync.agent.config import LoraSpec
+from weightsync.agent.engines import sglang, vllm
+from weightsync.agent.engines.base import EngineAdapter, EngineError, NamedTensors, version_label
+from weightsync.agent.engines.http import EngineHTTPError, HttpClient
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .base import EngineError
-from .http import HttpClient
+from weightsync.agent.engines.base import EngineError
+from weightsync.agent.engines.http import HttpClient
 
 ERROR_GRACE_SECONDS = 2.0
 

@@ -83,9 +83,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 from torch.multiprocessing import reductions
-from weightsync.crds import contract
-
-from .base import (
+from weightsync.agent.engines.base import (
     DRAFT_PREFIX,
     EngineError,
     EngineUnsupported,
@@ -94,8 +92,9 @@ from .base import (
     split_draft,
     version_label,
 )
-from .http import EngineHTTPError, HttpClient
-from .overlap import post_during
+from weightsync.agent.engines.http import EngineHTTPError, HttpClient
+from weightsync.agent.engines.overlap import post_during
+from weightsync.crds import contract
 
 log = logging.getLogger(__name__)
 

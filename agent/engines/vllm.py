@@ -81,12 +81,18 @@ from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import torch
-
-from ..transports.store import LinkStore, StoreServer
-from . import vllm_wire
-from .base import EngineError, EngineUnsupported, NamedTensors, parse_version, split_draft, version_label
-from .http import EngineHTTPError, HttpClient
-from .overlap import post_during
+from weightsync.agent.engines import vllm_wire
+from weightsync.agent.engines.base import (
+    EngineError,
+    EngineUnsupported,
+    NamedTensors,
+    parse_version,
+    split_draft,
+    version_label,
+)
+from weightsync.agent.engines.http import EngineHTTPError, HttpClient
+from weightsync.agent.engines.overlap import post_during
+from weightsync.agent.transports.rendezvous import LinkStore, StoreServer
 
 log = logging.getLogger(__name__)
 

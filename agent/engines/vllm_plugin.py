@@ -19,8 +19,7 @@ import logging
 from typing import Any
 
 import torch
-
-from .vllm_wire import (
+from weightsync.agent.engines.vllm_wire import (
     BACKEND_NAME,
     WeightsyncInitInfo,
     WeightsyncUpdateInfo,
@@ -62,7 +61,7 @@ class WeightsyncWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         self.rank = 0
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
-        from weightsync.agent.transports.store import LinkStore
+        from weightsync.agent.transports.rendezvous import LinkStore
 
         self.shutdown()  # a new agent (restarted, or after a broken group) forms the group afresh
         pc = self.parallel_config

@@ -1,6 +1,6 @@
 """The Transport interface: how one flattened bucket's bytes get from its source to its destinations.
 
-Why one interface: the sync layer (agent/sync.py) owns the protocol (plan-hash agreement, ordering,
+Why one interface: the sync layer (agent/transfer/sync.py) owns the protocol (plan-hash agreement, ordering,
 double buffering, assembly, commit); a transport only moves a packed bucket. IPC, NCCL/gloo and GDR
 (NIXL) plug in here, and wrappers (delta encoding, fault injection) can wrap another transport.
 
@@ -43,9 +43,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Generic, Literal, TypeVar
 
 import torch
-
-from ..link import Mailbox
-from ..plan import BucketPlan, TransferPlan
+from weightsync.agent.plan import BucketPlan, TransferPlan
+from weightsync.agent.wire.link import Mailbox
 
 T_co = TypeVar("T_co", covariant=True)
 Role = Literal["src", "dst"]

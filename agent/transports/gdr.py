@@ -50,13 +50,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from .. import delta as deltamod
-from .. import staging
-from ..buckets import allocate
-from ..link import LinkTimeout, Mailbox
-from ..plan import BucketPlan, TransferPlan
-from .base import Endpoint, Pending, Transport, TransportContext, TransportError, register
+from weightsync.agent.plan import BucketPlan, TransferPlan
+from weightsync.agent.plan.buckets import allocate
+from weightsync.agent.staging import segments
+from weightsync.agent.transports import delta as deltamod
+from weightsync.agent.transports.base import (
+    Endpoint,
+    Pending,
+    Transport,
+    TransportContext,
+    TransportError,
+    register,
+)
+from weightsync.agent.wire.link import LinkTimeout, Mailbox
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +231,7 @@ class NixlEndpoint:
             if method is not None:
                 method(address, nbytes)
 
-        self._unhook = staging.on_segment_freed(on_freed)
+        self._unhook = segments.on_segment_freed(on_freed)
 
     def register(self, tensors: Sequence[torch.Tensor]) -> Any:
         if not tensors:

@@ -32,10 +32,18 @@ import weakref
 from typing import Any
 
 import torch
-
-from ..plan import BucketPlan
-from ..staging import SHARED, CudaSegment, MappedFile
-from .base import Endpoint, Pending, Transport, TransportContext, TransportError, dst, register, src
+from weightsync.agent.plan import BucketPlan
+from weightsync.agent.staging.segments import SHARED, CudaSegment, MappedFile
+from weightsync.agent.transports.base import (
+    Endpoint,
+    Pending,
+    Transport,
+    TransportContext,
+    TransportError,
+    dst,
+    register,
+    src,
+)
 
 log = logging.getLogger(__name__)
 

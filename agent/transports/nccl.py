@@ -23,11 +23,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from ..buckets import allocate
-from ..plan import BucketPlan
-from ..staging import STAGING
-from .base import Endpoint, Pending, Transport, TransportContext, TransportError, register
+from weightsync.agent.plan import BucketPlan
+from weightsync.agent.plan.buckets import allocate
+from weightsync.agent.staging.segments import STAGING
+from weightsync.agent.transports.base import (
+    Endpoint,
+    Pending,
+    Transport,
+    TransportContext,
+    TransportError,
+    register,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +88,7 @@ class NcclTransport(Transport):
     ) -> None:
         """`store`: the generation's shared Store (see make_store). `host`: the local address gloo binds
         to (the pod IP; default 127.0.0.1 or $WEIGHTSYNC_POD_IP). `backend`: "gloo" / "nccl" (default
-        from the device of the first bind). `owned`: a Python store under `store` (transports/store.py
+        from the device of the first bind). `owned`: a Python store under `store` (transports/rendezvous.py
         LinkStore) that this transport keeps alive and closes."""
         self.store = store
         self._owned = owned

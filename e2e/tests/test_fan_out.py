@@ -1,7 +1,7 @@
 """spec.transfer.fanOut Relay on the local cluster: real operator, real agents, demo engines.
 
 The operator passes fanOut to every agent; with updatePolicy Atomic every replica prepares a version at
-once, so the trainer agent chains them (agent/relay.py): the trainer pod sends each version about once
+once, so the trainer agent chains them (agent/transfer/relay.py): the trainer pod sends each version about once
 instead of once per replica, the first replicas forward it, and every replica still commits the trainer's
 bytes (bit-exact against the demo trainer's checksums, and against the trainer's digest leaves on the way)."""
 

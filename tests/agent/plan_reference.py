@@ -1,4 +1,4 @@
-"""The object-per-piece reshard planner as it was before the columnar one (agent/plan.py format 1), kept
+"""The object-per-piece reshard planner as it was before the columnar one (agent/plan/__init__.py format 1), kept
 as the oracle the vectorized planner is checked against: same pieces, same buckets, same order."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from weightsync.agent.buckets import DEFAULT_ALIGNMENT, entry_offset, itemsize
 from weightsync.agent.plan import Box, BucketPlan, Piece, PlanError, PlannedEntry, TensorShard
+from weightsync.agent.plan.buckets import DEFAULT_ALIGNMENT, entry_offset, itemsize
 
 
 def _check_ranks(kind: str, ranks: Sequence[Sequence[TensorShard]]) -> list[dict[str, TensorShard]]:

@@ -68,7 +68,7 @@ class Recorder:
 
 
 def _buckets():
-    from weightsync.agent.fetcher import RankedBucket
+    from weightsync.agent.transfer.fetch import RankedBucket
 
     a, b = torch.arange(6, dtype=torch.float32), torch.ones(3, dtype=torch.bfloat16)
     return [RankedBucket([("a", a)], 0), RankedBucket([("b", b)], 1)], {"a": a.clone(), "b": b.clone()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from weightsync.agent.buckets import BucketError, BucketLayout, entry_view, flatten, pack, unpack
+from weightsync.agent.plan.buckets import BucketError, BucketLayout, entry_view, flatten, pack, unpack
 
 
 def test_layout_alignment_and_sizes() -> None:

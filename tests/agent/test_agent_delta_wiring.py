@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from weightsync.agent.config import AgentConfig
-from weightsync.agent.delta import DeltaConfig
-from weightsync.agent.groups import TransportCache
 from weightsync.agent.main import delta_config
+from weightsync.agent.transfer.groups import TransportCache
+from weightsync.agent.transports.delta import DeltaConfig
 from weightsync.crds import contract
 
 

@@ -39,11 +39,11 @@ def test_process_group_nccl_reshard_bit_exact(into: bool) -> None:
 
 
 def test_host_staging_is_pinned_on_gpu_nodes(memory_staging_dir: Path) -> None:
-    from weightsync.agent import staging
+    from weightsync.agent.staging import segments
 
-    seg = staging.create_segment(4 << 20, "wsgpu")
+    seg = segments.create_segment(4 << 20, "wsgpu")
     try:
-        assert isinstance(seg, staging.ShmSegment) and seg.pinned and seg.tensor.is_pinned()
+        assert isinstance(seg, segments.ShmSegment) and seg.pinned and seg.tensor.is_pinned()
         seg.tensor.copy_(torch.arange(4 << 20, dtype=torch.int64).to(torch.uint8))
         on_gpu = seg.tensor.to("cuda", non_blocking=True)
         torch.cuda.synchronize()
@@ -56,12 +56,12 @@ def test_host_staging_is_pinned_on_gpu_nodes(memory_staging_dir: Path) -> None:
 def test_a_refused_pin_leaves_staging_pageable_and_cuda_usable(memory_staging_dir: Path) -> None:
     """A registration the driver refuses (here: the same memory twice) is a warning, not an error, and does not
     leave a CUDA error behind for the next, unrelated call to report (it did with cudaHostRegister)."""
-    from weightsync.agent import staging
+    from weightsync.agent.staging import segments
 
-    seg = staging.create_segment(1 << 20, "wsgpu")
+    seg = segments.create_segment(1 << 20, "wsgpu")
     try:
         assert seg.pinned
-        assert staging.pin_host(seg.tensor) is False  # already registered
+        assert segments.pin_host(seg.tensor) is False  # already registered
         x = torch.arange(1 << 16, device="cuda", dtype=torch.float32)
         assert float((x * 2).sum().item()) == float(2 * sum(range(1 << 16)))
     finally:
@@ -69,16 +69,16 @@ def test_a_refused_pin_leaves_staging_pageable_and_cuda_usable(memory_staging_di
 
 
 def test_custom_engine_receive_slots_on_gpu_are_cuda_ipc_segments() -> None:
-    from weightsync.agent import staging
     from weightsync.agent.engines.custom import CustomEngineAdapter
+    from weightsync.agent.staging import segments
 
-    alloc = staging.SharedSlotAllocator("wsgpu-recv")
+    alloc = segments.SharedSlotAllocator("wsgpu-recv")
     slot = alloc(1 << 20, torch.device("cuda"))
     t = slot[:4096].view(torch.float32)
     shared, rest = CustomEngineAdapter.in_place([("w", t)])
     assert len(shared) == 1 and not rest
     seg, layout = shared[0]
-    assert isinstance(seg, staging.CudaSegment) and seg.handle()["kind"] == "cuda"
+    assert isinstance(seg, segments.CudaSegment) and seg.handle()["kind"] == "cuda"
     assert layout.entries[0].offset == 0 and layout.nbytes == 4096
     del slot, t, shared, seg
     import gc

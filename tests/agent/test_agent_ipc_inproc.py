@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from weightsync.agent.link import LinkListener, connect
 from weightsync.agent.plan import TensorShard, build_plan
-from weightsync.agent.sync import PeerFailed, SyncError, WeightReceiver, WeightSender
+from weightsync.agent.transfer.sync import PeerFailed, SyncError, WeightReceiver, WeightSender
 from weightsync.agent.transports.ipc import IpcTransport
+from weightsync.agent.wire.link import LinkListener, connect
 
 
 def _pair(plan: Any, prefix: str, strict: bool = False) -> tuple[WeightSender, WeightReceiver, IpcTransport,
@@ -102,7 +102,7 @@ def test_whole_bucket_copies_never_overwrite_tensors_in_padding_gaps() -> None:
     flat = torch.zeros(1024, dtype=torch.uint8)
     into = {"z_a": flat[0:16].view(torch.float32), "y1": flat[64:80].view(torch.float32),
             "z_b": flat[256:656].view(torch.float32), "x1": flat[704:720].view(torch.float32)}
-    from weightsync.agent.sync import gaps_are_free, in_place, memory_spans
+    from weightsync.agent.transfer.sync import gaps_are_free, in_place, memory_spans
 
     target = in_place(zbucket, [into["z_a"], into["z_b"]])
     assert target is not None  # laid out like the bucket...
@@ -169,7 +169,7 @@ def test_an_own_cuda_export_is_lent_to_the_custom_engine_in_place_until_unmapped
     once the reader drops the mapping its name is given to the engine to unmap (take_gone) and nothing finds
     it any more. On a GPU: test_agent_gpu.py::test_the_product_path_on_the_gpu_is_bit_exact_with_one_copy."""
     from weightsync.agent.engines.custom import CustomEngineAdapter
-    from weightsync.agent.staging import SHARED
+    from weightsync.agent.staging.segments import SHARED
     from weightsync.agent.transports.ipc import IpcTransport
 
     SHARED.take_gone()

@@ -6,7 +6,7 @@ import queue
 
 import pytest
 import torch
-from weightsync.agent.layout import (
+from weightsync.agent.layout.rules import (
     LayoutError,
     TensorMeta,
     inference_layout,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from weightsync.agent.limits import ConnectionLimiter
+from weightsync.agent.wire.limits import ConnectionLimiter
 
 
 def test_per_peer_bound_leaves_room_for_others() -> None:

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from weightsync.agent.link import (
+from weightsync.agent.wire.link import (
     AuthError,
     FrameError,
     Link,

@@ -165,7 +165,7 @@ def test_arena_makes_whole_tensor_buckets_contiguous() -> None:
 def test_whole_shards_fill_buckets_of_their_own() -> None:
     # FSDP 2 -> TP 2: column-parallel shards go whole to one destination, row-parallel ones in pieces; a bucket
     # mixing both would have to be packed, so the pieces go in buckets of their own, after the whole shards
-    from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
+    from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 
     metas = [TensorMeta(f"l{i}.{k}_proj.weight", "bfloat16", (64, 48)) for i in range(6) for k in ("q", "o")]
     src = [trainer_layout(metas, fsdp_size=2, fsdp_rank=r) for r in range(2)]

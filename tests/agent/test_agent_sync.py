@@ -7,7 +7,7 @@ to its own layout (see wsagent_helpers), and commits a version only after receiv
 from __future__ import annotations
 
 import pytest
-from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
+from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from wsagent_helpers import Scenario, run_scenario
 
 KB = 1024
@@ -192,10 +192,10 @@ def test_hooks_metadata_travels_with_buckets() -> None:
 def test_truncated_frame_mid_version_commits_nothing() -> None:
     import threading
 
-    from weightsync.agent.link import LinkListener, connect
     from weightsync.agent.plan import TensorShard, build_plan
-    from weightsync.agent.sync import PeerFailed, WeightReceiver
+    from weightsync.agent.transfer.sync import PeerFailed, WeightReceiver
     from weightsync.agent.transports.ipc import IpcTransport
+    from weightsync.agent.wire.link import LinkListener, connect
 
     w = TensorShard.full("w", "float32", (64,))
     plan = build_plan([[w]], [[w]], 1024)

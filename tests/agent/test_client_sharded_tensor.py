@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from weightsync.agent import staging
 from weightsync.agent.client import TrainerSession, local_shards
-from weightsync.agent.server import StagingStore
+from weightsync.agent.staging import segments
+from weightsync.agent.transfer.serve import StagingStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "agent_process"))
 from staging_agent import serve_staging
@@ -106,7 +106,7 @@ def _model() -> torch.nn.Module:
 
 def _rank_main(rank: int, world: int, root: str) -> None:
     try:
-        os.environ[staging.SHM_DIR_ENV] = root
+        os.environ[segments.SHM_DIR_ENV] = root
         dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=world)
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import StateDictType

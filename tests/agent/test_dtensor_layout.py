@@ -14,7 +14,7 @@ import pytest
 from dtensor_helpers import CASES, placements_worker
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-from weightsync.agent.dtensor_layout import PlacementError, dtensor_box, global_indices
+from weightsync.agent.layout.dtensor import PlacementError, dtensor_box, global_indices
 from wsagent_helpers import forkserver_context
 
 

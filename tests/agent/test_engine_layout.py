@@ -4,8 +4,8 @@ heads replicated, scale boxes beside block-FP8 weights."""
 from __future__ import annotations
 
 import pytest
-from weightsync.agent.engine_layout import EngineLayout
-from weightsync.agent.layout import LayoutError
+from weightsync.agent.layout.engine import EngineLayout
+from weightsync.agent.layout.rules import LayoutError
 from weightsync.agent.plan import Box, TensorShard
 
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 import torch
-from weightsync.agent.buckets import to_dtype
-from weightsync.agent.layout import LayoutError, TensorMeta
-from weightsync.agent.layout_heads import head_layout, kv_head_of
-from weightsync.agent.layout_presets import LLAMA_GQA, MEGATRON_LLAMA
-from weightsync.agent.layout_spec import Attention, Fuse, Naming, Rename, map_shard
+from weightsync.agent.layout.heads import head_layout, kv_head_of
+from weightsync.agent.layout.presets import LLAMA_GQA, MEGATRON_LLAMA
+from weightsync.agent.layout.rules import LayoutError, TensorMeta
+from weightsync.agent.layout.spec import Attention, Fuse, Naming, Rename, map_shard
 from weightsync.agent.plan import Box
+from weightsync.agent.plan.buckets import to_dtype
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "layouts.py"
 
@@ -95,7 +95,7 @@ def test_qwen2_qkv_bias_is_split_and_fused_like_the_weights(naming: str, monkeyp
     replicated past their count) on the engine."""
     import dataclasses
 
-    from weightsync.agent.layout_presets import NAMINGS, PRESETS, Preset
+    from weightsync.agent.layout.presets import NAMINGS, PRESETS, Preset
 
     qwen2 = dataclasses.replace(LLAMA_GQA, qkv_bias=True, tie_word_embeddings=True)
     monkeypatch.setitem(PRESETS, "qwen2", Preset("qwen2", qwen2, NAMINGS[naming]))
@@ -114,7 +114,7 @@ def test_tied_embeddings_are_sent_once_and_never_needed_as_lm_head(naming: str, 
     embedding (output_layer.weight) is left unsent."""
     import dataclasses
 
-    from weightsync.agent.layout_presets import NAMINGS, PRESETS, Preset
+    from weightsync.agent.layout.presets import NAMINGS, PRESETS, Preset
 
     tied = dataclasses.replace(LLAMA_GQA, tie_word_embeddings=True)
     monkeypatch.setitem(PRESETS, "tied", Preset("tied", tied, NAMINGS[naming]))
@@ -222,7 +222,7 @@ def test_engine_weights_publishes_megatron_tensors_in_hf_names() -> None:
     pipeline stage 1 of 2) as client TensorShards of HF tensors, each holding exactly its box."""
     from weightsync.agent.client import TensorShard as ClientShard
     from weightsync.agent.client import local_shards
-    from weightsync.agent.layout_spec import engine_weights
+    from weightsync.agent.layout.spec import engine_weights
 
     m = LLAMA_GQA
     hf = B.hf_full(m)
@@ -253,7 +253,7 @@ def test_deepseek_fp8_every_combination_is_bit_exact_within_the_block_bound_or_r
     and scales equal the block-by-block reference quantization of the full tensor, and each block's
     dequantization error is at most 0.07 of its largest element. Trainer in Megatron names (the preset) or
     HF names (an FSDP trainer with expert parallelism)."""
-    from weightsync.agent.layout_presets import DEEPSEEK_V3, NAMINGS, PRESETS, Preset
+    from weightsync.agent.layout.presets import DEEPSEEK_V3, NAMINGS, PRESETS, Preset
 
     monkeypatch.setitem(PRESETS, "ds", Preset("ds", DEEPSEEK_V3, NAMINGS[naming]))
     seen = {"ok": 0, "refused": 0}
@@ -272,7 +272,7 @@ def test_deepseek_fp8_every_combination_is_bit_exact_within_the_block_bound_or_r
 
 
 def test_block_fp8_roundtrip_and_scale_boxes() -> None:
-    from weightsync.agent.fp8 import block_rel_err, dequantize_blocks, quantize_blocks, scale_shard
+    from weightsync.agent.layout.fp8 import block_rel_err, dequantize_blocks, quantize_blocks, scale_shard
     from weightsync.agent.plan import TensorShard
 
     g = torch.Generator().manual_seed(1)
@@ -290,7 +290,7 @@ def test_block_fp8_roundtrip_and_scale_boxes() -> None:
 
 
 def test_expert_ranges_follow_engine_ep_groups() -> None:
-    from weightsync.agent.layout_experts import expert_range, expert_shard
+    from weightsync.agent.layout.experts import expert_range, expert_shard
 
     assert [expert_range(128, 4, 2, r) for r in range(4)] == [range(0, 64)] * 2 + [range(64, 128)] * 2
     meta = TensorMeta("model.layers.0.mlp.experts.70.down_proj.weight", "bfloat16", (64, 32))
@@ -306,9 +306,9 @@ def test_engine_weights_quantizes_where_the_bytes_are() -> None:
     equal to the reference quantization of the full tensors; unquantized tensors stay bf16 views."""
     from weightsync.agent.client import TensorShard as ClientShard
     from weightsync.agent.client import local_shards
-    from weightsync.agent.fp8 import DEEPSEEK_QUANTIZED
-    from weightsync.agent.layout_presets import DEEPSEEK_V3, HF
-    from weightsync.agent.layout_spec import engine_weights
+    from weightsync.agent.layout.fp8 import DEEPSEEK_QUANTIZED
+    from weightsync.agent.layout.presets import DEEPSEEK_V3, HF
+    from weightsync.agent.layout.spec import engine_weights
 
     hf = B.hf_full(DEEPSEEK_V3, finite=True)
     names = ["model.layers.0.self_attn.q_b_proj.weight", "model.layers.0.mlp.down_proj.weight",

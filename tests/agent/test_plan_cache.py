@@ -1,4 +1,4 @@
-"""Plans computed once per layout (agent/plan_cache.py): a later version with the same inputs reuses the
+"""Plans computed once per layout (agent/plan/cache.py): a later version with the same inputs reuses the
 plan on both sides; different inputs, a failed build and eviction behave."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-from weightsync.agent import protocol as P
 from weightsync.agent.plan import PlanError, TensorShard, TransferPlan, build_plan
-from weightsync.agent.plan_cache import PlanCache
+from weightsync.agent.plan.cache import PlanCache
+from weightsync.agent.wire import protocol as P
 
 
 def _inputs(cols: int = 8) -> tuple[list[list[TensorShard]], list[list[TensorShard]]]:

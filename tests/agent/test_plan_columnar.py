@@ -1,5 +1,5 @@
-"""The columnar, vectorized planner (agent/plan.py ShardTable, build_plan) and its plan exchange
-(agent/protocol.py): the same plan as the object-per-piece planner it replaced (plan_reference.py), to the
+"""The columnar, vectorized planner (agent/plan/__init__.py ShardTable, build_plan) and its plan exchange
+(agent/wire/protocol.py): the same plan as the object-per-piece planner it replaced (plan_reference.py), to the
 byte and the error message; determinism; the binary encodings; inputs bigger than a frame; key-only
 transfers; and a moderately large plan checked for structure."""
 
@@ -15,9 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from plan_reference import reference_buckets
-from weightsync.agent import protocol as P
-from weightsync.agent.layout import LayoutError, TensorMeta, inference_layout, trainer_layout
-from weightsync.agent.link import LinkListener, connect
+from weightsync.agent.layout.rules import LayoutError, TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import (
     BucketPlan,
     PlanError,
@@ -29,7 +27,9 @@ from weightsync.agent.plan import (
     pack_arrays,
     unpack_arrays,
 )
-from weightsync.agent.plan_cache import PlanCache
+from weightsync.agent.plan.cache import PlanCache
+from weightsync.agent.wire import protocol as P
+from weightsync.agent.wire.link import LinkListener, connect
 
 DTYPES = ["float32", "bfloat16", "int8", "float64"]
 
@@ -277,7 +277,7 @@ def test_vectorized_tp_layout_is_inference_layout() -> None:
                                                                                        for _ in range(nd))))
         src = ShardTable.from_lists([[TensorShard.full(m.name, m.dtype, m.shape) for m in metas]])
         try:
-            ordered = sorted(metas, key=lambda m: m.name)  # as agent/fetcher.py compute_needs hands them over
+            ordered = sorted(metas, key=lambda m: m.name)  # as agent/transfer/fetch.py compute_needs hands them over
             expected: Any = ShardTable.from_lists([inference_layout(ordered, tp, r) for r in range(tp)], "destination")
         except LayoutError as exc:
             expected = str(exc)
@@ -364,7 +364,7 @@ def test_entries_are_made_on_first_use_and_a_sub_plan_still_works() -> None:
     assert len(b.entries) > 1 and b.entries._items is None  # type: ignore[attr-defined]
     assert b.layout.nbytes == b.nbytes and b.entries._items is not None  # type: ignore[attr-defined]
     assert b.data_nbytes == sum(e.piece.nbytes for e in b.entries)
-    sub = dataclasses.replace(plan, buckets=tuple(x for x in plan.buckets if x.src == 1))  # agent/groups.py does this
+    sub = dataclasses.replace(plan, buckets=tuple(x for x in plan.buckets if x.src == 1))  # agent/transfer/groups.py does this
     assert sub.buckets_to(0) == [x for x in plan.buckets_to(0) if x.src == 1] and sub.srcs_of(0) == [1]
     assert plan.dsts_of(1) == [0, 1] and plan.max_bucket_nbytes(src=1) == max(x.nbytes for x in plan.buckets_from(1))
     assert plan.delivered_bytes() == plan.total_bytes() - sum(x.nbytes - x.data_nbytes for x in plan.buckets)

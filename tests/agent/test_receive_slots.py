@@ -1,5 +1,5 @@
 """Receive memory is bounded by buckets in flight, not by peers: a destination rank's sources share its
-`num_slots` receive buffers, which are kept across versions (agent/staging.py ReceiveSlots)."""
+`num_slots` receive buffers, which are kept across versions (agent/staging/segments.py ReceiveSlots)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from weightsync.agent import staging
-from weightsync.agent.groups import RoutingTransport
 from weightsync.agent.plan import BucketPlan, TensorShard, build_plan
+from weightsync.agent.staging import segments
+from weightsync.agent.transfer.groups import RoutingTransport
 from weightsync.agent.transports.base import Done, Pending, Transport, TransportContext, dst
 
 
@@ -53,10 +53,10 @@ def _plan(sources: int) -> object:
 
 
 def test_every_source_receives_into_the_destinations_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     plan = _plan(4)
-    alloc = staging.SharedSlotAllocator("wsslots")
-    slots = staging.ReceiveSlots(alloc)
+    alloc = segments.SharedSlotAllocator("wsslots")
+    slots = segments.ReceiveSlots(alloc)
     inner = {s: IntoOnly(s) for s in range(4)}
     for _version in range(3):  # the same two buffers serve every version
         rt = RoutingTransport(dict(inner), slots)
@@ -100,9 +100,9 @@ def test_a_file_mapped_twice_is_found_in_both_mappings_until_the_last_goes(tmp_p
     path = tmp_path / "wsipc-stage-x"
     path.write_bytes(bytes(4096))
     first, second = _Mapping(path, 4096), _Mapping(path, 4096)
-    shared = staging.SharedSegments()
-    shared.add(staging.MappedFile(str(path), first))
-    shared.add(staging.MappedFile(str(path), second))
+    shared = segments.SharedSegments()
+    shared.add(segments.MappedFile(str(path), first))
+    shared.add(segments.MappedFile(str(path), second))
     a, b = first.tensor[256:512], second.tensor[1024:2048]
     assert [(s.name, off) for s, off in (shared.locate(a), shared.locate(b)) if s] == [(path.name, 256),
                                                                                       (path.name, 1024)]

@@ -1,4 +1,4 @@
-"""The relay data path (agent/relay.py) with real parts in one process: a trainer's WeightSender, an upstream
+"""The relay data path (agent/transfer/relay.py) with real parts in one process: a trainer's WeightSender, an upstream
 replica's receivers lending their buckets (RelayTap), the RelayServer's authenticated listener, and a
 downstream replica receiving over its own gloo groups, each endpoint in a thread of its own.
 
@@ -16,14 +16,21 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from weightsync.agent import protocol as P
-from weightsync.agent.digest import Digest, DigestHooks, DigestMismatch
-from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
-from weightsync.agent.link import LinkListener, Mailbox, connect
+from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import BucketPlan, TransferPlan, build_plan
-from weightsync.agent.relay import RelayHub, RelayServer, RelayStream, RelayTap, chain_links, parse_hop
-from weightsync.agent.sync import SyncError, WeightReceiver, WeightSender
+from weightsync.agent.transfer.digest import Digest, DigestHooks, DigestMismatch
+from weightsync.agent.transfer.relay import (
+    RelayHub,
+    RelayServer,
+    RelayStream,
+    RelayTap,
+    chain_links,
+    parse_hop,
+)
+from weightsync.agent.transfer.sync import SyncError, WeightReceiver, WeightSender
 from weightsync.agent.transports.nccl import NcclTransport, make_store
+from weightsync.agent.wire import protocol as P
+from weightsync.agent.wire.link import LinkListener, Mailbox, connect
 from wsagent_helpers import full_tensor, same_bits, slice_of
 
 TOKEN = "relay-test-token-0123456789abcdef"
@@ -242,8 +249,8 @@ def test_the_relay_port_refuses_wrong_ranks_floods_and_strangers(chains: list[Ch
     """Hostile input on an inference agent's control port: a link without the job token is refused at the
     handshake; a frame that is not ws.relay gets an error; a rank the plan lacks is refused by name; and pending
     relays are bounded (each waits at most join_s)."""
-    import weightsync.agent.relay as relay_mod
-    from weightsync.agent.link import LinkError
+    import weightsync.agent.transfer.relay as relay_mod
+    from weightsync.agent.wire.link import LinkError
 
     c = Chain(join_s=30.0)
     chains.append(c)
@@ -272,7 +279,7 @@ def test_an_agent_keeps_the_transports_of_its_recent_relay_hops_only() -> None:
     """Churn: each hop a replica was ever in is a group `relay-<up>-<down>`; the cache keeps the hops this agent
     used last (KEEP_RELAY_GROUPS, by last use, every role), closes the older ones once they were idle for the
     transfer timeout, and leaves the replicas' own groups alone however many hops come and go."""
-    from weightsync.agent.groups import KEEP_RELAY_GROUPS, TransportCache, proposal_of
+    from weightsync.agent.transfer.groups import KEEP_RELAY_GROUPS, TransportCache, proposal_of
 
     busy = TransportCache(mode="IPC", job="j", pod_ip="127.0.0.1", transport_port=0, timeout=600.0)
     for i in range(KEEP_RELAY_GROUPS + 3):  # every hop used within the transfer timeout: none is closed under it

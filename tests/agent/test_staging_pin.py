@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from weightsync.agent import staging
+from weightsync.agent.staging import segments
 
 
 class _Driver:
@@ -55,16 +55,16 @@ def driver(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[_Driver]
     lib = _Driver()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(staging, "_cuda_driver", lambda: lib)
-    staging._primary_context.cache_clear()
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(segments, "_cuda_driver", lambda: lib)
+    segments._primary_context.cache_clear()
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     yield lib
-    staging._primary_context.cache_clear()
+    segments._primary_context.cache_clear()
 
 
 def test_pins_retain_the_primary_context_once_and_balance_every_push(driver: _Driver) -> None:
-    segs = [staging.create_segment(1 << 16, "wspin") for _ in range(3)]
-    assert all(isinstance(s, staging.ShmSegment) and s.pinned for s in segs)
+    segs = [segments.create_segment(1 << 16, "wspin") for _ in range(3)]
+    assert all(isinstance(s, segments.ShmSegment) and s.pinned for s in segs)
     for s in segs:
         s.unlink()
     assert not driver.registered and all(not s.pinned for s in segs)
@@ -77,10 +77,10 @@ def test_pins_retain_the_primary_context_once_and_balance_every_push(driver: _Dr
 def test_a_refused_pin_is_a_warning_and_staging_stays_pageable(driver: _Driver,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     driver.rc["cuMemHostRegister_v2"] = 1  # CUDA_ERROR_INVALID_VALUE: the kernel refused (a disk-backed file)
-    with caplog.at_level(logging.WARNING, logger=staging.log.name):
-        seg = staging.create_segment(1 << 16, "wspin")
-    assert isinstance(seg, staging.ShmSegment) and not seg.pinned
-    assert "staging.pin_failed" in caplog.text and str(staging.shm_dir()) in caplog.text
+    with caplog.at_level(logging.WARNING, logger=segments.log.name):
+        seg = segments.create_segment(1 << 16, "wspin")
+    assert isinstance(seg, segments.ShmSegment) and not seg.pinned
+    assert "segments.pin_failed" in caplog.text and str(segments.shm_dir()) in caplog.text
     seg.unlink()
     assert "cuMemHostUnregister" not in driver.calls  # nothing to undo
     assert driver.calls.count("cuCtxPushCurrent_v2") == driver.calls.count("cuCtxPopCurrent_v2")
@@ -88,7 +88,7 @@ def test_a_refused_pin_is_a_warning_and_staging_stays_pageable(driver: _Driver,
 
 def test_a_driver_without_a_device_leaves_staging_pageable(driver: _Driver) -> None:
     driver.rc["cuDeviceGet"] = 101  # CUDA_ERROR_INVALID_DEVICE
-    seg = staging.create_segment(1 << 16, "wspin")
+    seg = segments.create_segment(1 << 16, "wspin")
     assert not seg.pinned and "cuMemHostRegister_v2" not in driver.calls
     seg.unlink()
 

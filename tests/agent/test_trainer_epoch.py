@@ -6,23 +6,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from weightsync.agent import staging
-from weightsync.agent.server import ServedTracker, StagingError, StagingStore
+from weightsync.agent.staging import segments
+from weightsync.agent.transfer.serve import ServedTracker, StagingError, StagingStore
 from weightsync.crds.topology import InferenceReplicaTopology, PodMember, Topology, TrainerTopology
 
 
 def _publish(store: StagingStore, version: int, session: str, rank: int = 0) -> None:
     data = torch.full((4,), float(version))
-    seg = store.stage(rank, version, staging.tensor_nbytes(data), "cpu", session=session)
+    seg = store.stage(rank, version, segments.tensor_nbytes(data), "cpu", session=session)
     seg.view(0, data.dtype, data.shape).copy_(data)
-    metas = [{"name": "w", "dtype": staging.dtype_name(data.dtype), "shape": [4], "global_shape": [4],
-              "global_offset": [0], "offset": 0, "nbytes": staging.tensor_nbytes(data)}]
+    metas = [{"name": "w", "dtype": segments.dtype_name(data.dtype), "shape": [4], "global_shape": [4],
+              "global_offset": [0], "offset": 0, "nbytes": segments.tensor_nbytes(data)}]
     store.publish(rank, version, seg.name, metas, {})
 
 
 @pytest.fixture
 def store(tmp_path, monkeypatch):
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))  # the staging volume (the pod's emptyDir)
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))  # the staging volume (the pod's emptyDir)
     s = StagingStore([0], f"weightsync-test-epoch-{id(object())}", keep=2)
     yield s
     s.close()

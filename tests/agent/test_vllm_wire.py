@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from weightsync.agent.engines import vllm_wire as w
-from weightsync.agent.transports.store import LinkStore, StoreError, StoreServer
+from weightsync.agent.transports.rendezvous import LinkStore, StoreError, StoreServer
 
 HOST = "127.0.0.1"
 

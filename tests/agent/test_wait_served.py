@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from weightsync.agent import protocol as P
 from weightsync.agent.client import ServedState, ServedTimeout, TrainerSession
-from weightsync.agent.fetcher import TrainerPeers
-from weightsync.agent.link import connect
-from weightsync.agent.local import LocalServer
 from weightsync.agent.metrics import AgentMetrics
-from weightsync.agent.server import ServedTracker, StagingStore, WeightServer, loading_pods
+from weightsync.agent.transfer.fetch import TrainerPeers
+from weightsync.agent.transfer.serve import ServedTracker, StagingStore, WeightServer, loading_pods
+from weightsync.agent.wire import protocol as P
+from weightsync.agent.wire.link import connect
+from weightsync.agent.wire.local import LocalServer
 from weightsync.crds.topology import InferenceReplicaTopology, PodMember, Topology, TrainerTopology
 
 TOKEN = b"wait-served-token"

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from weightsync.agent.buckets import itemsize, to_dtype
-from weightsync.agent.link import LinkListener, Mailbox, connect
 from weightsync.agent.plan import Box, TensorShard, build_plan
-from weightsync.agent.sync import SyncHooks, WeightReceiver, WeightSender
+from weightsync.agent.plan.buckets import itemsize, to_dtype
+from weightsync.agent.transfer.sync import SyncHooks, WeightReceiver, WeightSender
 from weightsync.agent.transports.base import Pending, Transport, TransportContext
 from weightsync.agent.transports.ipc import IpcTransport
 from weightsync.agent.transports.nccl import NcclTransport, make_store
+from weightsync.agent.wire.link import LinkListener, Mailbox, connect
 
 TOKEN = "test-job-token-0123456789abcdef"
 HOST = "127.0.0.1"
@@ -81,7 +81,7 @@ class SumHooks(SyncHooks):
 
 
 def arena_tensors(layout: Any, device: str = "cpu") -> dict[str, torch.Tensor]:
-    from weightsync.agent.buckets import allocate, entry_view
+    from weightsync.agent.plan.buckets import allocate, entry_view
 
     flat = allocate(max(layout.nbytes, 1), device)
     return {e.name: entry_view(flat, e) for e in layout.entries}
@@ -234,8 +234,8 @@ def _receiver(scn: Scenario, rank: int, port: int, out: Any) -> None:
     out.put(res)
 
 
-PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.device_mesh", "weightsync.agent.sync",
-           "weightsync.agent.layout", "wsagent_helpers"]
+PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.device_mesh", "weightsync.agent.transfer.sync",
+           "weightsync.agent.layout.rules", "wsagent_helpers"]
 
 
 def forkserver_context() -> Any:
@@ -293,7 +293,7 @@ def dtensor_worker(rank: int, port: int, out: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from weightsync.agent.layout import shard_from_dtensor
+    from weightsync.agent.layout.rules import shard_from_dtensor
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)

@@ -78,9 +78,9 @@ def megatron_local(version: int, tp: int, rank: int, fp8: bool) -> dict[str, obj
 
 def run_trainer(rank: int, tp: int, versions: int, interval: float, fp8: bool) -> None:
     from weightsync.agent.client import TrainerSession
-    from weightsync.agent.fp8 import DEEPSEEK_QUANTIZED
-    from weightsync.agent.layout_presets import MEGATRON_LLAMA
-    from weightsync.agent.layout_spec import Attention, engine_weights
+    from weightsync.agent.layout.fp8 import DEEPSEEK_QUANTIZED
+    from weightsync.agent.layout.presets import MEGATRON_LLAMA
+    from weightsync.agent.layout.spec import Attention, engine_weights
 
     attention = Attention(HEADS, KV_HEADS, head_dim(fp8))
     with TrainerSession(rank=rank) as s:

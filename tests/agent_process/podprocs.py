@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightsync.agent.staging import SHM_DIR_ENV
+from weightsync.agent.staging.segments import SHM_DIR_ENV
 from weightsync.crds import contract
 from weightsync.crds.topology import (
     InferenceReplicaTopology,

@@ -4,7 +4,7 @@
     python shard_apps.py engine --ranks 0,1 --out DIR               # one InferenceSession per TP rank
 
 The model is a deterministic function of the version (`model(version)`), so the test knows every byte the
-engine must end up with: the inference TP box of each tensor (agent/layout.py rules) of model(version).
+engine must end up with: the inference TP box of each tensor (agent/layout/rules.py rules) of model(version).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from weightsync.agent.local import LocalServer
-from weightsync.agent.server import StagingError, StagingStore
+from weightsync.agent.transfer.serve import StagingError, StagingStore
+from weightsync.agent.wire.local import LocalServer
 
 
 def serve_staging(path: Path, store: StagingStore) -> LocalServer:

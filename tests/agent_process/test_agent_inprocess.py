@@ -12,12 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from staging_agent import serve_staging
-from weightsync.agent import staging
 from weightsync.agent.client import InferenceSession, TensorShard, TrainerSession, checksums, local_shards
 from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
 from weightsync.agent.engines.base import EngineError, load_version
 from weightsync.agent.engines.custom import AppRegistry, CustomEngineAdapter
-from weightsync.agent.local import LocalServer
 from weightsync.agent.podstatus import (
     Observed,
     annotation_patch,
@@ -26,7 +24,9 @@ from weightsync.agent.podstatus import (
     desired_from_annotations,
     synced_state,
 )
-from weightsync.agent.server import StagingError, StagingStore
+from weightsync.agent.staging import segments
+from weightsync.agent.transfer.serve import StagingError, StagingStore
+from weightsync.agent.wire.local import LocalServer
 from weightsync.crds import contract
 from weightsync.crds.topology import InferenceReplicaTopology, PodMember, Topology, TrainerTopology
 
@@ -123,7 +123,7 @@ def test_local_shards_dtensor_uses_truthful_global_metadata() -> None:
 
 
 def test_staging_store_keeps_latest_and_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     completed: list[int] = []
     store = StagingStore([0], "wstest", keep=1, on_complete=lambda sv: completed.append(sv.version))
     meta = [{"name": "w", "dtype": "float32", "shape": [4], "global_shape": [4], "global_offset": [0],
@@ -178,7 +178,7 @@ def engine_registry_server(path: Path) -> tuple[AppRegistry, LocalServer]:
 
 
 def test_custom_engine_over_socket_and_shm_always_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     registry, server = engine_registry_server(tmp_path / "agent.sock")
     eng = _Engine()
     sess = InferenceSession(eng.on_bucket, eng.on_commit, socket_path=tmp_path / "agent.sock", rank=0,
@@ -202,7 +202,7 @@ def test_custom_engine_over_socket_and_shm_always_resumes(tmp_path: Path, monkey
 
 
 def test_trainer_session_publish_is_bit_exact_in_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     store = StagingStore([0], "wstest")
     server = serve_staging(tmp_path / "agent.sock", store)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
@@ -310,7 +310,7 @@ def test_custom_engine_that_hangs_fails_the_load_after_the_timeout(tmp_path: Pat
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A hung engine must not hold the agent forever: the request times out (spec.transfer.timeoutSeconds),
     the load fails without a commit, and the stuck session is dropped."""
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     registry, server = engine_registry_server(tmp_path / "agent.sock")
     eng = _Engine()
     release = time.monotonic() + 4.0

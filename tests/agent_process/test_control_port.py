@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from podprocs import Cluster, engine_version, get_json, get_text, metric_value, wait_for
-from weightsync.agent import protocol as P
-from weightsync.agent.link import AuthError, LinkError, connect
+from weightsync.agent.wire import protocol as P
+from weightsync.agent.wire.link import AuthError, LinkError, connect
 from weightsync.crds import contract
 
 
@@ -103,7 +103,7 @@ def test_bad_peers_are_rejected_and_the_agent_keeps_serving(tmp_path: Path, clus
 
 def test_unknown_app_and_bad_publish_are_refused(tmp_path: Path, clusters: list[Cluster]) -> None:
     """The local socket: wrong hello, wrong role, and an inconsistent publish get clear errors."""
-    from weightsync.agent import local
+    from weightsync.agent.wire import local
 
     c = Cluster(tmp_path, mode="NCCL")
     clusters.append(c)

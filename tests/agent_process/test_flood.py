@@ -16,7 +16,7 @@ from pathlib import Path
 
 from podprocs import Cluster, Pod, engine_version, get_json, get_text, metric_value, wait_for
 from test_demo_processes import engine_sums, trainer_sums
-from weightsync.agent import link
+from weightsync.agent.wire import link
 from weightsync.crds import contract
 
 FLOOD_PER_PORT = 80

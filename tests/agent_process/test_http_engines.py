@@ -70,7 +70,7 @@ def test_agent_drives_an_sglang_engine_over_http(tmp_path: Path, clusters: list[
     for v in (1, 2):
         k = next(n for n, e in enumerate(events)
                  if e["op"] == "update_weight_version" and parse_version(e["version"]) == v)
-        # the label names the content: `N-<digest prefix>` (agent/digest.py)
+        # the label names the content: `N-<digest prefix>` (agent/transfer/digest.py)
         assert re.fullmatch(rf"{v}-[0-9a-f]{{{LABEL_DIGEST_CHARS}}}", events[k]["version"]), events[k]
         before = ops[:k]
         last_pause = len(before) - 1 - before[::-1].index("pause_generation")

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 import torch
-from weightsync.agent import buckets, staging
-from weightsync.agent import digest as D
-from weightsync.agent import protocol as P
 from weightsync.agent.client import TrainerSession, checksums
-from weightsync.agent.leaves import leaf, piece_key
-from weightsync.agent.local import LocalServer
-from weightsync.agent.plan import TensorShard, build_plan
-from weightsync.agent.server import StagingError, StagingStore
+from weightsync.agent.plan import TensorShard, buckets, build_plan
+from weightsync.agent.staging import segments
+from weightsync.agent.transfer import digest as D
+from weightsync.agent.transfer.leaves import leaf, piece_key
+from weightsync.agent.transfer.serve import StagingError, StagingStore
+from weightsync.agent.wire import protocol as P
+from weightsync.agent.wire.local import LocalServer
 
 
 def serve(path: Path, store: StagingStore, requests: list[dict[str, Any]], *, current: bool) -> LocalServer:
@@ -53,7 +53,7 @@ def _weights(n: int, step: int) -> dict[str, torch.Tensor]:
 def test_an_unchanged_index_is_published_by_id_and_the_bytes_stay_exact(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch,
                                                                         current: bool) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     store = StagingStore([0], f"wstest-moe-{current}", keep=1)
     requests: list[dict[str, Any]] = []
     server = serve(tmp_path / "agent.sock", store, requests, current=current)
@@ -78,7 +78,7 @@ def test_an_unchanged_index_is_published_by_id_and_the_bytes_stay_exact(tmp_path
 
 
 def test_a_publish_by_an_unknown_index_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     store = StagingStore([0], "wstest-moe-unknown")
     try:
         seg = store.stage(0, 1, 4096, "cpu")
@@ -144,9 +144,9 @@ def test_a_whole_bucket_is_one_request_and_its_layout_is_named_once(tmp_path: Pa
     from weightsync.agent.client import InferenceSession
     from weightsync.agent.engines.base import load_version
     from weightsync.agent.engines.custom import CustomEngineAdapter
-    from weightsync.agent.sync import PlacedTensors
+    from weightsync.agent.transfer.sync import PlacedTensors
 
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     registry, server = engine_registry_server(tmp_path / "agent.sock")
     named = {f"e{i}": torch.full((2, 3), float(i)) for i in range(50)}
     params = {n: torch.zeros(2, 3) for n in named}

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from staging_agent import serve_staging
-from weightsync.agent import staging
 from weightsync.agent.client import TrainerSession, arena_offsets, local_shards
-from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
+from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import TensorShard, TransferPlan, build_plan
-from weightsync.agent.server import StagingStore
+from weightsync.agent.staging import segments
+from weightsync.agent.transfer.serve import StagingStore
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "agent_pipeline.py"
 METAS = [TensorMeta(f"l{i}.{k}_proj.weight", "float32", (16 + 8 * i, 32)) for i in range(3) for k in ("q", "o")]
@@ -52,7 +52,7 @@ def test_the_plan_arena_names_the_shards_a_replica_sends_nothing_of() -> None:
 
 def test_a_replica_stages_only_what_it_sends_and_a_second_plan_stages_everything(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     src, plan = _hsdp_plan(dp=2, fsdp=1, tp=1)
     store = StagingStore([1], "wsowner")  # the agent of trainer rank 1, a replica of rank 0
     server = serve_staging(tmp_path / "agent.sock", store)
@@ -96,9 +96,9 @@ def test_a_replaced_plan_stops_holding_the_staging_whole(tmp_path: Path, monkeyp
     """bucketSizeMB changes (a new plan, same owners): for a few versions the rank is read by two plans and
     stages everything; once the old plan has read none of the last PLAN_MEMORY_VERSIONS versions, the rank
     stages only its own shards again, in the new plan's arena."""
-    from weightsync.agent.server import PLAN_MEMORY_VERSIONS
+    from weightsync.agent.transfer.serve import PLAN_MEMORY_VERSIONS
 
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     src, old = _hsdp_plan(dp=2, fsdp=1, tp=1)
     new = build_plan(src, [inference_layout(METAS, 1, 0)], 8 << 10)
     assert new.hash != old.hash and set(new.source_arena(1).unsent) == set(old.source_arena(1).unsent)
@@ -144,8 +144,8 @@ def test_data_parallel_replicas_copy_each_byte_once_through_real_agents(mode: st
 def test_a_slot_far_larger_than_needed_is_replaced_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a replica stages only its share, the pool's slots of the whole shard are replaced by right-sized
     ones instead of being reused (their written pages would stay allocated); a little larger is reused."""
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
-    pool = staging.SegmentPool("wspool")
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
+    pool = segments.SegmentPool("wspool")
     try:
         big = pool.acquire(8 << 20, user=0)
         pool.fill(big, 1)
@@ -166,8 +166,8 @@ def test_a_ranks_second_segment_is_made_and_faulted_in_before_its_second_version
     """Version 2 needs a second segment (version 1 is still served from the first). It is made and faulted
     in once version 1 was served (the agent's server asks for it), so the trainer's copy of version 2 does
     not allocate its pages; later versions alternate between the two, and no third segment is made."""
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
-    pool = staging.SegmentPool("wspool")
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
+    pool = segments.SegmentPool("wspool")
     try:
         first = pool.acquire(4 << 20, user=0)
         pool.fill(first, 1)
@@ -194,8 +194,8 @@ def test_a_ranks_second_segment_is_made_and_faulted_in_before_its_second_version
 
 def test_a_spare_still_being_made_when_the_pool_closes_is_removed(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
-    pool = staging.SegmentPool("wspool")
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
+    pool = segments.SegmentPool("wspool")
     pool.acquire(64 << 20, user=0)
     assert pool.make_spare(64 << 20, user=0)
     pool.close()
@@ -207,12 +207,12 @@ def test_a_spare_that_comes_after_the_next_versions_own_segment_is_dropped(tmp_p
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Version 2's stage request can come while the spare is still being made by the time it asks; if it made
     its own segment, the spare would be a third one held for nothing."""
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
-    pool = staging.SegmentPool("wspool")
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
+    pool = segments.SegmentPool("wspool")
     try:
         first = pool.acquire(1 << 20, user=0)
         pool.fill(first, 1)
-        second = staging.Slot(staging.create_segment(1 << 20, "wspool"), user=0)
+        second = segments.Slot(segments.create_segment(1 << 20, "wspool"), user=0)
         pool._slots.append(second)  # as if version 2 had made its own while the spare thread started
         pool._make_spare(1 << 20, user=0)
         assert [s.segment.name for s in pool._slots] == [first.segment.name, second.segment.name]
@@ -223,7 +223,7 @@ def test_a_spare_that_comes_after_the_next_versions_own_segment_is_dropped(tmp_p
 
 def test_the_trainer_unmaps_staging_segments_the_agent_stopped_offering(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     store = StagingStore([0], "wslru", keep=1)
     server = serve_staging(tmp_path / "agent.sock", store)
     try:
@@ -243,7 +243,7 @@ def test_a_compact_layout_for_another_model_is_not_used(tmp_path: Path, monkeypa
     """The agent answers with a layout without the unsent shards, in a segment of that size, but the trainer's
     model changed (other tensors): the client asks again for a segment that holds every shard and stages them
     all, in order; nothing is lost."""
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     _, plan = _hsdp_plan(dp=2, fsdp=1, tp=1)
     store = StagingStore([1], "wsother")
     server = serve_staging(tmp_path / "agent.sock", store)

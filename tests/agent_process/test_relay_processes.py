@@ -1,4 +1,4 @@
-"""spec.transfer.fanOut Relay through real agent processes (agent/relay.py): the trainer agent sends each
+"""spec.transfer.fanOut Relay through real agent processes (agent/transfer/relay.py): the trainer agent sends each
 version once, the replicas forward it along a chain, and every replica still serves the trainer's bytes.
 
 Each pod is its own process on its own loopback address (podprocs), the chain's hops are gloo groups like

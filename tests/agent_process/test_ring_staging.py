@@ -1,4 +1,4 @@
-"""Ring staging (WEIGHTSYNC_STAGING=ring, agent/ring.py): the trainer agent's staging is depth x bucket whatever
+"""Ring staging (WEIGHTSYNC_STAGING=ring, agent/staging/ring.py): the trainer agent's staging is depth x bucket whatever
 the model size, the engines get the trainer's exact bytes in every mode, and a transfer that fails mid-stream
 gives its ring back and commits nothing."""
 
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 from podprocs import Cluster, get_text, metric_value, wait_for
-from weightsync.agent import ring, staging
-from weightsync.agent.server import StagingError, StagingStore
+from weightsync.agent.staging import ring, segments
+from weightsync.agent.transfer.serve import StagingError, StagingStore
 from weightsync.crds import contract
 
 MiB = 1 << 20
@@ -134,7 +134,7 @@ def test_a_receiver_dying_mid_stream_frees_the_ring_and_commits_nothing(tmp_path
     tm = _trainer_metrics(t)
     assert metric_value(tm, "weightsync_agent_ring_transfers") == 0.0  # the ring is back in the pool
     assert (metric_value(tm, "weightsync_agent_staging_peak_bytes") or 0.0) <= 2 * MiB + 64 * 1024
-    assert "staging.withdraw version=2" in c.log_text(t, "agent")
+    assert "segments.withdraw version=2" in c.log_text(t, "agent")
     assert all(r["version"] != 2 for r in _rows(commits))
 
     c.start_agent(i)  # a new receiver: it must not find version 2 any more, and gets version 3 whole
@@ -174,8 +174,8 @@ def test_snapshot_modes_on_cpu_tensors() -> None:
 
 def test_fill_slot_places_pieces_where_the_bucket_wants_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer's fill: each entry (a whole shard or a strided piece of one) lands at its byte offset."""
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
-    seg = staging.create_segment(4096, "wstest")
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
+    seg = segments.create_segment(4096, "wstest")
     try:
         w = {"row": torch.arange(32, dtype=torch.float32).reshape(4, 8), "v": torch.arange(5, dtype=torch.int64)}
         entries = [["row", [1, 4], [2, 4], 0], ["v", [0], [5], 256]]
@@ -189,16 +189,16 @@ def test_fill_slot_places_pieces_where_the_bucket_wants_them(tmp_path: Path, mon
 
 def test_ring_store_streams_metadata_only_and_tells_trainers_what_it_drops(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     rs = ring.RingStaging("wstest", depth=2)
     dropped: list[tuple[int, list[int]]] = []
     monkeypatch.setattr(rs, "drop", lambda v, ranks: dropped.append((v, ranks)))
     store = StagingStore([0], "wstest", ring=rs)
     meta = [{"name": "w", "dtype": "float32", "shape": [4, 8], "global_shape": [4, 8], "global_offset": [0, 0],
              "nbytes": 128}]
-    before = staging.STAGING.current
+    before = segments.STAGING.current
     assert store.stage_request(0, 1, 128, "cpu", stream=True) == {"ring": {"depth": 2}}
-    assert staging.STAGING.current == before  # nothing staged for a streamed version
+    assert segments.STAGING.current == before  # nothing staged for a streamed version
     assert "segment" in store.stage_request(0, 2, 128, "cpu")  # a client that cannot stream: staged whole
     with pytest.raises(StagingError, match="without a matching stage request"):
         store.publish_stream(0, 3, meta, {})
@@ -229,9 +229,9 @@ def test_cuda_tensors_are_snapshot_on_the_device_and_streamed_into_pinned_host_s
     assert not hold and n == 32 * 4 + 1000 * 2
     assert all(snap[k].is_cuda and snap[k].data_ptr() != w[k].data_ptr() for k in w)
     w["row"].add_(1)  # training goes on on the GPU
-    seg = staging.create_segment(8192, "wstest")
+    seg = segments.create_segment(8192, "wstest")
     try:
-        assert isinstance(seg, staging.ShmSegment) and seg.pinned  # the ring is pinned host memory
+        assert isinstance(seg, segments.ShmSegment) and seg.pinned  # the ring is pinned host memory
         got = ring.fill_slot(snap, [["row", [1, 4], [2, 4], 0], ["b", [0], [1000], 256]], seg, 4096, cuda=True)
         assert got == 2 * 4 * 4 + 1000 * 2
         want = torch.arange(32, dtype=torch.float32).reshape(4, 8)[1:3, 4:8]

@@ -1,6 +1,6 @@
 """Resharding through real agent processes: FSDP Shard(0) trainers -> tensor-parallel inference replicas,
 with several ranks per agent and a replica spread over two pods. Every byte is compared with the box of
-the model that the inference TP rank must hold (agent/layout.py rules)."""
+the model that the inference TP rank must hold (agent/layout/rules.py rules)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from podprocs import Cluster, wait_for
-from weightsync.agent.layout import TensorMeta, inference_layout
+from weightsync.agent.layout.rules import TensorMeta, inference_layout
 from weightsync.crds import contract
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -16,17 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 from staging_agent import serve_staging
-from weightsync.agent import staging
 from weightsync.agent.client import AgentUnavailable, TrainerSession, checksums
-from weightsync.agent.local import LocalServer
-from weightsync.agent.server import StagingStore
+from weightsync.agent.staging import segments
+from weightsync.agent.transfer.serve import StagingStore
+from weightsync.agent.wire.local import LocalServer
 
 HERE = Path(__file__).resolve().parent
 AGENT = """
 import sys, threading
 sys.path.insert(0, sys.argv[1])
 from staging_agent import serve_staging
-from weightsync.agent.server import StagingStore
+from weightsync.agent.transfer.serve import StagingStore
 serve_staging(__import__("pathlib").Path(sys.argv[2]), StagingStore([0], sys.argv[3]))
 print("ready", flush=True)
 threading.Event().wait()
@@ -36,7 +36,7 @@ threading.Event().wait()
 def start_agent_process(sock: Path, prefix: str, shm: Path) -> subprocess.Popen[str]:
     """A stand-in trainer agent in its own process (so it can die like a container: SIGKILL)."""
     p = subprocess.Popen([sys.executable, "-c", AGENT, str(HERE), str(sock), prefix], stdout=subprocess.PIPE,
-                         text=True, env={**os.environ, staging.SHM_DIR_ENV: str(shm)})
+                         text=True, env={**os.environ, segments.SHM_DIR_ENV: str(shm)})
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     return p
 
@@ -47,7 +47,7 @@ def _weights(v: int) -> dict[str, torch.Tensor]:
 
 
 def test_publish_survives_an_agent_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     sock = tmp_path / "agent.sock"
     agent = start_agent_process(sock, "wsold", tmp_path)
     restarted: list[tuple[LocalServer, StagingStore]] = []
@@ -79,7 +79,7 @@ def test_publish_survives_an_agent_restart(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_agent_that_stays_away_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     sock = tmp_path / "agent.sock"
     agent = start_agent_process(sock, "wsgone", tmp_path)
     with TrainerSession(sock, rank=0, reconnect_timeout=1.5) as s:
@@ -93,7 +93,7 @@ def test_agent_that_stays_away_is_a_clear_error(tmp_path: Path, monkeypatch: pyt
 
 
 def test_an_agent_answer_is_never_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     store = StagingStore([0], "wsanswer")
     server = serve_staging(tmp_path / "agent.sock", store)
     try:

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from staging_agent import serve_staging
-from weightsync.agent import client, staging
+from weightsync.agent import client
 from weightsync.agent.client import TrainerSession
-from weightsync.agent.server import StagingStore
+from weightsync.agent.staging import segments
+from weightsync.agent.transfer.serve import StagingStore
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def test_ranks_that_share_the_cores_are_not(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.usefixtures("four_cores_four_threads")
 def test_a_publish_of_cpu_tensors_warns_once_per_session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     store = StagingStore([0], "wstest")
     server = serve_staging(tmp_path / "agent.sock", store)

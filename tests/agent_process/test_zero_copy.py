@@ -17,7 +17,6 @@ from podprocs import Cluster, get_text, metric_value, wait_for
 from staging_agent import serve_staging
 from test_agent_inprocess import _Engine, engine_registry_server
 from test_demo_processes import engine_sums, trainer_sums
-from weightsync.agent import staging
 from weightsync.agent.client import (
     InferenceSession,
     TensorShard,
@@ -28,10 +27,11 @@ from weightsync.agent.client import (
 )
 from weightsync.agent.engines.base import EngineError, load_version
 from weightsync.agent.engines.custom import CustomEngineAdapter
-from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
+from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import Box, build_plan, shards_of
-from weightsync.agent.server import StagingStore
-from weightsync.agent.sync import PlacedTensors, ShardPieces, in_place, source_region
+from weightsync.agent.staging import segments
+from weightsync.agent.transfer.serve import StagingStore
+from weightsync.agent.transfer.sync import PlacedTensors, ShardPieces, in_place, source_region
 from weightsync.crds import contract
 
 
@@ -49,7 +49,7 @@ def _bucket_in(buf: torch.Tensor, tensors: dict[str, torch.Tensor]) -> list[tupl
 
 def test_custom_engine_loads_shared_slots_in_place_and_packs_the_rest(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     registry, server = engine_registry_server(tmp_path / "agent.sock")
     eng = _Engine()
     sess = InferenceSession(eng.on_bucket, eng.on_commit, socket_path=tmp_path / "agent.sock", rank=0).start()
@@ -97,7 +97,7 @@ def test_an_app_that_connects_after_the_fetch_began_still_gets_pieces(tmp_path: 
     after its agent): the answer waits for the app, so its first version is not assembled and packed."""
     import threading
 
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     registry, server = engine_registry_server(tmp_path / "agent.sock")
     adapter = CustomEngineAdapter(registry, [0], prefix="wstest", connect_timeout=10)
     answer: list[bool] = []
@@ -125,7 +125,7 @@ def test_an_engine_that_loads_pieces_gets_them_where_they_landed(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor that arrives in pieces (two sources' halves of a row-parallel weight) is not assembled: each
     piece goes to the app where the transport put it, with its place, and the app loads it there itself."""
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     registry, server = engine_registry_server(tmp_path / "agent.sock")
     params = {"w": torch.zeros(6, 4), "n": torch.zeros(3)}
     got: list[tuple[str, tuple[slice, ...]]] = []
@@ -192,7 +192,7 @@ def test_a_resharded_layout_copies_each_byte_once_through_real_agents(mode: str)
 
 def test_trainer_stages_in_the_plan_arena_so_every_bucket_is_sent_in_place(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     store = StagingStore([0], "wstest")
     server = serve_staging(tmp_path / "agent.sock", store)
     weights = {f"layer{i}.weight": torch.randn(32 + i, 16) for i in range(12)} | {"tiny": torch.randn(3)}
@@ -224,7 +224,7 @@ def test_a_resharded_trainer_stages_pieces_where_their_buckets_are(tmp_path: Pat
     """FSDP 2 -> TP 2: row-parallel weights travel in pieces (half the columns of a rank's rows). Once a plan
     read the rank, the trainer copies each piece straight to its place in its bucket (source_arena), so every
     bucket, pieces included, is one contiguous range of staging holding the trainer's exact bytes."""
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     metas = [TensorMeta(f"l{i}.{k}_proj.weight", "float32", (24 + 8 * i, 40)) for i in range(4) for k in ("q", "o")]
     full = {m.name: torch.randn(m.shape) for m in metas}
     src = [trainer_layout(metas, fsdp_size=2, fsdp_rank=r) for r in range(2)]
@@ -316,24 +316,24 @@ def test_steady_versions_copy_each_byte_once(mode: str, tmp_path: Path, clusters
 def test_host_staging_pins_only_where_cuda_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU side of pinned staging (the `gpu` test checks the CUDA call): without CUDA nothing is pinned
     and the segment works as before; the staging account follows create and unlink."""
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
-    before = staging.STAGING.current
-    seg = staging.create_segment(1 << 20, "wspin")
-    assert isinstance(seg, staging.ShmSegment)
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
+    before = segments.STAGING.current
+    seg = segments.create_segment(1 << 20, "wspin")
+    assert isinstance(seg, segments.ShmSegment)
     assert seg.pinned == torch.cuda.is_available()
-    assert staging.STAGING.current == before + (1 << 20) and staging.STAGING.peak >= before + (1 << 20)
+    assert segments.STAGING.current == before + (1 << 20) and segments.STAGING.peak >= before + (1 << 20)
     seg.tensor.fill_(7)
     seg.unlink()
-    assert staging.STAGING.current == before and not list(tmp_path.iterdir())
+    assert segments.STAGING.current == before and not list(tmp_path.iterdir())
 
 
 def test_staging_pool_gives_each_rank_back_its_own_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two ranks publishing through one agent: once warm, each gets back the slot it wrote two versions ago
     (mapped and faulted in by its process), never the other rank's, and no segment is made any more."""
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
-    pool = staging.SegmentPool("wspool")
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
+    pool = segments.SegmentPool("wspool")
     try:
-        held: dict[int, list[staging.Slot]] = {0: [], 1: []}
+        held: dict[int, list[segments.Slot]] = {0: [], 1: []}
         for version in range(1, 7):
             for rank, size in ((0, 5000), (1, 4000)):
                 slot = pool.acquire(size, user=rank)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from weightsync.agent import delta
-from weightsync.agent.buckets import BucketLayout, pack
+from weightsync.agent.plan.buckets import BucketLayout, pack
+from weightsync.agent.transports import delta
 
 SPECIALS = {
     torch.float32: [float("nan"), -0.0, 0.0, float("inf"), float("-inf"), 1e-45],

@@ -85,7 +85,7 @@ def test_the_harness_catches_a_torch_import() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     failed = json.loads(proc.stdout.splitlines()[-1])["failed"]
     assert any("torch" in err for err in failed.values()), failed
-    proc = run_blocked(agent_only_modules(), (), ["weightsync.agent.sync"])
+    proc = run_blocked(agent_only_modules(), (), ["weightsync.agent.transfer.sync"])
     assert proc.returncode != 0 and "import of torch halted" in proc.stderr
 
 

@@ -26,17 +26,17 @@ from typing import Any
 
 import torch
 from torch.distributed import TCPStore
-from weightsync.agent.buckets import entry_view, itemsize, to_dtype
-from weightsync.agent.delta import DeltaConfig
-from weightsync.agent.digest import Digest, DigestHooks
-from weightsync.agent.groups import RoutingTransport
-from weightsync.agent.layout import TensorMeta, inference_layout, trainer_layout
-from weightsync.agent.link import LinkListener, Mailbox, connect
+from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import Box, TensorShard, build_plan
-from weightsync.agent.sync import SyncHooks, WeightReceiver, WeightSender
+from weightsync.agent.plan.buckets import entry_view, itemsize, to_dtype
+from weightsync.agent.transfer.digest import Digest, DigestHooks
+from weightsync.agent.transfer.groups import RoutingTransport
+from weightsync.agent.transfer.sync import SyncHooks, WeightReceiver, WeightSender
+from weightsync.agent.transfer.verify import ChecksumHooks, RetryPolicy
 from weightsync.agent.transports.base import Pending, Transport, TransportContext
+from weightsync.agent.transports.delta import DeltaConfig
 from weightsync.agent.transports.gdr import GdrTransport
-from weightsync.agent.verify import ChecksumHooks, RetryPolicy
+from weightsync.agent.wire.link import LinkListener, Mailbox, connect
 
 TOKEN = "gdr-test-token-0123456789abcdef"
 HOST = "127.0.0.1"
@@ -124,7 +124,7 @@ class GdrScenario:
     hold: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # replica -> (version, other, v)
     arena: bool = False  # tensors live in plan arenas: zero-copy send from staging, receive into place
     routed: bool = False  # as the agent process: one GdrTransport per source rank behind a RoutingTransport
-    digest: bool = False  # as the agent process: piece digests sent with every bucket and checked (agent/digest.py)
+    digest: bool = False  # as the agent process: piece digests sent with every bucket and checked (agent/transfer/digest.py)
 
 
 def tp_sources(metas: list[TensorMeta], tp: int, *, fsdp: int = 1, tied: bool = False) -> list[list[TensorShard]]:

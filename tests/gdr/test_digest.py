@@ -1,4 +1,4 @@
-"""Content digests (agent/digest.py) through real sender and receiver processes over the GDR transport
+"""Content digests (agent/transfer/digest.py) through real sender and receiver processes over the GDR transport
 (the harness of test_gdr_sync.py): every piece's leaf travels with its bucket and is checked on arrival;
 a corrupted bucket is a digest mismatch and is never committed; the digest names the content, not how it
 travelled (bucket size, replica)."""
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 from gdr_harness import GdrScenario, Replica, llama_metas, run_gdr, tp_needs, tp_sources
-from weightsync.agent import digest as D
 from weightsync.agent.plan import TensorShard, build_plan
+from weightsync.agent.transfer import digest as D
 
 
 def replica_digest(res: dict[tuple[str, int], dict[str, Any]], role: str, version: int) -> str:
@@ -163,23 +163,23 @@ def test_a_bucket_that_lands_where_its_own_sender_hashed_it_is_not_read_again(
     receiver's bucket is its own second mapping of the staging file its sender hashed. It takes those leaves
     instead of reading every byte again, and only for that file region, version, bucket and source, and only
     with the leaves the bucket's metadata carries: anything else is hashed and checked as before."""
-    from weightsync.agent import staging
+    from weightsync.agent.staging import segments
     from weightsync.agent.transports.ipc import _ShmSegment
 
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     bucket, data = _bucket()
     n = data.numel()
-    seg = staging.create_segment(n + 4096, "wstest")
-    assert isinstance(seg, staging.ShmSegment)
+    seg = segments.create_segment(n + 4096, "wstest")
+    assert isinstance(seg, segments.ShmSegment)
     seg.tensor[4096 : 4096 + n].copy_(data)
     sent = seg.tensor[4096 : 4096 + n]
     reader = _ShmSegment(str(seg.path), seg.size, create=False)  # how an IPC reader maps the file
-    staging.SHARED.add(staging.MappedFile(str(seg.path), reader))
+    segments.SHARED.add(segments.MappedFile(str(seg.path), reader))
     try:
         assert reader.tensor is not None
         landed = reader.tensor[4096 : 4096 + n]
         assert landed.data_ptr() != sent.data_ptr()  # another mapping of the same bytes
-        assert staging.shm_location(landed) == staging.shm_location(sent) == (seg.name, 4096)
+        assert segments.shm_location(landed) == segments.shm_location(sent) == (seg.name, 4096)
         meta = D.DigestHooks(hashed_here=D.HASHED_HERE).on_send_bucket(7, bucket, sent)  # as over IPC
         assert meta is not None
         full = D.Digest()
@@ -214,14 +214,14 @@ def test_a_bucket_that_lands_where_its_own_sender_hashed_it_is_not_read_again(
         del landed, other  # the reader unmaps only once no view is left
         reader.close()
     finally:
-        staging.SHARED.forget(seg.name)
+        segments.SHARED.forget(seg.name)
         seg.unlink()
 
 
 def _wsum_reference(b: bytes) -> int:
-    """verify.py's wsum64 written out: sum over blocks of (2 block + 1) x (sum of the block's int64 words), plus
+    """agent/transfer/verify.py's wsum64 written out: sum over blocks of (2 block + 1) x (sum of the block's int64 words), plus
     the tail bytes weighted 1, 2, ..., all mod 2^64."""
-    from weightsync.agent.verify import _WSUM_BLOCK
+    from weightsync.agent.transfer.verify import _WSUM_BLOCK
 
     words = [int.from_bytes(b[i:i + 8], "little", signed=True) for i in range(0, len(b) // 8 * 8, 8)]
     total = sum((2 * (i // _WSUM_BLOCK) + 1) * w for i, w in enumerate(words))
@@ -234,7 +234,7 @@ def test_a_gpu_buckets_leaves_are_read_back_once_and_keep_their_values(monkeypat
     are read back with one `.tolist()`, never one `.item()` per piece (a device sync each), and each leaf is
     still the one an agent of the earlier release computes per piece (mixed releases must agree)."""
     import xxhash
-    from weightsync.agent.verify import _WSUM_BLOCK
+    from weightsync.agent.transfer.verify import _WSUM_BLOCK
 
     g = torch.Generator().manual_seed(3)
     odd = torch.randint(-128, 127, (_WSUM_BLOCK * 8 * 2 + 13,), dtype=torch.int8, generator=g)  # 2 blocks + a tail

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from weightsync.agent import staging
-from weightsync.agent.groups import TransportCache
+from weightsync.agent.staging import segments
+from weightsync.agent.transfer.groups import TransportCache
 from weightsync.agent.transports.base import TransportError
 from weightsync.agent.transports.gdr import GdrTransport, NixlEndpoint
 
@@ -155,13 +155,13 @@ def test_the_progress_delay_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_freed_staging_segment_is_deregistered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pool replaces a slot (unlink): the NIXL registration of its memory goes with it, so the memory is
     really freed and a later segment mapped at the same address is never taken for the old registration."""
-    monkeypatch.setenv(staging.SHM_DIR_ENV, str(tmp_path))
-    hooks_before = len(staging._FREED_HOOKS)
+    monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
+    hooks_before = len(segments._FREED_HOOKS)
     nx = NixlEndpoint()
-    assert len(staging._FREED_HOOKS) == hooks_before + 1
+    assert len(segments._FREED_HOOKS) == hooks_before + 1
     try:
-        seg = staging.create_segment(1 << 20, "wsfreed")
-        keep = staging.create_segment(1 << 20, "wskept")
+        seg = segments.create_segment(1 << 20, "wsfreed")
+        keep = segments.create_segment(1 << 20, "wskept")
         assert nx.hold(seg.tensor[4096:8192], object()) and nx.hold(keep.tensor, object())
         assert nx.held_bytes() == 2 << 20 and len(nx._regs) == 2
         seg.unlink()
@@ -170,4 +170,4 @@ def test_a_freed_staging_segment_is_deregistered(tmp_path: Path, monkeypatch: py
         assert nx.held_bytes() == 0 and nx._regs == []
     finally:
         nx.close()
-    assert len(staging._FREED_HOOKS) == hooks_before  # a closed endpoint no longer listens
+    assert len(segments._FREED_HOOKS) == hooks_before  # a closed endpoint no longer listens

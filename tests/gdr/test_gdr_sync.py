@@ -14,8 +14,8 @@ from gdr_harness import (
     tp_needs,
     tp_sources,
 )
-from weightsync.agent.delta import DeltaConfig
-from weightsync.agent.layout import TensorMeta
+from weightsync.agent.layout.rules import TensorMeta
+from weightsync.agent.transports.delta import DeltaConfig
 
 
 @pytest.mark.parametrize(("a", "b"), [(2, 4), (4, 2), (1, 8)])

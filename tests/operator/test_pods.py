@@ -95,14 +95,14 @@ def test_delta_sync_env_only_when_enabled(job, separated, cfg):
 
 
 def test_ring_staging_reaches_only_the_trainer_pods_and_only_when_set(job, separated, cfg):
-    """spec.transfer.staging.mode Ring sets the trainer agent's staging (agent/ring.py reads it); Version or
+    """spec.transfer.staging.mode Ring sets the trainer agent's staging (agent/staging/ring.py reads it); Version or
     unset leaves every pod as it was (same spec hash), and inference pods never change with it."""
     ring = _pods(job, separated(transfer={"mode": "NCCL", "staging": {"mode": "Ring", "depth": 3}}), cfg)
     plain = _pods(job, separated(transfer={"mode": "NCCL"}), cfg)
     version = _pods(job, separated(transfer={"mode": "NCCL", "staging": {"mode": "Version", "depth": 3}}), cfg)
     env = _env(_agent(ring["demo-trainer-0"]))
     assert (env[contract.ENV_STAGING], env[contract.ENV_STAGING_DEPTH]) == ("ring", "3")
-    from weightsync.agent.ring import staging_mode_from_env
+    from weightsync.agent.staging.ring import staging_mode_from_env
     assert staging_mode_from_env(env) == ("ring", 3), "what the agent reads from it"
     for name, pod in ring.items():
         if "inference" in name:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from weightsync.agent import verify
 from weightsync.agent.plan import TensorShard, build_plan
+from weightsync.agent.transfer import verify
 
 
 @pytest.mark.parametrize("algo", verify.ALGORITHMS)

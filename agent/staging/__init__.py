@@ -1,0 +1,1 @@
+"""Staging: the memory a version waits in between the trainer's publish and the transfer."""

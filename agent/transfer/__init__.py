@@ -1,0 +1,1 @@
+"""Transfer: a version moved between agents (send, serve, fetch, relay, verify, digest)."""
