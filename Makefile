@@ -1,9 +1,6 @@
 # weightsync developer targets. Every target that needs the environment depends on `setup`, which is
 # idempotent and fast once the virtualenv and the control-plane binaries are cached.
 SHELL := /bin/bash
-# `python -m` from the repository root would put the root on sys.path, and the root's `operator/`
-# folder would shadow the standard library's operator module (Python >= 3.11 honours this).
-export PYTHONSAFEPATH := 1
 PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
@@ -115,7 +112,7 @@ troubleshooting-doc: setup
 
 lint: $(STAMP)
 	$(VPY) -m ruff check .
-	$(VPY) -m mypy crds operator agent e2e weightsync
+	$(VPY) -m mypy
 
 dev-up: setup
 	$(VPY) -m weightsync.e2e.cli up

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+
 from weightsync.agent.plan import buckets
 from weightsync.agent.staging import ring, segments
 from weightsync.agent.wire import local
@@ -71,6 +72,7 @@ def _dtensor_shard(name: str, t: Any) -> LocalShard:
     """The local tensor and its box; a placement with no box (a _StridedShard whose rows are not
     contiguous, Partial, unknown types) is refused by name (dtensor_layout.PlacementError)."""
     from torch.distributed.tensor import DTensor
+
     from weightsync.agent.layout.dtensor import dtensor_local_box
 
     assert isinstance(t, DTensor)

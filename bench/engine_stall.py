@@ -423,7 +423,7 @@ def raw_reference(nbytes: int, bucket_mb: int, iters: int = 3) -> dict[str, Any]
     port = free_port("127.0.0.1")
     args = ["raw", "--port", str(port), "--nbytes", str(nbytes), "--bucket", str(bucket_mb * MiB),
             "--iters", str(iters)]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONSAFEPATH": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     me = str(Path(__file__).resolve())
     p0 = subprocess.Popen([sys.executable, me, *args, "--rank", "0"], env=env)
     p1 = subprocess.run([str(engine_python()), me, *args, "--rank", "1"], env=env, capture_output=True, text=True,

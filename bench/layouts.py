@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from weightsync.agent.layout.dtensor import PlacementError
 from weightsync.agent.layout.experts import moe_layout
 from weightsync.agent.layout.fp8 import block_rel_err, fp8_shards, quantize_blocks, scale_name
@@ -365,6 +366,7 @@ def _dtensor_locals(cfg: LayoutsConfig, lay: Layouts, rank: int,
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     from weightsync.agent.client import local_shards
 
     dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{cfg.dtensor_port}", rank=rank,

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from weightsync.agent.plan import PlanInputs, ShardTable, TransferPlan
 from weightsync.agent.plan.cache import PlanCache
 from weightsync.agent.wire import protocol as P

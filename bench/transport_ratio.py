@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import Box, TensorShard, TransferPlan, build_plan
 from weightsync.agent.plan.buckets import BucketLayout, entry_view, itemsize, to_dtype
@@ -48,7 +49,7 @@ from weightsync.agent.transfer.sync import SyncHooks, WeightReceiver, WeightSend
 from weightsync.agent.transports.base import Transport
 from weightsync.agent.wire.link import LinkListener, Mailbox, connect
 
-# Plugins sit next to this file; with PYTHONSAFEPATH (the Makefile's) a script's folder is not on sys.path.
+# Plugins sit next to this file (on sys.path unless PYTHONSAFEPATH is set).
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 if BENCH_DIR not in sys.path:
     sys.path.insert(0, BENCH_DIR)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import transport_ratio as bench
 from transport_ratio import BenchConfig, MiB, register_bench, register_option
+
 from weightsync.agent.plan import Box, TransferPlan, build_plan
 from weightsync.agent.transfer import verify
 from weightsync.agent.transfer.sync import WeightReceiver, WeightSender

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from weightsync.agent.engines.base import EngineError, NamedTensors
 from weightsync.agent.plan import buckets
 from weightsync.agent.staging import segments

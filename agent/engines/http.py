@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import requests
+
 from weightsync.agent.engines.base import EngineError
 
 log = logging.getLogger(__name__)

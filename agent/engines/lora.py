@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
 from weightsync.agent.client import tensor_checksum
 from weightsync.agent.config import LoraSpec
 from weightsync.agent.engines import sglang, vllm

@@ -83,6 +83,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 from torch.multiprocessing import reductions
+
 from weightsync.agent.engines.base import (
     DRAFT_PREFIX,
     EngineError,

@@ -81,6 +81,7 @@ from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import torch
+
 from weightsync.agent.engines import vllm_wire
 from weightsync.agent.engines.base import (
     EngineError,

@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 import torch
+
 from weightsync.agent.engines.vllm_wire import (
     BACKEND_NAME,
     WeightsyncInitInfo,

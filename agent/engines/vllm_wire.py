@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from weightsync.agent.transfer.leaves import WSUM, XXH3_128, fmt, leaf, piece_key
 
 BACKEND_NAME = "weightsync"

@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterable
 
 import torch
+
 from weightsync.agent.layout.rules import LayoutError
 from weightsync.agent.plan import Box, TensorShard
 

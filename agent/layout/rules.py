@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
 from weightsync.agent.plan import Box, TensorShard
 from weightsync.agent.plan.buckets import dtype_name
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+
 from weightsync.agent.layout.rules import LayoutError, Rule
 from weightsync.agent.plan import TensorShard
 

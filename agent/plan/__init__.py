@@ -35,6 +35,7 @@ from collections.abc import Iterable, Sequence
 from functools import cached_property
 
 import torch
+
 from weightsync.agent.plan.buckets import DEFAULT_ALIGNMENT
 from weightsync.agent.plan.build import _plan
 from weightsync.agent.plan.result import ArenaPiece, BucketColumns, BucketPlan, SourceArena, TransferPlan

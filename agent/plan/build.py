@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 import numpy as np
+
 from weightsync.agent.plan.buckets import SMALL_ALIGNMENT, align_up, entry_offset, itemsize
 from weightsync.agent.plan.result import BucketPlan, TransferPlan, _Core, _Entries, _Ranks
 from weightsync.agent.plan.table import _I32_MAX, ShardTable

@@ -9,6 +9,7 @@ from functools import cached_property
 from typing import Any, overload
 
 import numpy as np
+
 from weightsync.agent.plan.buckets import BucketEntry, BucketLayout, align_up, entry_offset
 from weightsync.agent.plan.table import ShardTable
 from weightsync.agent.plan.types import (

@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any, overload
 
 import numpy as np
+
 from weightsync.agent.plan.buckets import to_dtype
 from weightsync.agent.plan.types import Box, PlanError, TensorShard, _box, _rows, _shard, _streamed
 

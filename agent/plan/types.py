@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
 from weightsync.agent.plan.buckets import BucketEntry, dtype_name, itemsize, to_dtype
 
 PLAN_FORMAT = 3  # 3: whole source shards in buckets of their own; 2: columnar hash; 1: a text rendering

@@ -53,6 +53,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+
 from weightsync.agent.plan import BucketPlan, TransferPlan
 from weightsync.agent.staging import segments
 from weightsync.agent.wire import local

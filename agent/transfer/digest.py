@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from weightsync.agent.plan import BucketPlan
 from weightsync.agent.staging.segments import shm_location
 from weightsync.agent.transfer.leaves import MASK, WSUM, XXH3_128, _wsum_leaf, _xxhash, fmt, leaf, piece_key

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from weightsync.agent.engines.base import EngineAdapter, NamedTensors, RankRouter, load_version
 from weightsync.agent.layout.rules import LayoutError, TensorMeta, inference_layout
 from weightsync.agent.plan import ShardTable, TensorShard, TransferPlan

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from weightsync.agent.plan import BucketPlan, TransferPlan
 from weightsync.agent.staging import segments
 from weightsync.agent.transports.base import (

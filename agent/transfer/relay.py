@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from weightsync.agent.plan import BucketPlan, TransferPlan
 from weightsync.agent.transfer.sync import SyncError, SyncHooks, SyncStats, WeightSender
 from weightsync.agent.transports.base import Pending, Transport, WorldMap

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.plan import Box, SourceArena, TensorShard, TransferPlan
 from weightsync.agent.plan.buckets import SMALL_ALIGNMENT, itemsize

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
 from weightsync.agent.plan import BucketPlan, TensorShard, TransferPlan
 from weightsync.agent.plan.buckets import BucketLayout, dtype_name, entry_view, entry_views, to_dtype
 from weightsync.agent.transports.base import (

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from weightsync.agent.plan import BucketPlan
 from weightsync.agent.transfer.sync import SyncHooks
 

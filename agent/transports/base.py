@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Generic, Literal, TypeVar
 
 import torch
+
 from weightsync.agent.plan import BucketPlan, TransferPlan
 from weightsync.agent.wire.link import Mailbox
 

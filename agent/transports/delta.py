@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+
 from weightsync.agent.plan.buckets import itemsize
 
 MAGIC = b"WSD1"

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from weightsync.agent.plan import BucketPlan, TransferPlan
 from weightsync.agent.plan.buckets import allocate
 from weightsync.agent.staging import segments

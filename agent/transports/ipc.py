@@ -32,6 +32,7 @@ import weakref
 from typing import Any
 
 import torch
+
 from weightsync.agent.plan import BucketPlan
 from weightsync.agent.staging.segments import SHARED, CudaSegment, MappedFile
 from weightsync.agent.transports.base import (

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from weightsync.agent.plan import BucketPlan
 from weightsync.agent.plan.buckets import allocate
 from weightsync.agent.staging.segments import STAGING

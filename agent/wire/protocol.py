@@ -53,6 +53,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
 from weightsync.agent.plan import (
     DEFAULT_ALIGNMENT,
     PlanError,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+
 from weightsync.agent.demo import tiny_llama
 from weightsync.e2e.engine_venv import engine_python
 
@@ -49,7 +50,6 @@ def server_command(model_dir: Path, host: str, port: int, python: Path | None = 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(base if base is not None else os.environ)
     env.update(tiny_llama.VLLM_ENV)
-    env["PYTHONSAFEPATH"] = "1"
     env.pop("PYTHONPATH", None)
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores: the engine core and the API server share them
     return env

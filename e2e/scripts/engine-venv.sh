@@ -24,8 +24,6 @@ py="${PYTHON:-python3}"
 log() { echo "[engine-venv] $*" >&2; }
 # --print-path: the venv's directory, built or not (e2e/engine_venv.py reads it).
 if [ "${1:-}" = "--print-path" ]; then echo "$venv"; exit 0; fi
-# Never run with the repository root on sys.path: its operator/ folder shadows the standard library.
-export PYTHONSAFEPATH=1
 mkdir -p "$cache" && cd "$cache"
 
 stamp="$venv/.installed"

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from weightsync.agent.config import AgentConfig
 from weightsync.agent.main import delta_config
 from weightsync.agent.transfer.groups import TransportCache

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from weightsync.agent.plan import TensorShard, build_plan
 from weightsync.agent.transfer.sync import PeerFailed, SyncError, WeightReceiver, WeightSender
 from weightsync.agent.transports.ipc import IpcTransport

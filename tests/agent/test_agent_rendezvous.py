@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+
 from weightsync.agent.transports import rendezvous
 from weightsync.agent.transports.rendezvous import LinkStore, StoreError, StoreServer
 from weightsync.agent.wire import link

@@ -7,8 +7,9 @@ to its own layout (see wsagent_helpers), and commits a version only after receiv
 from __future__ import annotations
 
 import pytest
-from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from wsagent_helpers import Scenario, run_scenario
+
+from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 
 KB = 1024
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from weightsync.agent.client import TrainerSession, local_shards
 from weightsync.agent.staging import segments
 from weightsync.agent.transfer.serve import StagingStore

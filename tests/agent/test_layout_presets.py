@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from weightsync.agent.layout.heads import head_layout, kv_head_of
 from weightsync.agent.layout.presets import LLAMA_GQA, MEGATRON_LLAMA
 from weightsync.agent.layout.rules import LayoutError, TensorMeta

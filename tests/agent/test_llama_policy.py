@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from weightsync.agent.demo.llama_policy import completion_logprobs, forward
 from weightsync.agent.demo.tiny_llama import init_weights
 from weightsync.e2e.engine_venv import engine_python
@@ -25,7 +26,7 @@ def test_policy_logprobs_equal_transformers_llama(tmp_path: Path) -> None:
     out = subprocess.run(
         [str(engine_python()), "-m", "weightsync.e2e.engines.llama_reference", "--weights", str(tmp_path / "w.pt"),
          "--prompts", json.dumps([prompt] * 2), "--forced", json.dumps(completions)],
-        check=True, stdout=subprocess.PIPE, text=True, env={"PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1",
+        check=True, stdout=subprocess.PIPE, text=True, env={"OMP_NUM_THREADS": "1",
                                                             "PATH": "/usr/bin:/bin"}).stdout
     ref = json.loads(out)
     mine = completion_logprobs(weights, prompt, completions)

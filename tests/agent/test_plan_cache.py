@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from weightsync.agent.plan import PlanError, TensorShard, TransferPlan, build_plan
 from weightsync.agent.plan.cache import PlanCache
 from weightsync.agent.wire import protocol as P

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from plan_reference import reference_buckets
+
 from weightsync.agent.layout.rules import LayoutError, TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import (
     BucketPlan,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from weightsync.agent.plan import BucketPlan, TensorShard, build_plan
 from weightsync.agent.staging import segments
 from weightsync.agent.transfer.groups import RoutingTransport

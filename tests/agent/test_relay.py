@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from wsagent_helpers import full_tensor, same_bits, slice_of
+
 from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import BucketPlan, TransferPlan, build_plan
 from weightsync.agent.transfer.digest import Digest, DigestHooks, DigestMismatch
@@ -31,7 +33,6 @@ from weightsync.agent.transfer.sync import SyncError, WeightReceiver, WeightSend
 from weightsync.agent.transports.nccl import NcclTransport, make_store
 from weightsync.agent.wire import protocol as P
 from weightsync.agent.wire.link import LinkListener, Mailbox, connect
-from wsagent_helpers import full_tensor, same_bits, slice_of
 
 TOKEN = "relay-test-token-0123456789abcdef"
 HOST = "127.0.0.1"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from weightsync.agent.client import ServedState, ServedTimeout, TrainerSession
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.transfer.fetch import TrainerPeers

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from weightsync.agent.plan import Box, TensorShard, build_plan
 from weightsync.agent.plan.buckets import itemsize, to_dtype
 from weightsync.agent.transfer.sync import SyncHooks, WeightReceiver, WeightSender
@@ -293,6 +294,7 @@ def dtensor_worker(rank: int, port: int, out: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
     from weightsync.agent.layout.rules import shard_from_dtensor
 
     try:

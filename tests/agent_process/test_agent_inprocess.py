@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from staging_agent import serve_staging
+
 from weightsync.agent.client import InferenceSession, TensorShard, TrainerSession, checksums, local_shards
 from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
 from weightsync.agent.engines.base import EngineError, load_version

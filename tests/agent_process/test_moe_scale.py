@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from weightsync.agent.client import TrainerSession, checksums
 from weightsync.agent.plan import TensorShard, buckets, build_plan
 from weightsync.agent.staging import segments
@@ -141,6 +142,7 @@ def test_a_whole_bucket_is_one_request_and_its_layout_is_named_once(tmp_path: Pa
     """A bucket handed on whole (PlacedTensors.flat) goes to the app in one request; the app gets its layout once
     and then its id; an app that lost the layout (evicted) is sent it again, and every load is exact."""
     from test_agent_inprocess import engine_registry_server
+
     from weightsync.agent.client import InferenceSession
     from weightsync.agent.engines.base import load_version
     from weightsync.agent.engines.custom import CustomEngineAdapter

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from staging_agent import serve_staging
+
 from weightsync.agent.client import TrainerSession, arena_offsets, local_shards
 from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import TensorShard, TransferPlan, build_plan

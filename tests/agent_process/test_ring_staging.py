@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from podprocs import Cluster, get_text, metric_value, wait_for
+
 from weightsync.agent.staging import ring, segments
 from weightsync.agent.transfer.serve import StagingError, StagingStore
 from weightsync.crds import contract

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from staging_agent import serve_staging
+
 from weightsync.agent.client import AgentUnavailable, TrainerSession, checksums
 from weightsync.agent.staging import segments
 from weightsync.agent.transfer.serve import StagingStore

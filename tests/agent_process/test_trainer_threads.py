@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from staging_agent import serve_staging
+
 from weightsync.agent import client
 from weightsync.agent.client import TrainerSession
 from weightsync.agent.staging import segments

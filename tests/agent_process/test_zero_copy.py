@@ -17,6 +17,7 @@ from podprocs import Cluster, get_text, metric_value, wait_for
 from staging_agent import serve_staging
 from test_agent_inprocess import _Engine, engine_registry_server
 from test_demo_processes import engine_sums, trainer_sums
+
 from weightsync.agent.client import (
     InferenceSession,
     TensorShard,

@@ -8,7 +8,6 @@ PID and /dev/shm namespaces (`unshare`), as the engine container is.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import requests
 import torch
+
 from weightsync.agent.client import checksums
 from weightsync.agent.demo.model import DemoModel
 from weightsync.agent.engines import sglang
@@ -54,9 +54,7 @@ class Standin:
         self.log = tmp / f"standin-{self.port}.log"
         cmd = [str(engine_python()), "-m", "weightsync.e2e.engines.sglang_standin", "--host", "127.0.0.1",
                "--port", str(self.port), *args]
-        env = {**os.environ, "PYTHONSAFEPATH": "1"}
-        self.proc = subprocess.Popen(_in_own_namespaces(cmd), stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     env=env)
+        self.proc = subprocess.Popen(_in_own_namespaces(cmd), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()
@@ -190,7 +188,7 @@ def test_cpu_tensor_payload_cannot_cross_into_another_container(tmp_path: Path) 
     code = ("import sys; from weightsync.e2e.engines import sglang_code as s; "
             f"s.deserialize_own_rank([open({str(blob)!r}).read()], 0)")
     r = subprocess.run(_in_own_namespaces([sys.executable, "-c", repr(code)]), capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"})
+                       timeout=120)
     assert r.returncode != 0, "a CPU tensor was rebuilt in another container's namespaces"
     with pytest.raises(EngineError, match="CUDA IPC"):
         sglang.SGLangAdapter("http://127.0.0.1:1", path="tensor", devices=["cpu"])

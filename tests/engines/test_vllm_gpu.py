@@ -12,7 +12,6 @@ the model (a recorder of load_weights) and the layerwise reload of start / finis
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import pytest
 import requests
 import torch
 from test_vllm_released import _buckets, _same, _weights, vllm_code
+
 from weightsync.agent.engines import vllm
 from weightsync.agent.engines.base import load_version
 from weightsync.e2e.engines import released
@@ -191,8 +191,7 @@ class Engine:
         self.log = tmp / "engine.log"
         code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_vllm_gpu as t; "
                 f"t.engine_main({self.port}, {workers}, {str(self.out)!r}, {backend!r})")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONSAFEPATH": "1"})
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch.distributed import TCPStore
+
 from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import Box, TensorShard, build_plan
 from weightsync.agent.plan.buckets import entry_view, itemsize, to_dtype

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from gdr_harness import GdrScenario, Replica, llama_metas, run_gdr, tp_needs, tp_sources
+
 from weightsync.agent.plan import TensorShard, build_plan
 from weightsync.agent.transfer import digest as D
 
@@ -234,6 +235,7 @@ def test_a_gpu_buckets_leaves_are_read_back_once_and_keep_their_values(monkeypat
     are read back with one `.tolist()`, never one `.item()` per piece (a device sync each), and each leaf is
     still the one an agent of the earlier release computes per piece (mixed releases must agree)."""
     import xxhash
+
     from weightsync.agent.transfer.verify import _WSUM_BLOCK
 
     g = torch.Generator().manual_seed(3)

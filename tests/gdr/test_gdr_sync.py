@@ -14,6 +14,7 @@ from gdr_harness import (
     tp_needs,
     tp_sources,
 )
+
 from weightsync.agent.layout.rules import TensorMeta
 from weightsync.agent.transports.delta import DeltaConfig
 

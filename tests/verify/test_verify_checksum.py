@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from weightsync.agent.plan import TensorShard, build_plan
 from weightsync.agent.transfer import verify
 

@@ -1,1 +1,0 @@
-"""weightsync.operator"""
