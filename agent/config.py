@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.crds import contract
-from weightsync.crds.topology import PodMember, Topology
+from weightsync.crds.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -268,15 +268,3 @@ class TopologyWatcher:
         self.current = topo
         log.info("topology changed generation=%s->%s", old, topo.generation)
         return topo
-
-
-def own_member(topo: Topology, cfg: AgentConfig) -> PodMember | None:
-    """This pod's entry in the topology (trainer pods, or the pods of its inference replica)."""
-    for m in topo.trainer.pods:
-        if m.name == cfg.pod_name:
-            return m
-    for rep in topo.inference:
-        for m in rep.pods:
-            if m.name == cfg.pod_name:
-                return m
-    return None

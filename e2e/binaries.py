@@ -13,7 +13,7 @@ A binary that is not found raises `BinaryNotFound` whose message is one line say
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,12 +125,6 @@ class Binaries:
 
     def as_dict(self) -> dict[str, str]:
         return {name: str(getattr(self, name.replace("-", "_"))) for name in CONTROL_PLANE}
-
-
-def find_all(names: Iterable[str], env: Mapping[str, str] = os.environ) -> dict[str, Path]:
-    """Resolve several binaries at once (e.g. `kwok` and `helm` besides the control plane)."""
-    versions = read_versions()
-    return {name: find_binary(name, env, versions) for name in names}
 
 
 def main() -> int:

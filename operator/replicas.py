@@ -55,12 +55,6 @@ class ReplicaState:
         return self.complete and self.served is not None
 
 
-def _min_or_none(values: Sequence[int | None]) -> int | None:
-    if not values or any(v is None for v in values):
-        return None
-    return min(v for v in values if v is not None)
-
-
 def _min_key(values: Sequence[VersionKey | None]) -> VersionKey | None:
     if not values or any(v is None for v in values):
         return None

@@ -165,13 +165,6 @@ def trainer_layout(
     return out
 
 
-def local_tensors(
-    full: Mapping[str, torch.Tensor], shards: Sequence[TensorShard]
-) -> dict[str, torch.Tensor]:
-    """Slice full tensors to the given shards (tests, demos, single-process trainers)."""
-    return {s.name: full[s.name][s.box.slices_within(Box.full(s.global_shape))] for s in shards}
-
-
 def shard_from_local(
     name: str, local: torch.Tensor, global_shape: Sequence[int], offset: Sequence[int]
 ) -> TensorShard:

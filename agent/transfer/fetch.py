@@ -20,8 +20,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from weightsync.agent.engines.base import EngineAdapter, NamedTensors, RankRouter, load_version
 from weightsync.agent.layout.rules import LayoutError, TensorMeta, inference_layout
 from weightsync.agent.plan import ShardTable, TensorShard, TransferPlan
@@ -590,7 +588,3 @@ def fetch_version(
                        digest_bytes=sum(h.stats.bytes for h in hooks.values()),
                        digest_reused_bytes=sum(h.stats.reused_bytes for h in hooks.values()),
                        relayed_from=relayed_from)
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

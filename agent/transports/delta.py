@@ -230,9 +230,3 @@ def wire_fraction(encoded_nbytes: int | None, full_nbytes: int) -> float:
     if full_nbytes == 0:
         return 0.0
     return (encoded_nbytes if encoded_nbytes is not None else full_nbytes) / full_nbytes
-
-
-def expected_wire_fraction(changed_fraction: float, unit: int) -> float:
-    """The approximate size of an encoding relative to the full bucket (1 gap byte + unit value bytes
-    per changed word), for docs and sanity checks."""
-    return changed_fraction * (1 + unit) / unit if not math.isnan(changed_fraction) else 1.0
