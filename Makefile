@@ -97,7 +97,7 @@ bench: setup
 	$(VPY) bench/operator_scale.py --replicas 8 32 64 | tee bench/results/operator-scale.json
 	$(VPY) bench/operator_scale.py --nodes 1000 --pods 2000 --jobs 100 --json | tee bench/results/operator-fleet.json
 	$(VPY) bench/status_write.py --json | tee bench/results/status-write.json
-	$(VPY) -m weightsync.e2e.runtime.bench --pods 8 | tee bench/results/process-runtime.json
+	$(VPY) bench/process_runtime.py --pods 8 | tee bench/results/process-runtime.json
 
 crds: $(STAMP)
 	$(VPY) -m weightsync.crds.generate

@@ -1,6 +1,6 @@
 """Process runtime latencies: pod create -> Running -> Ready, delete -> gone, and the runtime's idle CPU.
 
-    python -m weightsync.e2e.runtime.bench --pods 8 [--json out.json]
+    python bench/process_runtime.py --pods 8 [--json out.json]
 
 Starts its own local control plane + simulated process nodes + runtime (weightsync.e2e.environment),
 creates PODS pods at once (each `python3 -c sleep`), and reports percentiles in JSON. Timings are
@@ -114,7 +114,7 @@ def run(pods: int, idle_s: float) -> JSON:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m weightsync.e2e.runtime.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python bench/process_runtime.py", description=__doc__)
     parser.add_argument("--pods", type=int, default=8)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
