@@ -36,7 +36,8 @@ from weightsync.agent.layout.engine import EngineLayout
 from weightsync.agent.layout.rules import LayoutError
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.plan import TensorShard, TransferPlan
-from weightsync.agent.podstatus import Desired, PodLink, synced_state
+from weightsync.agent.podstate import Desired, synced_state
+from weightsync.agent.podstatus import PodLink
 from weightsync.agent.staging.ring import RingStaging, staging_mode_from_env
 from weightsync.agent.staging.segments import cleanup_stale, shm_dir
 from weightsync.agent.transfer.fetch import FetchError, TrainerPeers, fetch_version

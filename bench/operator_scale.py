@@ -60,7 +60,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from weightsync.agent.podstatus import Observed, annotations_for, condition_for, desired_for, push_report
+from weightsync.agent.podstate import Observed, annotations_for, condition_for, desired_for
+from weightsync.agent.podstatus import push_report
 from weightsync.crds import contract, desired, report_push, version_proof
 from weightsync.e2e.environment import Environment, start_environment
 from weightsync.e2e.procs import free_port
@@ -685,6 +686,7 @@ def per(d: dict[str, float], n: float) -> dict[str, float]:
 def fleet(args: argparse.Namespace) -> dict[str, Any]:
     """The fleet measurement; see the module docstring."""
     import kubernetes
+
     from weightsync.e2e.cluster import LocalCluster
     from weightsync.e2e.demo import wait_established
     from weightsync.e2e.kwok import KwokController, create_nodes, kwok_fleet, ready_node_count, wait_for

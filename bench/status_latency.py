@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
-from weightsync.agent.podstatus import Desired, PodLink
+
+from weightsync.agent.podstate import Desired
+from weightsync.agent.podstatus import PodLink
 from weightsync.crds import contract
 from weightsync.e2e import demo
 from weightsync.e2e.environment import Environment, start_environment

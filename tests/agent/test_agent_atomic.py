@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from weightsync.agent import atomic
 from weightsync.agent.atomic import CommitState, decide
 from weightsync.agent.engines.base import EngineError, load_version
-from weightsync.agent.podstatus import Observed, annotations_for, desired_from_annotations
+from weightsync.agent.podstate import Observed, annotations_for, desired_from_annotations
 from weightsync.crds import contract
 
 

@@ -4,9 +4,10 @@ unknown; the Atomic path carries it from prepare to commit."""
 from __future__ import annotations
 
 import torch
+
 from weightsync.agent import atomic
 from weightsync.agent.main import _checked_digest
-from weightsync.agent.podstatus import Observed, annotations_for
+from weightsync.agent.podstate import Observed, annotations_for
 from weightsync.crds import contract
 
 

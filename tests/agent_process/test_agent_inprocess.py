@@ -17,7 +17,7 @@ from weightsync.agent.client import InferenceSession, TensorShard, TrainerSessio
 from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
 from weightsync.agent.engines.base import EngineError, load_version
 from weightsync.agent.engines.custom import AppRegistry, CustomEngineAdapter
-from weightsync.agent.podstatus import (
+from weightsync.agent.podstate import (
     Observed,
     annotation_patch,
     annotations_for,

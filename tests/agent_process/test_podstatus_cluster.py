@@ -9,7 +9,8 @@ import time
 from typing import Any
 
 from weightsync.agent.metrics import AgentMetrics
-from weightsync.agent.podstatus import Desired, Observed, PodLink, synced_state
+from weightsync.agent.podstate import Desired, Observed, synced_state
+from weightsync.agent.podstatus import PodLink
 from weightsync.crds import contract
 
 

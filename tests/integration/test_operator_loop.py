@@ -27,7 +27,9 @@ from op_helpers import (
     separated_spec,
     token_kubeconfig,
 )
-from weightsync.agent.podstatus import Observed, PodLink, push_report
+
+from weightsync.agent.podstate import Observed
+from weightsync.agent.podstatus import PodLink, push_report
 from weightsync.crds import contract, report_push, version_proof
 from weightsync.e2e.demo import operator_key_file
 from weightsync.e2e.pytest_plugin import wait_until

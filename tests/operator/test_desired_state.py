@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from weightsync.agent.podstatus import desired_for
+
+from weightsync.agent.podstate import desired_for
 from weightsync.crds import contract, desired
 from weightsync.operator.common import JobRef
 from weightsync.operator.desiredstate import build_desired_configmap, overlay
