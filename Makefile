@@ -61,7 +61,7 @@ e2e: setup
 ## demo: the README demo (helm-installed operator, live table of versions); DEMO_ARGS=--keep keeps it running.
 DEMO_ARGS ?=
 demo: setup
-	PYTHONUNBUFFERED=1 $(VPY) -m weightsync.e2e.demo $(DEMO_ARGS)
+	PYTHONUNBUFFERED=1 $(VPY) -m weightsync.e2e.demo_cli $(DEMO_ARGS)
 
 ## bench: every benchmark, one JSON file each in bench/results/ (ratios against a raw reference in the same run).
 bench: setup

@@ -8,7 +8,7 @@ operator talks to the API server with exactly the chart's RBAC (never the admin 
     release.uninstall()
     assert leftovers(env, release.release, release.namespace) == []   # everything but the CRDs is gone
 
-Used by `make demo` (e2e/demo.py) and the tests (e2e/tests/test_helm_demo.py,
+Used by `make demo` (e2e/demo_cli.py) and the tests (e2e/tests/test_helm_demo.py,
 tests/integration/test_helm_install.py).
 """
 
