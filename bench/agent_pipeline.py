@@ -433,7 +433,7 @@ def _raw_nixl(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: i
     """The reader READs the writer's registered buffer (host or GPU memory) in bucket-sized descriptors, one
     request."""
     from transport_ratio_extras import _read_streams
-    from weightsync.agent.transports.gdr import NixlEndpoint, _desc, _mem_of, configure_ucx
+    from weightsync.agent.transports.nixl_endpoint import NixlEndpoint, configure_ucx, desc_of, mem_of
 
     configure_ucx()
     buf = torch.ones(nbytes, dtype=torch.uint8, device=device)
@@ -443,7 +443,7 @@ def _raw_nixl(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: i
     try:
         if rank == 0:
             store.set("md", nx.metadata())
-            store.set("desc", json.dumps({"agent": nx.name, "desc": list(_desc(buf)), "mem": _mem_of(buf)[0]}))
+            store.set("desc", json.dumps({"agent": nx.name, "desc": list(desc_of(buf)), "mem": mem_of(buf)[0]}))
         else:
             d = json.loads(store.get("desc"))
             name = nx.load_remote(str(d["agent"]), bytes(store.get("md")))

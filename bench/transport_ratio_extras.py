@@ -34,7 +34,8 @@ from weightsync.agent.plan import Box, TransferPlan, build_plan
 from weightsync.agent.transfer import verify
 from weightsync.agent.transfer.sync import WeightReceiver, WeightSender
 from weightsync.agent.transports.delta import DeltaConfig
-from weightsync.agent.transports.gdr import Backoff, GdrTransport, NixlEndpoint, _desc, _mem_of
+from weightsync.agent.transports.gdr import GdrTransport
+from weightsync.agent.transports.nixl_endpoint import Backoff, NixlEndpoint, desc_of, mem_of
 from weightsync.agent.wire.link import Mailbox
 
 _CHECKSUM_BENCH_BYTES = 256 * MiB
@@ -176,7 +177,7 @@ def _raw_read(cfg: BenchConfig, plan: TransferPlan, role: str, rank: int, store:
         if role == "src":
             md = nx.metadata()
             for d, mb in peers.items():
-                mb.send("raw.hello", md, agent=nx.name, desc=list(_desc(buf)), mem=_mem_of(buf)[0], dst=d)
+                mb.send("raw.hello", md, agent=nx.name, desc=list(desc_of(buf)), mem=mem_of(buf)[0], dst=d)
         else:
             remotes: dict[int, tuple[str, tuple[int, int, int], str]] = {}
             for s, mb in peers.items():
@@ -205,7 +206,7 @@ def _read_streams(nx: NixlEndpoint, remotes: dict[int, tuple[str, tuple[int, int
                   streams: list[tuple[int, tuple[int, ...], int]], buf: torch.Tensor, chunk: int,
                   timeout: float) -> None:
     ag = nx.agent
-    mem, dev = _mem_of(buf)
+    mem, dev = mem_of(buf)
     handles = []
     off = 0
     for src, _dsts, n in streams:

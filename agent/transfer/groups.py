@@ -168,7 +168,7 @@ class TransportCache:
     Reuse matters for delta sync (`delta`, GDR only): each GDR transport keeps the previous version's bucket
     bytes as the base of the next delta, so the same transport must serve one group version after version.
     A new generation or epoch means a new transport with an empty base: its first version is sent in full.
-    GDR transports share one NIXL agent per process (gdr.NixlEndpoint says why); it is closed with the cache."""
+    GDR transports share one NIXL agent per process (nixl_endpoint.NixlEndpoint says why); it is closed with the cache."""
 
     def __init__(self, *, mode: str, job: str, pod_ip: str, transport_port: int, timeout: float = 600.0,
                  shm_prefix: str = "weightsync", delta: DeltaConfig | None = None,
@@ -253,7 +253,8 @@ class TransportCache:
             return NcclTransport(store, generation=key[1], host=self.pod_ip, timeout=self.timeout, owned=base)
         if self.mode == "GDR":
             # imported only here so other modes never need NIXL installed (it also registers "gdr")
-            from weightsync.agent.transports.gdr import GdrTransport, NixlEndpoint
+            from weightsync.agent.transports.gdr import GdrTransport
+            from weightsync.agent.transports.nixl_endpoint import NixlEndpoint
 
             if self._nixl is None:
                 self._nixl = NixlEndpoint()

@@ -1,4 +1,4 @@
-"""One NIXL agent per agent process (gdr.NixlEndpoint), shared by its GDR transports: in-place memory is
+"""One NIXL agent per agent process (nixl_endpoint.NixlEndpoint), shared by its GDR transports: in-place memory is
 registered once and released with its last holder, a remote agent is never reloaded with older metadata, and
 a reload waits for the READs in flight. Real NIXL agents over UCX (tcp/cma), in one process."""
 
@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+
 from weightsync.agent.staging import segments
 from weightsync.agent.transfer.groups import TransportCache
 from weightsync.agent.transports.base import TransportError
-from weightsync.agent.transports.gdr import GdrTransport, NixlEndpoint
+from weightsync.agent.transports.gdr import GdrTransport
+from weightsync.agent.transports.nixl_endpoint import NixlEndpoint
 
 
 def test_the_gdr_transports_of_one_agent_share_one_nixl_agent() -> None:
@@ -142,14 +144,14 @@ def test_an_idle_nixl_agent_does_not_spin_a_core() -> None:
 
 
 def test_the_progress_delay_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from weightsync.agent.transports import gdr
+    from weightsync.agent.transports import nixl_endpoint
 
-    monkeypatch.setenv(gdr.PROGRESS_DELAY_ENV, "250")
-    assert gdr.progress_delay_us() == 250
+    monkeypatch.setenv(nixl_endpoint.PROGRESS_DELAY_ENV, "250")
+    assert nixl_endpoint.progress_delay_us() == 250
     for bad in ("-1", "fast"):
-        monkeypatch.setenv(gdr.PROGRESS_DELAY_ENV, bad)
-        with pytest.raises(TransportError, match=gdr.PROGRESS_DELAY_ENV):
-            gdr.progress_delay_us()
+        monkeypatch.setenv(nixl_endpoint.PROGRESS_DELAY_ENV, bad)
+        with pytest.raises(TransportError, match=nixl_endpoint.PROGRESS_DELAY_ENV):
+            nixl_endpoint.progress_delay_us()
 
 
 def test_a_freed_staging_segment_is_deregistered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
