@@ -109,10 +109,12 @@ class Backoff:
 
 
 def mem_of(t: torch.Tensor) -> tuple[str, int]:
+    """NIXL's memory kind and device id of a tensor's memory: ("VRAM", gpu) or ("DRAM", 0)."""
     return ("VRAM", t.device.index or 0) if t.device.type == "cuda" else ("DRAM", 0)
 
 
 def desc_of(t: torch.Tensor, nbytes: int | None = None) -> tuple[int, int, int]:
+    """The (address, length, device) descriptor of a tensor's bytes (the first `nbytes` of them) for NIXL."""
     _mem, dev = mem_of(t)
     return (int(t.data_ptr()), int(t.numel() if nbytes is None else nbytes), dev)
 
