@@ -11,7 +11,9 @@ from typing import Final
 # --- API identity -------------------------------------------------------------------------------------
 GROUP: Final = "weightsync.io"
 VERSION: Final = "v1alpha1"
-API_VERSION: Final = f"{GROUP}/{VERSION}"
+# GROUP/VERSION spelled out, so that its type is the literal `models.WeightSyncJob.api_version` declares
+# (tests/crds/test_crd_models.py checks that it still equals GROUP/VERSION).
+API_VERSION: Final = "weightsync.io/v1alpha1"
 KIND: Final = "WeightSyncJob"
 PLURAL: Final = "weightsyncjobs"
 SINGULAR: Final = "weightsyncjob"

@@ -995,14 +995,14 @@ def set_condition(
         out.append(
             Condition(
                 type=type_, status=status, reason=reason, message=message,
-                observedGeneration=observed_generation, lastTransitionTime=ltt,
+                observed_generation=observed_generation, last_transition_time=ltt,
             )
         )
     if not found:
         out.append(
             Condition(
                 type=type_, status=status, reason=reason, message=message,
-                observedGeneration=observed_generation, lastTransitionTime=now or utcnow(),
+                observed_generation=observed_generation, last_transition_time=now or utcnow(),
             )
         )
     return out

@@ -199,7 +199,9 @@ def decide(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]],
     if all(_replica_prepared(s, pods) == version for s in members):
         commit = version  # every replica of the commit set holds it: the drain starts
         failure = None
-    targets = {s.replica: version if s.replica in commit_set else committed for s in states}
+    targets: dict[int, VersionKey | None] = {
+        s.replica: version if s.replica in commit_set else committed for s in states
+    }
     return AtomicRound(committed, commit, targets, commit_set, version, failure)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from weightsync.crds import contract
-from weightsync.crds.models import WeightSyncJobSpec, effective_transfer_mode
+from weightsync.crds.models import PlacementMode, TransferMode, WeightSyncJobSpec, effective_transfer_mode
 
 # Reasons of the refusal conditions (CamelCase, as metav1.Condition wants).
 REASON_COLOCATED_NEEDS_DRA = "ColocatedNeedsWholeNodeOrDRA"
@@ -77,8 +77,8 @@ class Refusal:
 @dataclass(frozen=True)
 class Plan:
     job: str
-    placement: str
-    mode: str                      # effective transfer mode (Auto resolved)
+    placement: PlacementMode
+    mode: TransferMode             # effective transfer mode (Auto resolved)
     pods: tuple[PodPlan, ...] = ()
     use_dra: bool = False
     dra_device_class: str = ""     # resolved DeviceClass when use_dra

@@ -164,7 +164,7 @@ def api_token_containers(template_meta: dict[str, Any], names: list[str]) -> set
 
 def _app_mounts(container: dict[str, Any]) -> list[dict[str, Any]]:
     taken = {m.get("mountPath") for m in container.get("volumeMounts") or []}
-    mounts = [
+    mounts: list[dict[str, Any]] = [
         {"name": VOL_SOCKET, "mountPath": contract.SOCKET_DIR},
         {"name": VOL_SHM, "mountPath": contract.STAGING_DIR},
         {"name": VOL_TOPOLOGY, "mountPath": contract.TOPOLOGY_DIR, "readOnly": True},

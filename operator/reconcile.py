@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 from weightsync.crds import contract, desired
-from weightsync.crds.models import ReplicaCounts, WeightSyncJob, validation_messages
+from weightsync.crds.models import ReplicaCounts, TransferMode, WeightSyncJob, validation_messages
 from weightsync.operator import (
     atomic,
     desiredstate,
@@ -285,9 +285,9 @@ class Reconciler:
             self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
             return out
 
-        problem = self._sync_pods(job, desired_pods, pods, out, plan.mode)
-        if problem is not None:
-            self._finish_problem(job, body, prev_status, problem, out, paused=spec.paused, mode=plan.mode)
+        sync_problem = self._sync_pods(job, desired_pods, pods, out, plan.mode)
+        if sync_problem is not None:
+            self._finish_problem(job, body, prev_status, sync_problem, out, paused=spec.paused, mode=plan.mode)
             return out
         if out.created or out.deleted:
             pods = self._believe(job, self._observed_pods(job, desired_cm), prev_status, report=False)
@@ -604,7 +604,7 @@ class Reconciler:
 
     def _finish_problem(
         self, job: JobRef, body: Obj, previous: Obj, problem: Problem, out: Outcome,
-        paused: bool = False, mode: str | None = None, keep_replicas: bool = False,
+        paused: bool = False, mode: TransferMode | None = None, keep_replicas: bool = False,
     ) -> None:
         out.problem = problem
         st = problem_status(job.generation, problem, previous, paused)

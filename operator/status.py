@@ -17,6 +17,7 @@ from weightsync.crds import contract
 from weightsync.crds.models import (
     MAX_REPLICAS_IN_STATUS,
     Condition,
+    ConditionStatus,
     InferenceReplicaStatus,
     LastSync,
     ReplicaCounts,
@@ -102,7 +103,7 @@ def aggregate(
         except ValidationError:
             prev_last = None
 
-    def put(type_: str, status: str, reason: str, message: str) -> None:
+    def put(type_: str, status: ConditionStatus, reason: str, message: str) -> None:
         nonlocal conds
         conds = set_condition(conds, type_, status, reason, message, generation, now)
 
@@ -365,7 +366,7 @@ def problem_status(
     """Status for a job whose spec cannot even be parsed or planned: every condition names the problem."""
     prev = dict(previous or {})
     conds = parse_conditions(prev.get("conditions"))
-    for type_, st, reason, msg in (
+    rows: tuple[tuple[str, ConditionStatus, str, str], ...] = (
         (contract.COND_READY, "False", problem.reason, problem.message),
         (contract.COND_SYNCED, "Unknown", problem.reason, "no pods to sync"),
         (contract.COND_PROGRESSING, "False", problem.reason, "nothing is rolled out until the problem is fixed"),
@@ -375,7 +376,8 @@ def problem_status(
         ),
         (contract.COND_DEGRADED, "True", problem.reason, problem.message),
         (contract.COND_COMPLETE, "False", problem.reason, "the job cannot run"),
-    ):
+    )
+    for type_, st, reason, msg in rows:
         conds = set_condition(conds, type_, st, reason, msg, generation, now)
     return WeightSyncJobStatus(
         observed_generation=generation,

@@ -7,6 +7,8 @@ from torch import nn
 
 
 class DemoModel(nn.Module):
+    steps: torch.Tensor  # a registered buffer (published with the weights); declared so its type is a Tensor
+
     def __init__(self, hidden: int = 64) -> None:
         super().__init__()
         self.fc1 = nn.Linear(1, hidden)

@@ -277,11 +277,11 @@ class CustomEngineAdapter:
             sum(e.nbytes for _, layout, _ in shared for e in layout.entries)
         if rest:
             layout = buckets.BucketLayout.build((tensors[i][0], tensors[i][1].dtype, tensors[i][1].shape) for i in rest)
-            seg = self._ensure_segment(layout.nbytes)
+            staged = self._ensure_segment(layout.nbytes)
             with torch.no_grad():
-                buckets.pack(seg.tensor, layout, [tensors[i][1] for i in rest])
+                buckets.pack(staged.tensor, layout, [tensors[i][1] for i in rest])
             self.copied_bytes += sum(e.nbytes for e in layout.entries)
-            parts.append((seg, layout, rest))
+            parts.append((staged, layout, rest))
         for seg, layout, index in parts:
             if seg.tensor.is_cuda:
                 torch.cuda.synchronize(seg.tensor.device)

@@ -9,7 +9,7 @@ import base64
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 JSON = dict[str, Any]
@@ -202,7 +202,7 @@ def has_cluster_ip(service: JSON) -> bool:
     return ip not in ("", "None")
 
 
-def service_link_env(services: list[tuple[JSON, str, Mapping[int, int]]]) -> dict[str, str]:
+def service_link_env(services: Sequence[tuple[JSON, str, Mapping[int, int]]]) -> dict[str, str]:
     """The kubelet's service links for (Service, host, port map) triples: `<NAME>_SERVICE_HOST`,
     `<NAME>_SERVICE_PORT` (first port), `<NAME>_SERVICE_PORT_<PORT>` per named port and the Docker-link
     `<NAME>_PORT*` vars.

@@ -36,6 +36,17 @@ START_TIMEOUT = 240.0   # pods start torch in 2-3 processes each; a loaded 2-cor
 PRINTER_COLUMNS = ["NAME", "PLACEMENT", "MODE", "TRAINER", "SERVED", "SYNCED", "READY", "PAUSED", "DEGRADED", "AGE"]
 
 
+def _commits(events: list[tuple[str, int | None]]) -> list[int]:
+    """The versions of a demo engine's commit events, in order (a commit always names its version; only
+    pause/resume events may carry None)."""
+    out = []
+    for e, v in events:
+        if e == "commit":
+            assert v is not None, events
+            out.append(v)
+    return out
+
+
 def _needs_runtime(process_runtime: Any) -> None:
     if process_runtime is None:
         pytest.skip("kills host processes: needs the process runtime (local control plane)")
@@ -129,7 +140,7 @@ def test_demo_example_serves_every_version_bit_exact(cluster, kube, namespace, o
     for pod in inference_pods(kube, namespace, name).values():
         # every version 1..5 was committed in order, none twice, and the engine was never left paused
         events = demo.engine_events(pod)
-        commits = [v for e, v in events if e == "commit"]
+        commits = _commits(events)
         assert commits == sorted(set(commits)) and commits[-1] == last, events
         assert not demo.engine_state(pod)["paused"]
         assert served(pod) == last and demo.pod_condition(pod, contract.POD_CONDITION_SYNCED) == "True"
@@ -270,7 +281,7 @@ def test_agent_killed_mid_transfer_never_reports_the_half_loaded_version(cluster
             assert e.served <= e.engine_version, f"pod reported {e.served} while its engine served {e.engine_version}"
     assert killed_at not in commits_before_restart
     events = demo.engine_events(pod)
-    commits = [v for e, v in events if e == "commit"]
+    commits = _commits(events)
     assert commits == sorted(set(commits)) and commits[-1] == last, events
     assert not demo.engine_state(pod)["paused"], "the engine was left paused by the dead agent"
     _final_status(kube, namespace, name, last, 2)
@@ -323,7 +334,7 @@ def test_scale_inference_from_2_to_4_while_versions_flow(cluster, kube, namespac
     pods = inference_pods(kube, namespace, name)
     assert sorted(pods) == [f"{name}-inference-{r}-0" for r in range(4)]
     for n in (f"{name}-inference-2-0", f"{name}-inference-3-0"):
-        commits = [v for e, v in demo.engine_events(pods[n]) if e == "commit"]
+        commits = _commits(demo.engine_events(pods[n]))
         assert commits and commits[-1] == last and commits[0] > 1, f"{n} caught up from a later version: {commits}"
     assert_bit_exact(kube, namespace, name, last, 4)
 
@@ -476,7 +487,7 @@ def test_restarted_trainer_starts_a_new_epoch_and_is_served_at_once(cluster, kub
     restarts = {s["name"]: s.get("restartCount", 0) for s in trainer["status"]["containerStatuses"]}
     assert restarts["trainer"] == 1, f"the restarted trainer must publish, not crash-loop: {restarts}"
     for n, p in inference_pods(kube, namespace, name).items():
-        after = [v for e, v in demo.engine_events(p)[commits_before[n]:] if e == "commit"]
+        after = _commits(demo.engine_events(p)[commits_before[n]:])
         assert after and after[-1] == last and min(after) < last, (
             f"{n} must load the new epoch's versions as they come, not wait for version > {last}: {after}")
     _final_status(kube, namespace, name, last, 2)

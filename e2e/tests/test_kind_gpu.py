@@ -44,9 +44,13 @@ def image_tag() -> str:
 
 
 def gpu_nodes(kube: Kube) -> dict[str, Any]:
-    nodes = kube.core.list_node().items
-    return {n.metadata.name: n for n in nodes
-            if int((n.status.allocatable or {}).get(contract.RESOURCE_GPU, "0") or 0) > 0}
+    out: dict[str, Any] = {}
+    for n in kube.core.list_node().items:
+        # the client types every field Optional; the API server always sets these on a Node
+        assert n.metadata is not None and n.metadata.name and n.status is not None, n
+        if int((n.status.allocatable or {}).get(contract.RESOURCE_GPU, "0") or 0) > 0:
+            out[n.metadata.name] = n
+    return out
 
 
 def gpu_demo_job(name: str, tag: str) -> dict[str, Any]:
@@ -102,6 +106,9 @@ def test_chart_operator_runs_the_loaded_image(kube: Kube) -> None:
         RELEASE_NAMESPACE, label_selector="app.kubernetes.io/name=weightsync-operator").items
     assert deployments, f"no weightsync-operator Deployment in {RELEASE_NAMESPACE}: run e2e/kind/install.sh"
     (dep,) = deployments
+    # the client types every field Optional; the API server sets these on a Deployment
+    assert dep.metadata is not None and dep.status is not None and dep.spec is not None, dep
+    assert dep.spec.template.spec is not None, dep
     assert (dep.status.available_replicas or 0) >= 1, f"{dep.metadata.name}: not available"
     (container,) = dep.spec.template.spec.containers
     assert container.image == f"ghcr.io/weightsync/weightsync-operator:{image_tag()}"

@@ -60,6 +60,8 @@ def test_round_trip_is_camel_case_and_stable() -> None:
     job = WeightSyncJob.from_k8s(separated())
     out = job.to_dict()
     assert out["apiVersion"] == contract.API_VERSION and out["kind"] == contract.KIND
+    # contract spells API_VERSION out (for its literal type): it must still be GROUP/VERSION
+    assert f"{contract.GROUP}/{contract.VERSION}" == contract.API_VERSION
     assert out["spec"]["transfer"]["bucketSizeMB"] == 512
     assert out["spec"]["inference"]["gpusPerReplica"] == 2
     assert "deltaSync" not in out["spec"]["transfer"]
