@@ -25,6 +25,7 @@ import torch
 from weightsync.agent.engines.base import EngineError, NamedTensors
 from weightsync.agent.plan import buckets
 from weightsync.agent.staging import segments
+from weightsync.agent.staging.slots import SharedSlotAllocator
 from weightsync.agent.wire import local
 from weightsync.agent.wire.protocol import LAYOUT_UNKNOWN
 
@@ -110,7 +111,7 @@ class CustomEngineAdapter:
         self._ids: dict[int, tuple[local.LocalConn, set[str] | None]] = {}  # rank -> (session, layout ids it holds)
         self._version: int | None = None
         #: transports of this agent receive into these shared segments (see fetcher.fetch_version)
-        self.receive_allocator = segments.SharedSlotAllocator(f"{prefix}-recv")
+        self.receive_allocator = SharedSlotAllocator(f"{prefix}-recv")
         self.copied_bytes = 0  # bytes packed into the engine segment (not handed over in place)
         self.shared_bytes = 0  # bytes handed over where the transport received them
         self._pieces: dict[int, tuple[local.LocalConn, bool]] = {}  # rank -> (its session, loads pieces)

@@ -7,14 +7,15 @@ both processes); on GPU it is one CUDA allocation shared by a CUDA IPC handle (o
 never per tensor). The agent creates segments and unlinks them; the app only attaches.
 
 The same segments carry buckets the other way, from an inference agent to a Custom engine.
+
+Page-locking a host segment goes through the CUDA driver (staging/cuda_driver.py); a destination rank's
+receive buffers, in shared segments or not, are staging/slots.py.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import ctypes
-import functools
 import logging
 import os
 import pickle
@@ -28,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from weightsync.agent.plan import buckets
+from weightsync.agent.staging import cuda_driver
 from weightsync.crds import contract
 
 log = logging.getLogger(__name__)
@@ -150,61 +153,6 @@ def _freed(t: torch.Tensor) -> None:
             log.exception("staging.freed_hook_failed")
 
 
-@functools.cache
-def _cuda_driver() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")
-    for name, args in (("cuInit", [ctypes.c_uint]), ("cuDeviceGet", [ctypes.c_void_p, ctypes.c_int]),
-                       ("cuDevicePrimaryCtxRetain", [ctypes.c_void_p, ctypes.c_int]),
-                       ("cuCtxPushCurrent_v2", [ctypes.c_void_p]), ("cuCtxPopCurrent_v2", [ctypes.c_void_p]),
-                       ("cuMemHostRegister_v2", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]),
-                       ("cuMemHostUnregister", [ctypes.c_void_p]),
-                       ("cuGetErrorName", [ctypes.c_int, ctypes.c_void_p])):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, ctypes.c_int
-    return lib
-
-
-def _driver_error(lib: ctypes.CDLL, err: int) -> str:
-    name = ctypes.c_char_p()
-    lib.cuGetErrorName(err, ctypes.byref(name))
-    return (name.value or b"?").decode() + f" ({err})"
-
-
-@functools.cache
-def _primary_context(ordinal: int) -> int:
-    """The device's primary context (the one torch's runtime uses), retained once and never released: a
-    release that drops the last reference destroys the context, and every registration made in it with it
-    (seen on an H100: a pin in a process whose runtime had not made its context yet was gone at once)."""
-    lib = _cuda_driver()
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    for err in (lib.cuInit(0), lib.cuDeviceGet(ctypes.byref(dev), ordinal),
-                lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)):
-        if err:
-            raise RuntimeError(_driver_error(lib, err))
-    return int(ctx.value or 0)
-
-
-def _in_primary_context(call: Callable[[ctypes.CDLL], int]) -> tuple[int, str]:
-    """Run a CUDA driver call in the current device's primary context, whatever is current on this thread.
-    Why the driver API: a failed runtime call (cudaHostRegister) leaves the runtime's last error set, and torch
-    then reports it from the next, unrelated CUDA call (seen on an H100: the first torch.empty on the GPU after
-    a refused registration raised 'invalid argument').
-    Returns (error code, its name); (0, "") on success."""
-    lib = _cuda_driver()
-    try:
-        ctx = _primary_context(torch.cuda.current_device())
-    except RuntimeError as exc:
-        return -1, str(exc)
-    err = lib.cuCtxPushCurrent_v2(ctypes.c_void_p(ctx))
-    if err:
-        return err, _driver_error(lib, err)
-    try:
-        err = call(lib)
-        return err, _driver_error(lib, err) if err else ""
-    finally:
-        lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-
-
 def pin_host(t: torch.Tensor) -> bool:
     """Page-lock host memory we did not allocate through torch (an mmap'ed segment), so copies between it and a
     GPU run at full DMA speed. False (nothing done) without CUDA, or where the kernel refuses: it pins
@@ -212,7 +160,7 @@ def pin_host(t: torch.Tensor) -> bool:
     if t.device.type != "cpu" or not t.numel() or not torch.cuda.is_available():
         return False
     nbytes = t.numel() * t.element_size()
-    err, name = _in_primary_context(lambda lib: lib.cuMemHostRegister_v2(t.data_ptr(), nbytes, 0))
+    err, name = cuda_driver.host_register(t.data_ptr(), nbytes)
     if err:
         log.warning("staging.pin_failed bytes=%s error=%s dir=%s: staging stays pageable (host <-> GPU copies at "
                     "pageable speed); is the staging volume memory-backed?", nbytes, name, shm_dir())
@@ -222,7 +170,7 @@ def pin_host(t: torch.Tensor) -> bool:
 
 def unpin_host(t: torch.Tensor) -> None:
     if t.numel():
-        err, name = _in_primary_context(lambda lib: lib.cuMemHostUnregister(t.data_ptr()))
+        err, name = cuda_driver.host_unregister(t.data_ptr())
         if err:
             log.warning("staging.unpin_failed error=%s", name)
 
@@ -446,78 +394,6 @@ def shm_location(t: torch.Tensor) -> tuple[str, int] | None:
         segs = list(_SHM_SEGMENTS)
     found = SHARED.locate(t) or _locate_in(segs, t)
     return (found[0].name, found[1]) if found is not None else None
-
-
-class SharedSlotAllocator:
-    """Transport slot buffers in shared segments, for an adapter that hands them to a local engine process.
-
-    A transport calls it like `buckets.allocate(nbytes, device)`. When a slot buffer is dropped (the
-    transport rebinds or closes), its segment is queued; `reap()` hands the queued segments back so the
-    owner can tell the engine to unmap them before unlinking (never while a view is alive)."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self._lock = threading.Lock()
-        self._dead: list[Segment] = []
-        self.segments = 0
-
-    def __call__(self, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        seg = create_segment(nbytes, self.prefix, str(torch.device(device)))
-        SHARED.add(seg)
-        view = seg.tensor[:nbytes]
-        weakref.finalize(view, self._died, seg)
-        with self._lock:
-            self.segments += 1
-        return view
-
-    def _died(self, seg: Segment) -> None:
-        with self._lock:
-            self._dead.append(seg)
-            self.segments -= 1
-
-    def reap(self) -> list[Segment]:
-        with self._lock:
-            dead, self._dead = self._dead, []
-        return dead
-
-
-class ReceiveSlots:
-    """The receive buffers of one destination rank: `n` slots shared by all its sources and kept across
-    versions, so receive memory is buckets in flight x bucket size, not peers x buckets.
-
-    From `alloc` (a SharedSlotAllocator: the engine loads from them in place) or private memory."""
-
-    def __init__(self, alloc: SharedSlotAllocator | None = None) -> None:
-        self.alloc = alloc
-        self._bufs: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def ensure(self, n: int, nbytes: int, device: torch.device) -> None:
-        """At least `n` slots of `nbytes` on `device` (reallocated only when they do not fit)."""
-        with self._lock:
-            if len(self._bufs) >= n and all(b.numel() >= nbytes and b.device == device for b in self._bufs[:n]):
-                return
-            self._drop()
-            for _ in range(n):
-                if self.alloc is not None:
-                    self._bufs.append(self.alloc(nbytes, device))
-                else:
-                    self._bufs.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
-                    STAGING.add(nbytes)
-
-    def get(self, slot: int) -> torch.Tensor:
-        with self._lock:
-            return self._bufs[slot]
-
-    def _drop(self) -> None:
-        if self.alloc is None:
-            for b in self._bufs:
-                STAGING.sub(b.numel())
-        self._bufs = []  # a SharedSlotAllocator learns it through its finalizers
-
-    def close(self) -> None:
-        with self._lock:
-            self._drop()
 
 
 def cleanup_stale(prefix: str) -> int:

@@ -24,7 +24,7 @@ from weightsync.agent.engines.base import EngineAdapter, NamedTensors, RankRoute
 from weightsync.agent.layout.rules import LayoutError, TensorMeta, inference_layout
 from weightsync.agent.plan import ShardTable, TensorShard, TransferPlan
 from weightsync.agent.plan.cache import PLANS
-from weightsync.agent.staging.segments import ReceiveSlots, SharedSlotAllocator
+from weightsync.agent.staging.slots import ReceiveSlots, SharedSlotAllocator
 from weightsync.agent.transfer.digest import Digest, DigestHooks
 from weightsync.agent.transfer.groups import RoutingTransport
 from weightsync.agent.transfer.relay import RELAY_JOIN_S, RelayHub, RelayStream, RelayTap, parse_hop

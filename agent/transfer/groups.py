@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from weightsync.agent.plan import BucketPlan, TransferPlan
 from weightsync.agent.staging import segments
+from weightsync.agent.staging.slots import ReceiveSlots
 from weightsync.agent.transports.base import (
     TRANSPORTS,
     Pending,
@@ -74,7 +75,7 @@ class RoutingTransport(Transport):
 
     name = "routed"
 
-    def __init__(self, by_src: dict[int, Transport], slots: segments.ReceiveSlots | None = None) -> None:
+    def __init__(self, by_src: dict[int, Transport], slots: ReceiveSlots | None = None) -> None:
         """`slots`: the destination's receive buffers, shared by every source (each bucket is received into
         one where its transport can receive into given memory); None: each source's transport uses its own."""
         self.by_src = by_src

@@ -71,8 +71,9 @@ def test_a_refused_pin_leaves_staging_pageable_and_cuda_usable(memory_staging_di
 def test_custom_engine_receive_slots_on_gpu_are_cuda_ipc_segments() -> None:
     from weightsync.agent.engines.custom import CustomEngineAdapter
     from weightsync.agent.staging import segments
+    from weightsync.agent.staging.slots import SharedSlotAllocator
 
-    alloc = segments.SharedSlotAllocator("wsgpu-recv")
+    alloc = SharedSlotAllocator("wsgpu-recv")
     slot = alloc(1 << 20, torch.device("cuda"))
     t = slot[:4096].view(torch.float32)
     shared, rest = CustomEngineAdapter.in_place([("w", t)])

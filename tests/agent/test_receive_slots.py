@@ -1,5 +1,5 @@
 """Receive memory is bounded by buckets in flight, not by peers: a destination rank's sources share its
-`num_slots` receive buffers, which are kept across versions (agent/staging/segments.py ReceiveSlots)."""
+`num_slots` receive buffers, which are kept across versions (agent/staging/slots.py ReceiveSlots)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from weightsync.agent.plan import BucketPlan, TensorShard, build_plan
 from weightsync.agent.staging import segments
+from weightsync.agent.staging.slots import ReceiveSlots, SharedSlotAllocator
 from weightsync.agent.transfer.groups import RoutingTransport
 from weightsync.agent.transports.base import Done, Pending, Transport, TransportContext, dst
 
@@ -56,8 +57,8 @@ def _plan(sources: int) -> object:
 def test_every_source_receives_into_the_destinations_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     plan = _plan(4)
-    alloc = segments.SharedSlotAllocator("wsslots")
-    slots = segments.ReceiveSlots(alloc)
+    alloc = SharedSlotAllocator("wsslots")
+    slots = ReceiveSlots(alloc)
     inner = {s: IntoOnly(s) for s in range(4)}
     for _version in range(3):  # the same two buffers serve every version
         rt = RoutingTransport(dict(inner), slots)

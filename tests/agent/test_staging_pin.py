@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from weightsync.agent.staging import segments
+from weightsync.agent.staging import cuda_driver, segments
 
 
 class _Driver:
@@ -56,11 +56,11 @@ def driver(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[_Driver]
     lib = _Driver()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(segments, "_cuda_driver", lambda: lib)
-    segments._primary_context.cache_clear()
+    monkeypatch.setattr(cuda_driver, "_cuda_driver", lambda: lib)
+    cuda_driver._primary_context.cache_clear()
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     yield lib
-    segments._primary_context.cache_clear()
+    cuda_driver._primary_context.cache_clear()
 
 
 def test_pins_retain_the_primary_context_once_and_balance_every_push(driver: _Driver) -> None:
@@ -81,7 +81,7 @@ def test_a_refused_pin_is_a_warning_and_staging_stays_pageable(driver: _Driver,
     with caplog.at_level(logging.WARNING, logger=segments.log.name):
         seg = segments.create_segment(1 << 16, "wspin")
     assert isinstance(seg, segments.ShmSegment) and not seg.pinned
-    assert "segments.pin_failed" in caplog.text and str(segments.shm_dir()) in caplog.text
+    assert "staging.pin_failed" in caplog.text and str(segments.shm_dir()) in caplog.text
     seg.unlink()
     assert "cuMemHostUnregister" not in driver.calls  # nothing to undo
     assert driver.calls.count("cuCtxPushCurrent_v2") == driver.calls.count("cuCtxPopCurrent_v2")
