@@ -84,7 +84,9 @@ def test_crash_looping_engine_keeps_degraded_without_a_flip(cluster, kube, names
     wait(degraded, START_TIMEOUT, f"{name}: Degraded=True")
     samples: list[tuple[str, str]] = []
     restarts_seen: set[int] = set()
-    end = time.monotonic() + 75.0  # the back-off grows 10 s, 20 s, 40 s: several crashes and runs in between
+    # The runtime's back-off doubles from 1 s up to 20 s and the engine runs 2 s: a cycle takes at most 22 s,
+    # so 45 s hold at least two restarts and the runs between them.
+    end = time.monotonic() + 45.0
     while time.monotonic() < end:
         j = job(kube, namespace, name)
         d = _degraded(j)
