@@ -9,14 +9,14 @@ The schema is a committed snapshot (`crds/k8s/pod-template-spec.json`) taken fro
 `/openapi/v3/api/v1` and converted to a CRD structural schema (`convert`): references inlined, Quantity /
 IntOrString as int-or-string, defaults dropped (an empty default object would add e.g. an empty probe to
 every container), list-map keys kept (with the default or `required` they need), long descriptions cut,
-and the template's metadata pruned to labels and annotations. `python -m weightsync.crds.k8s_schema
---refresh` retakes the snapshot from the local control plane's kube-apiserver (`make crds` then rebuilds
-the CRD); tests check the snapshot converts from the pinned release and stays in the CRD.
+and the template's metadata pruned to labels and annotations. `python -m weightsync.e2e.pod_schema --refresh`
+retakes the snapshot from the local control plane's kube-apiserver (`make crds` then rebuilds the CRD); tests
+check the snapshot converts from the pinned release and stays in the CRD. The API package never imports the
+local cluster: the refresh lives in e2e/.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 from pathlib import Path
@@ -123,39 +123,3 @@ def pod_template_schema() -> dict[str, Any]:
     name["minLength"], name["maxLength"] = 1, 63
     schema[VERBATIM] = True
     return schema
-
-
-def refresh() -> Path:
-    """Retake the snapshot from the local control plane's kube-apiserver (the pinned release)."""
-    import tempfile
-
-    from weightsync.e2e.environment import start_environment
-
-    work = Path(tempfile.mkdtemp(prefix="weightsync-openapi-"))
-    env = start_environment(kubeconfig=work / "kubeconfig", node_count=0, process_nodes=False)
-    try:
-        doc = json.loads(env.kubectl("get", "--raw", "/openapi/v3/api/v1").stdout)
-        version = json.loads(env.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
-    finally:
-        env.stop()
-    body = {"kubernetesVersion": version, "source": "/openapi/v3/api/v1 " + ROOT,
-            "schema": convert(doc["components"]["schemas"])}
-    SNAPSHOT.parent.mkdir(parents=True, exist_ok=True)
-    SNAPSHOT.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
-    return SNAPSHOT
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m weightsync.crds.k8s_schema", description=__doc__.splitlines()[0])
-    p.add_argument("--refresh", action="store_true", help="retake the snapshot from a local kube-apiserver")
-    args = p.parse_args(argv)
-    if args.refresh:
-        print(f"wrote {refresh()}")
-    else:
-        snap = json.loads(SNAPSHOT.read_text())
-        print(f"{SNAPSHOT}: {snap['kubernetesVersion']}, {len(json.dumps(snap['schema']))} bytes")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

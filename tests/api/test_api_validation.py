@@ -122,12 +122,12 @@ def test_template_fields_are_documented_and_unknown_ones_refused(cluster: Any, a
 
 def test_the_template_schema_snapshot_is_the_api_servers_own(cluster: Any) -> None:
     """crds/k8s/pod-template-spec.json converts from this kube-apiserver's own OpenAPI (the pinned release):
-    a drift means `python -m weightsync.crds.k8s_schema --refresh` and `make crds`."""
+    a drift means `python -m weightsync.e2e.pod_schema --refresh` and `make crds`."""
     from weightsync.crds import k8s_schema
 
     doc = json.loads(kubectl_ok(cluster, "get", "--raw", "/openapi/v3/api/v1"))
     snapshot = json.loads(k8s_schema.SNAPSHOT.read_text())
     assert k8s_schema.convert(doc["components"]["schemas"]) == snapshot["schema"], (
-        "the snapshot drifted from the API server's schema: run python -m weightsync.crds.k8s_schema --refresh")
+        "the snapshot drifted from the API server's schema: run python -m weightsync.e2e.pod_schema --refresh")
     version = json.loads(kubectl_ok(cluster, "version", "-o", "json"))["serverVersion"]["gitVersion"]
     assert snapshot["kubernetesVersion"] == version
