@@ -32,7 +32,7 @@ import pytest
 import torch
 from recording_server import Call, RecordingServer
 
-from weightsync.agent.engines import vllm
+from weightsync.agent.engines import vllm, vllm_native
 from weightsync.agent.engines.base import EngineError, EngineUnsupported, load_version
 from weightsync.agent.engines.http import HttpClient
 from weightsync.e2e.engines import released
@@ -285,7 +285,7 @@ class FakeComm:
         self.aborted = True
 
 
-class FakeNccl(vllm.NcclLib):
+class FakeNccl(vllm_native.NcclLib):
     """The real libnccl for the unique id (no GPU needed); the communicator is CPU-side."""
 
     def __init__(self) -> None:
@@ -305,7 +305,7 @@ class FakeNccl(vllm.NcclLib):
         return [t for c in self.comms for t in c.sent]
 
 
-class FakeIpc(vllm.CudaIpc):
+class FakeIpc(vllm_native.CudaIpc):
     """CUDA IPC on CPU: buffers are CPU tensors named by a token in the exported args (slot 6 holds the
     device index, as in reduce_tensor's args); `snapshot` reads them as an engine rank would."""
 
@@ -450,7 +450,7 @@ def test_nccl_bodies_are_vllms_request_types_and_match_its_trainer_payload(serve
     updates = _body_of(server, "/update_weights")
     assert len(updates) == 3
     for body, unordered in zip(updates, _buckets(items), strict=True):
-        bucket = vllm.aligned_order(unordered)
+        bucket = vllm_native.aligned_order(unordered)
         upd = code.nccl.NCCLWeightTransferUpdateInfo(**code.base.WeightTransferUpdateRequest(**body).update_info)
         assert upd.names == [n for n, _ in bucket]
         assert [getattr(torch, d) for d in upd.dtype_names] == [t.dtype for _, t in bucket]
@@ -468,16 +468,16 @@ def test_packed_chunks_follow_vllms_pack_tensors() -> None:
     (pack_tensors, called until the iterator is spent), for limits below, between and above the sizes."""
     pt = vllm_code().packed
     items = _weights(11)
-    sizes = [vllm.nbytes(t) for _, t in items]
+    sizes = [vllm_native.nbytes(t) for _, t in items]
     for limit in (0, 1, 16, 64, 100, 10_000):
         it = iter(items)
         theirs = []
         while (chunk := pt.pack_tensors(it, lambda item: item[1], limit)) is not None:
             theirs.append(chunk)
-        ours = vllm.chunk_ranges(sizes, limit)
+        ours = vllm_native.chunk_ranges(sizes, limit)
         assert [[n for n, _ in items[s:e]] for s, e in ours] == [c.names for c in theirs], limit
         for (s, e), c in zip(ours, theirs, strict=True):
-            buf, tsizes = vllm.pack(items[s:e])
+            buf, tsizes = vllm_native.pack(items[s:e])
             assert tsizes == c.tensor_sizes and torch.equal(buf, c.packed_tensor), limit
 
 
@@ -499,7 +499,7 @@ def test_nccl_versions_load_bit_exact_through_vllms_receive_code(
     assert len(got["ranks"]) == workers
     for r, rank in enumerate(got["ranks"]):
         assert rank["group_rank"] == [(1 + r, 1 + workers)]  # vLLM's _worker_group_rank: after the agent
-        sent = [t for b in _buckets(items) for t in vllm.aligned_order(b)]  # widest dtypes first, per bucket
+        sent = [t for b in _buckets(items) for t in vllm_native.aligned_order(b)]  # widest dtypes first, per bucket
         assert [n for n, _ in rank["loaded"]] == [n for n, _ in sent]
         assert all(_same(x, y) for (_, x), (_, y) in zip(rank["loaded"], sent, strict=True))
     assert server.paths() == ["/pause", "/get_world_size", "/init_weight_transfer_engine", "/start_weight_update",
@@ -534,12 +534,12 @@ def test_ipc_handles_are_keyed_by_each_tp_ranks_gpu_uuid(server: RecordingServer
     assert code.ipc.IPCWeightTransferInitInfo(**code.base.WeightTransferInitRequest(**init[0]).init_info).packed is packed
     updates = _body_of(server, "/update_weights")
     for body, unordered in zip(updates, _buckets(items) * 2, strict=True):
-        bucket = vllm.aligned_order(unordered)
+        bucket = vllm_native.aligned_order(unordered)
         info = code.ipc.IPCWeightTransferUpdateInfo(**code.base.WeightTransferUpdateRequest(**body).update_info)
         assert info.names == [n for n, _ in bucket]
         if packed:
             assert isinstance(info.ipc_handles, dict) and sorted(info.ipc_handles) == sorted(uuids)
-            assert info.tensor_sizes == [vllm.nbytes(t) for _, t in bucket]
+            assert info.tensor_sizes == [vllm_native.nbytes(t) for _, t in bucket]
             for d, u in zip(devs, uuids, strict=True):
                 assert info.ipc_handles[u][6] == torch.device(d).index
         else:
@@ -554,7 +554,7 @@ def test_ipc_handles_are_keyed_by_each_tp_ranks_gpu_uuid(server: RecordingServer
         assert len({t for e in exports for t in e}) == 3 * len(uuids)
         got = run_engine_side(tmp_path, {"backend": "ipc", "uuids": uuids, "updates": updates[:3],
                                          "snapshots": snaps[:3]})
-        sent = [t for b in _buckets(items) for t in vllm.aligned_order(b)]  # widest dtypes first, per bucket
+        sent = [t for b in _buckets(items) for t in vllm_native.aligned_order(b)]  # widest dtypes first, per bucket
         for rank in got["ranks"]:
             assert [n for n, _ in rank["loaded"]] == [n for n, _ in sent]
             assert all(_same(x, y) for (_, x), (_, y) in zip(rank["loaded"], sent, strict=True))
@@ -664,9 +664,9 @@ def test_without_a_cuda_device_of_its_own_the_agent_never_asks_the_engine_to_joi
     """The real NCCL library mints the rendezvous id (no GPU needed); the CUDA check comes before the
     engine is asked to join (it would block in ncclCommInitRank for a rank that never comes)."""
     _engine(server)
-    lib = vllm.NcclLib()
+    lib = vllm_native.NcclLib()
     ids = {lib.unique_id() for _ in range(2)}
-    assert len(ids) == 2 and all(len(i) == vllm.NCCL_UNIQUE_ID_BYTES == vllm_code().wrap.NCCL_UNIQUE_ID_BYTES
+    assert len(ids) == 2 and all(len(i) == vllm_native.NCCL_UNIQUE_ID_BYTES == vllm_code().wrap.NCCL_UNIQUE_ID_BYTES
                                  for i in ids)
     a = vllm.VLLMAdapter(server.url, backend="nccl", client=_client(server.url),
                          device="cpu" if torch.cuda.is_available() else None)
@@ -717,8 +717,8 @@ def test_draft_tensors_load_in_a_draft_session_after_the_targets(server: Recordi
                                      "init": _body_of(server, "/init_weight_transfer_engine")[0],
                                      "updates": updates, "broadcasts": nccl.sent()})
     (rank,) = got["ranks"]
-    target = [t for b in ([*items[:2]], items[2:4], [*items[4:]]) for t in vllm.aligned_order(b)]
-    want = [*target, *vllm.aligned_order([(n.removeprefix("draft."), t) for n, t in draft])]
+    target = [t for b in ([*items[:2]], items[2:4], [*items[4:]]) for t in vllm_native.aligned_order(b)]
+    want = [*target, *vllm_native.aligned_order([(n.removeprefix("draft."), t) for n, t in draft])]
     assert [n for n, _ in rank["loaded"]] == [n for n, _ in want]
     assert all(_same(x, y) for (_, x), (_, y) in zip(rank["loaded"], want, strict=True))
     assert a.partial is None and not a.needs_restore and a.draft_bytes_held == 0
@@ -803,14 +803,14 @@ def test_a_mixed_dtype_bucket_unpacks_with_vllms_own_unpack_tensor() -> None:
     widest dtypes first, so every range starts aligned; vLLM's own function unpacks it bit for bit."""
     pt = released.load_file(PKG, WT + "packed_tensor.py")
     items = _weights(3)
-    bad_offsets = [sum(vllm.nbytes(t) for _, t in items[:i]) % t.element_size() for i, (_, t) in enumerate(items)]
+    bad_offsets = [sum(vllm_native.nbytes(t) for _, t in items[:i]) % t.element_size() for i, (_, t) in enumerate(items)]
     assert any(bad_offsets), "the bucket in its own order would be misaligned"
-    ordered = vllm.aligned_order(items)
-    buf, sizes = vllm.pack(ordered)
+    ordered = vllm_native.aligned_order(items)
+    buf, sizes = vllm_native.pack(ordered)
     got = pt.unpack_tensor(buf, [n for n, _ in ordered], [list(t.shape) for _, t in ordered],
                            [t.dtype for _, t in ordered], sizes)
     assert [n for n, _ in got] == [n for n, _ in ordered] and sorted(n for n, _ in got) == sorted(n for n, _ in items)
     assert all(_same(x, y) for (_, x), (_, y) in zip(got, ordered, strict=True))
     with pytest.raises(RuntimeError):  # what vLLM did with the bucket in its own order
-        b2, s2 = vllm.pack(items)
+        b2, s2 = vllm_native.pack(items)
         pt.unpack_tensor(b2, [n for n, _ in items], [list(t.shape) for _, t in items], [t.dtype for _, t in items], s2)
