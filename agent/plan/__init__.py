@@ -23,9 +23,10 @@ intersection of every source box with every destination box, chunked over source
 stays columnar: `BucketPlan.entries` become objects only when an agent looks at a bucket of a rank it
 serves. Lists of `TensorShard` still work everywhere (they are converted).
 
-Layout: the value types live in plan_types.py, the columnar table and its binary encoding in
-plan_table.py, the computed plan in plan_result.py and the vectorized planner in plan_build.py;
-this module is the entry point (`build_plan`, `PlanInputs`) and re-exports all of them.
+Layout: the value types live in types.py, the columnar table in table.py and its binary encoding in
+encoding.py, the computed plan in result.py, the vectorized planner in build.py and the layout of its
+streams in buckets in bucketing.py; this module is the entry point (`build_plan`, `PlanInputs`) and
+re-exports the public names.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ import torch
 
 from weightsync.agent.plan.buckets import DEFAULT_ALIGNMENT
 from weightsync.agent.plan.build import _plan
+from weightsync.agent.plan.encoding import pack_arrays, unpack_arrays
 from weightsync.agent.plan.result import ArenaPiece, BucketColumns, BucketPlan, SourceArena, TransferPlan
-from weightsync.agent.plan.table import RankShards, ShardTable, coord_dtype, pack_arrays, unpack_arrays
+from weightsync.agent.plan.table import RankShards, ShardTable, coord_dtype
 from weightsync.agent.plan.types import (
     PLAN_FORMAT,
     Box,
