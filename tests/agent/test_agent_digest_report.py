@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from weightsync.agent import atomic
-from weightsync.agent.main import _checked_digest
+from weightsync.agent.inference.loop import checked_digest
 from weightsync.agent.podstate import Observed, annotations_for
 from weightsync.crds import contract
 
@@ -24,10 +24,10 @@ def test_only_a_checked_digest_is_reported() -> None:
         digest = "d" * 32
         digest_checked = True
 
-    assert _checked_digest(Res()) == "d" * 32
+    assert checked_digest(Res()) == "d" * 32
     Res.digest_checked = False
-    assert _checked_digest(Res()) is None
-    assert _checked_digest(None) is None
+    assert checked_digest(Res()) is None
+    assert checked_digest(None) is None
 
 
 def test_a_prepared_version_keeps_its_digest_and_labels_the_engine_at_commit() -> None:

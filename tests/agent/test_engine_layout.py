@@ -4,6 +4,7 @@ heads replicated, scale boxes beside block-FP8 weights."""
 from __future__ import annotations
 
 import pytest
+
 from weightsync.agent.layout.engine import EngineLayout
 from weightsync.agent.layout.rules import LayoutError
 from weightsync.agent.plan import Box, TensorShard
@@ -40,23 +41,23 @@ def test_needs_replicate_kv_heads_and_carry_scale_boxes() -> None:
 
 
 def test_agent_keeps_one_layout_per_replica_while_ranks_are_connected() -> None:
-    """Agent._engine_layout on a stand-in for the agent's state: a rank that differs from the connected ones is
+    """EngineState.take_layout on a stand-in for the agent's state: a rank that differs from the connected ones is
     refused with both layouts; an engine whose ranks all left may come back with another, or with none."""
     from types import SimpleNamespace
 
-    from weightsync.agent.main import Agent
+    from weightsync.agent.inference.engine import EngineState
 
     a = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 4}
     b = {**a, "num_kv_heads": 4}
     connected: list[int] = []
     agent = SimpleNamespace(layout=None, layout_fn=None, registry=SimpleNamespace(ranks=lambda: list(connected)))
-    assert Agent._engine_layout(agent, a, 0) == "" and agent.layout is not None
+    assert EngineState.take_layout(agent, a, 0) == "" and agent.layout is not None
     fn = agent.layout_fn
     connected.append(0)
-    assert Agent._engine_layout(agent, a, 1) == "" and agent.layout_fn is fn  # same layout: same needs object
-    assert "connected ranks [0]" in Agent._engine_layout(agent, b, 1)
-    assert "sends no layout" in Agent._engine_layout(agent, None, 1)
-    assert "bad layout" in Agent._engine_layout(agent, {"num_heads": 8}, 1)
+    assert EngineState.take_layout(agent, a, 1) == "" and agent.layout_fn is fn  # same layout: same needs object
+    assert "connected ranks [0]" in EngineState.take_layout(agent, b, 1)
+    assert "sends no layout" in EngineState.take_layout(agent, None, 1)
+    assert "bad layout" in EngineState.take_layout(agent, {"num_heads": 8}, 1)
     connected.clear()
-    assert Agent._engine_layout(agent, b, 0) == "" and agent.layout.num_kv_heads == 4
-    assert Agent._engine_layout(agent, None, 0) == "" and agent.layout is None
+    assert EngineState.take_layout(agent, b, 0) == "" and agent.layout.num_kv_heads == 4
+    assert EngineState.take_layout(agent, None, 0) == "" and agent.layout is None

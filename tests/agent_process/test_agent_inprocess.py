@@ -285,7 +285,7 @@ def test_agent_dying_mid_load_aborts_the_partial_version(tmp_path: Path) -> None
 def test_agent_waits_until_the_topology_lists_its_pod(tmp_path: Path) -> None:
     import threading
 
-    from weightsync.agent.main import wait_for_membership
+    from weightsync.agent.membership import wait_for_membership
 
     path = tmp_path / "topo.json"
     topo = _topo(1)
