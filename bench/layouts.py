@@ -53,7 +53,8 @@ from weightsync.agent.layout.presets import (
 from weightsync.agent.layout.rules import LayoutError, TensorMeta, trainer_layout
 from weightsync.agent.layout.spec import SourcePart, map_shards, stage_layers
 from weightsync.agent.plan import Box, PlanError, TensorShard, TransferPlan, build_plan
-from weightsync.agent.transfer.sync import WeightReceiver, WeightSender
+from weightsync.agent.transfer.receive import WeightReceiver
+from weightsync.agent.transfer.send import WeightSender
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 if BENCH_DIR not in sys.path:

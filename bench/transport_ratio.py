@@ -45,7 +45,9 @@ import torch
 from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import Box, TensorShard, TransferPlan, build_plan
 from weightsync.agent.plan.buckets import BucketLayout, entry_view, itemsize, to_dtype
-from weightsync.agent.transfer.sync import SyncHooks, WeightReceiver, WeightSender
+from weightsync.agent.transfer.receive import WeightReceiver
+from weightsync.agent.transfer.send import WeightSender
+from weightsync.agent.transfer.sync import SyncHooks
 from weightsync.agent.transports.base import Transport
 from weightsync.agent.wire.link import LinkListener, Mailbox, connect
 

@@ -32,7 +32,8 @@ from transport_ratio import BenchConfig, MiB, register_bench, register_option
 
 from weightsync.agent.plan import Box, TransferPlan, build_plan
 from weightsync.agent.transfer import verify
-from weightsync.agent.transfer.sync import WeightReceiver, WeightSender
+from weightsync.agent.transfer.receive import WeightReceiver
+from weightsync.agent.transfer.send import WeightSender
 from weightsync.agent.transports.delta import DeltaConfig
 from weightsync.agent.transports.gdr import GdrTransport
 from weightsync.agent.transports.nixl_endpoint import Backoff, NixlEndpoint, desc_of, mem_of

@@ -1,6 +1,6 @@
 """Ring staging: the trainer agent's staging bounded by bucket size x pipeline depth, whatever the model size.
 
-Why: whole-version staging (agent/transfer/serve.py `StagingStore` with segments from agent/staging/segments.py) holds the
+Why: whole-version staging (agent/staging/versions.py `StagedVersions`, segments from agent/staging/segments.py) holds the
 newest complete version and the one being published: 2 x the trainer's shard bytes. In ring mode
 (`WEIGHTSYNC_STAGING=ring` on the trainer pod's agent) the trainer copies nothing at publish time; a
 transfer streams the version through a ring of `depth` bucket-sized slots instead:
@@ -121,7 +121,7 @@ class RingSource:
     """One transfer's ring: `depth` slots of the rank's largest bucket in one staging segment; `fill(k, i)`
     has the trainer process copy bucket k into slot i and returns its bytes (a uint8 view)."""
 
-    def __init__(self, ring: RingStaging, filler: _Filler, plan: TransferPlan, src: int, version: int,
+    def __init__(self, ring: BucketRing, filler: _Filler, plan: TransferPlan, src: int, version: int,
                  segment: segments.Segment, slot_bytes: int, timeout: float) -> None:
         self.ring = ring
         self.filler = filler
@@ -151,7 +151,7 @@ class RingSource:
         return self.segment.tensor[at:at + bucket.nbytes]
 
 
-class RingStaging:
+class BucketRing:
     """The trainer agent's ring mode: each trainer rank's `trainer_stream` connection and a pool of ring
     segments (reused across versions and transfers: no fresh shared memory per version). Thread-safe."""
 

@@ -27,8 +27,9 @@ from weightsync.agent.plan.cache import PLANS
 from weightsync.agent.staging.slots import ReceiveSlots, SharedSlotAllocator
 from weightsync.agent.transfer.digest import Digest, DigestHooks
 from weightsync.agent.transfer.groups import RoutingTransport
+from weightsync.agent.transfer.receive import WeightReceiver
 from weightsync.agent.transfer.relay import RELAY_JOIN_S, RelayHub, RelayStream, RelayTap, parse_hop
-from weightsync.agent.transfer.sync import PlacedTensors, SyncStats, WeightReceiver
+from weightsync.agent.transfer.sync import PlacedTensors, SyncStats
 from weightsync.agent.transfer.verify import ChecksumHooks
 from weightsync.agent.transports.base import Transport, WorldMap
 from weightsync.agent.wire import protocol as P

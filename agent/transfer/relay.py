@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 from weightsync.agent.plan import BucketPlan, TransferPlan
-from weightsync.agent.transfer.sync import SyncError, SyncHooks, SyncStats, WeightSender
+from weightsync.agent.transfer.send import WeightSender
+from weightsync.agent.transfer.sync import SyncError, SyncHooks, SyncStats
 from weightsync.agent.transports.base import Pending, Transport, WorldMap
 from weightsync.agent.wire import protocol as P
 from weightsync.agent.wire.link import Link, LinkError, LinkListener, Mailbox

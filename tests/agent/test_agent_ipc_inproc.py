@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from weightsync.agent.plan import TensorShard, build_plan
-from weightsync.agent.transfer.sync import PeerFailed, SyncError, WeightReceiver, WeightSender
+from weightsync.agent.transfer.receive import WeightReceiver
+from weightsync.agent.transfer.send import WeightSender
+from weightsync.agent.transfer.sync import PeerFailed, SyncError
 from weightsync.agent.transports.ipc import IpcTransport
 from weightsync.agent.wire.link import LinkListener, connect
 
@@ -103,7 +105,8 @@ def test_whole_bucket_copies_never_overwrite_tensors_in_padding_gaps() -> None:
     flat = torch.zeros(1024, dtype=torch.uint8)
     into = {"z_a": flat[0:16].view(torch.float32), "y1": flat[64:80].view(torch.float32),
             "z_b": flat[256:656].view(torch.float32), "x1": flat[704:720].view(torch.float32)}
-    from weightsync.agent.transfer.sync import gaps_are_free, in_place, memory_spans
+    from weightsync.agent.transfer.receive import gaps_are_free, memory_spans
+    from weightsync.agent.transfer.sync import in_place
 
     target = in_place(zbucket, [into["z_a"], into["z_b"]])
     assert target is not None  # laid out like the bucket...

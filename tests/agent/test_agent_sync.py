@@ -194,7 +194,8 @@ def test_truncated_frame_mid_version_commits_nothing() -> None:
     import threading
 
     from weightsync.agent.plan import TensorShard, build_plan
-    from weightsync.agent.transfer.sync import PeerFailed, WeightReceiver
+    from weightsync.agent.transfer.receive import WeightReceiver
+    from weightsync.agent.transfer.sync import PeerFailed
     from weightsync.agent.transports.ipc import IpcTransport
     from weightsync.agent.wire.link import LinkListener, connect
 

@@ -2,7 +2,7 @@
 shape and global offset, read from the shard's own metadata.
 
 World size 1 runs in this process (gloo, HashStore); world size 2 runs real FSDP1 (SHARDED_STATE_DICT) in
-two spawned gloo processes, publishes through TrainerSession into a real StagingStore per rank and checks
+two spawned gloo processes, publishes through TrainerSession into a real StagedVersions per rank and checks
 every staged byte against the unsharded model, and that the two ranks' boxes tile every tensor exactly.
 """
 
@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from weightsync.agent.client import TrainerSession, local_shards
 from weightsync.agent.staging import segments
-from weightsync.agent.transfer.serve import StagingStore
+from weightsync.agent.staging.versions import StagedVersions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "agent_process"))
 from staging_agent import serve_staging
@@ -119,7 +119,7 @@ def _rank_main(rank: int, world: int, root: str) -> None:
             sd = fsdp.state_dict()
         assert all(type(v).__name__ == "ShardedTensor" for v in sd.values()), {k: type(v) for k, v in sd.items()}
 
-        store = StagingStore([rank], f"wstest-st{rank}")
+        store = StagedVersions([rank], f"wstest-st{rank}")
         server = serve_staging(Path(root) / f"agent{rank}.sock", store)
         try:
             with TrainerSession(Path(root) / f"agent{rank}.sock", rank=rank) as s:

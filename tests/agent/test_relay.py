@@ -21,6 +21,7 @@ from wsagent_helpers import full_tensor, same_bits, slice_of
 from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import BucketPlan, TransferPlan, build_plan
 from weightsync.agent.transfer.digest import Digest, DigestHooks, DigestMismatch
+from weightsync.agent.transfer.receive import WeightReceiver
 from weightsync.agent.transfer.relay import (
     RelayHub,
     RelayServer,
@@ -29,7 +30,8 @@ from weightsync.agent.transfer.relay import (
     chain_links,
     parse_hop,
 )
-from weightsync.agent.transfer.sync import SyncError, WeightReceiver, WeightSender
+from weightsync.agent.transfer.send import WeightSender
+from weightsync.agent.transfer.sync import SyncError
 from weightsync.agent.transports.nccl import NcclTransport, make_store
 from weightsync.agent.wire import protocol as P
 from weightsync.agent.wire.link import LinkListener, Mailbox, connect

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from weightsync.agent.staging import segments
-from weightsync.agent.transfer.serve import ServedTracker, StagingError, StagingStore
+from weightsync.agent.staging.index import StagingError
+from weightsync.agent.staging.versions import StagedVersions
+from weightsync.agent.transfer.served import ServedTracker
 from weightsync.crds.topology import InferenceReplicaTopology, PodMember, Topology, TrainerTopology
 
 
-def _publish(store: StagingStore, version: int, session: str, rank: int = 0) -> None:
+def _publish(store: StagedVersions, version: int, session: str, rank: int = 0) -> None:
     data = torch.full((4,), float(version))
     seg = store.stage(rank, version, segments.tensor_nbytes(data), "cpu", session=session)
     seg.view(0, data.dtype, data.shape).copy_(data)
@@ -23,19 +26,19 @@ def _publish(store: StagingStore, version: int, session: str, rank: int = 0) -> 
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))  # the staging volume (the pod's emptyDir)
-    s = StagingStore([0], f"weightsync-test-epoch-{id(object())}", keep=2)
+    s = StagedVersions([0], f"weightsync-test-epoch-{id(object())}", keep=2)
     yield s
     s.close()
 
 
-def test_the_same_trainer_going_backwards_is_an_error(store: StagingStore) -> None:
+def test_the_same_trainer_going_backwards_is_an_error(store: StagedVersions) -> None:
     _publish(store, 5, "run-a")
     with pytest.raises(StagingError, match="versions must increase"):
         _publish(store, 3, "run-a")
     assert store.trainer_epoch == 0 and store.latest() == 5
 
 
-def test_a_new_trainer_session_starts_a_new_epoch_and_drops_the_old_versions(store: StagingStore) -> None:
+def test_a_new_trainer_session_starts_a_new_epoch_and_drops_the_old_versions(store: StagedVersions) -> None:
     _publish(store, 4, "run-a")
     _publish(store, 5, "run-a")
     _publish(store, 1, "run-b")  # the trainer restarted
@@ -47,12 +50,12 @@ def test_a_new_trainer_session_starts_a_new_epoch_and_drops_the_old_versions(sto
     assert store.trainer_epoch == 1 and store.latest() == 2
 
 
-def test_a_restarted_agent_recognises_a_restarted_trainer_from_its_pod(store: StagingStore) -> None:
+def test_a_restarted_agent_recognises_a_restarted_trainer_from_its_pod(store: StagedVersions) -> None:
     """The agent restarted too: its store is empty, but its proven pod annotation says epoch 2 published 9."""
     store.resume(2, 9)
     _publish(store, 10, "run-a")  # the same trainer going on (it reconnected): same epoch
     assert store.trainer_epoch == 2
-    fresh = StagingStore([0], f"weightsync-test-epoch-b-{id(store)}")
+    fresh = StagedVersions([0], f"weightsync-test-epoch-b-{id(store)}")
     try:
         fresh.resume(2, 9)
         _publish(fresh, 1, "run-b")
@@ -61,7 +64,7 @@ def test_a_restarted_agent_recognises_a_restarted_trainer_from_its_pod(store: St
         fresh.close()
 
 
-def test_a_version_being_read_keeps_its_bytes_until_the_transfer_ends(store: StagingStore) -> None:
+def test_a_version_being_read_keeps_its_bytes_until_the_transfer_ends(store: StagedVersions) -> None:
     _publish(store, 7, "run-a")
     with store.reading(7) as sv:
         _publish(store, 1, "run-b")

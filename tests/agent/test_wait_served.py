@@ -13,8 +13,10 @@ import pytest
 
 from weightsync.agent.client import ServedState, ServedTimeout, TrainerSession
 from weightsync.agent.metrics import AgentMetrics
+from weightsync.agent.staging.versions import StagedVersions
 from weightsync.agent.transfer.fetch import TrainerPeers
-from weightsync.agent.transfer.serve import ServedTracker, StagingStore, WeightServer, loading_pods
+from weightsync.agent.transfer.serve import WeightServer
+from weightsync.agent.transfer.served import ServedTracker, loading_pods
 from weightsync.agent.wire import protocol as P
 from weightsync.agent.wire.link import connect
 from weightsync.agent.wire.local import LocalServer
@@ -139,7 +141,7 @@ def test_only_serving_leaves_out_replicas_that_serve_nothing_but_needs_one() -> 
 # --- ws.served over real links ------------------------------------------------------------------------------
 @pytest.fixture
 def server(tmp_path: Path) -> Any:
-    store = StagingStore([0], f"wstest-served-{id(tmp_path)}")
+    store = StagedVersions([0], f"wstest-served-{id(tmp_path)}")
     srv = WeightServer(host="127.0.0.1", port=0, token=TOKEN, pod="j-trainer-0", store=store,
                        transport_for=lambda *a: (_ for _ in ()).throw(AssertionError("no transfer here")),
                        metrics=AgentMetrics(), mode="NCCL", generation=lambda: 1).start()

@@ -22,7 +22,9 @@ import torch
 
 from weightsync.agent.plan import Box, TensorShard, build_plan
 from weightsync.agent.plan.buckets import itemsize, to_dtype
-from weightsync.agent.transfer.sync import SyncHooks, WeightReceiver, WeightSender
+from weightsync.agent.transfer.receive import WeightReceiver
+from weightsync.agent.transfer.send import WeightSender
+from weightsync.agent.transfer.sync import SyncHooks
 from weightsync.agent.transports.base import Pending, Transport, TransportContext
 from weightsync.agent.transports.ipc import IpcTransport
 from weightsync.agent.transports.nccl import NcclTransport, make_store

@@ -1,16 +1,17 @@
 """A minimal trainer agent for client tests: answers a TrainerSession's hello, stage and publish on a real
-Unix socket straight from a real StagingStore (no control plane, no peers)."""
+Unix socket straight from a real StagedVersions (no control plane, no peers)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from weightsync.agent.transfer.serve import StagingError, StagingStore
+from weightsync.agent.staging.index import StagingError
+from weightsync.agent.staging.versions import StagedVersions
 from weightsync.agent.wire.local import LocalServer
 
 
-def serve_staging(path: Path, store: StagingStore) -> LocalServer:
+def serve_staging(path: Path, store: StagedVersions) -> LocalServer:
     def handler(conn: Any) -> None:
         conn.recv()
         conn.reply_ok()

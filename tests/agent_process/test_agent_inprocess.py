@@ -26,7 +26,8 @@ from weightsync.agent.podstate import (
     synced_state,
 )
 from weightsync.agent.staging import segments
-from weightsync.agent.transfer.serve import StagingError, StagingStore
+from weightsync.agent.staging.index import StagingError
+from weightsync.agent.staging.versions import StagedVersions
 from weightsync.agent.wire.local import LocalServer
 from weightsync.crds import contract
 from weightsync.crds.topology import InferenceReplicaTopology, PodMember, Topology, TrainerTopology
@@ -126,7 +127,7 @@ def test_local_shards_dtensor_uses_truthful_global_metadata() -> None:
 def test_staging_store_keeps_latest_and_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     completed: list[int] = []
-    store = StagingStore([0], "wstest", keep=1, on_complete=lambda sv: completed.append(sv.version))
+    store = StagedVersions([0], "wstest", keep=1, on_complete=lambda sv: completed.append(sv.version))
     meta = [{"name": "w", "dtype": "float32", "shape": [4], "global_shape": [4], "global_offset": [0],
              "offset": 0, "nbytes": 16}]
     try:
@@ -204,7 +205,7 @@ def test_custom_engine_over_socket_and_shm_always_resumes(tmp_path: Path, monkey
 
 def test_trainer_session_publish_is_bit_exact_in_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
-    store = StagingStore([0], "wstest")
+    store = StagedVersions([0], "wstest")
     server = serve_staging(tmp_path / "agent.sock", store)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     weights = {**{k: v.detach().clone() for k, v in model.state_dict().items()},

@@ -13,14 +13,15 @@ import torch
 from weightsync.agent.client import TrainerSession, checksums
 from weightsync.agent.plan import TensorShard, buckets, build_plan
 from weightsync.agent.staging import segments
+from weightsync.agent.staging.index import StagingError
+from weightsync.agent.staging.versions import StagedVersions
 from weightsync.agent.transfer import digest as D
 from weightsync.agent.transfer.leaves import leaf, piece_key
-from weightsync.agent.transfer.serve import StagingError, StagingStore
 from weightsync.agent.wire import protocol as P
 from weightsync.agent.wire.local import LocalServer
 
 
-def serve(path: Path, store: StagingStore, requests: list[dict[str, Any]], *, current: bool) -> LocalServer:
+def serve(path: Path, store: StagedVersions, requests: list[dict[str, Any]], *, current: bool) -> LocalServer:
     """A trainer agent's local socket over `store`, recording each request. `current`: this release's answers
     (layout ids, publish by index); else an earlier release's (it ignores both)."""
     def handler(conn: Any) -> None:
@@ -55,7 +56,7 @@ def test_an_unchanged_index_is_published_by_id_and_the_bytes_stay_exact(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch,
                                                                         current: bool) -> None:
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
-    store = StagingStore([0], f"wstest-moe-{current}", keep=1)
+    store = StagedVersions([0], f"wstest-moe-{current}", keep=1)
     requests: list[dict[str, Any]] = []
     server = serve(tmp_path / "agent.sock", store, requests, current=current)
     try:
@@ -80,7 +81,7 @@ def test_an_unchanged_index_is_published_by_id_and_the_bytes_stay_exact(tmp_path
 
 def test_a_publish_by_an_unknown_index_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
-    store = StagingStore([0], "wstest-moe-unknown")
+    store = StagedVersions([0], "wstest-moe-unknown")
     try:
         seg = store.stage(0, 1, 4096, "cpu")
         with pytest.raises(StagingError, match=P.INDEX_UNKNOWN):

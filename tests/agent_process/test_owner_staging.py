@@ -19,7 +19,7 @@ from weightsync.agent.client import TrainerSession, arena_offsets, local_shards
 from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import TensorShard, TransferPlan, build_plan
 from weightsync.agent.staging import segments
-from weightsync.agent.transfer.serve import StagingStore
+from weightsync.agent.staging.versions import StagedVersions
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "agent_pipeline.py"
 METAS = [TensorMeta(f"l{i}.{k}_proj.weight", "float32", (16 + 8 * i, 32)) for i in range(3) for k in ("q", "o")]
@@ -55,7 +55,7 @@ def test_a_replica_stages_only_what_it_sends_and_a_second_plan_stages_everything
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     src, plan = _hsdp_plan(dp=2, fsdp=1, tp=1)
-    store = StagingStore([1], "wsowner")  # the agent of trainer rank 1, a replica of rank 0
+    store = StagedVersions([1], "wsowner")  # the agent of trainer rank 1, a replica of rank 0
     server = serve_staging(tmp_path / "agent.sock", store)
     weights = {m.name: torch.randn(m.shape) for m in METAS}
     try:
@@ -97,13 +97,13 @@ def test_a_replaced_plan_stops_holding_the_staging_whole(tmp_path: Path, monkeyp
     """bucketSizeMB changes (a new plan, same owners): for a few versions the rank is read by two plans and
     stages everything; once the old plan has read none of the last PLAN_MEMORY_VERSIONS versions, the rank
     stages only its own shards again, in the new plan's arena."""
-    from weightsync.agent.transfer.serve import PLAN_MEMORY_VERSIONS
+    from weightsync.agent.staging.versions import PLAN_MEMORY_VERSIONS
 
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     src, old = _hsdp_plan(dp=2, fsdp=1, tp=1)
     new = build_plan(src, [inference_layout(METAS, 1, 0)], 8 << 10)
     assert new.hash != old.hash and set(new.source_arena(1).unsent) == set(old.source_arena(1).unsent)
-    store = StagingStore([1], "wsowner")
+    store = StagedVersions([1], "wsowner")
     server = serve_staging(tmp_path / "agent.sock", store)
     weights = {m.name: torch.randn(m.shape) for m in METAS}
     unstaged: dict[int, set[str]] = {}
@@ -225,7 +225,7 @@ def test_a_spare_that_comes_after_the_next_versions_own_segment_is_dropped(tmp_p
 def test_the_trainer_unmaps_staging_segments_the_agent_stopped_offering(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
-    store = StagingStore([0], "wslru", keep=1)
+    store = StagedVersions([0], "wslru", keep=1)
     server = serve_staging(tmp_path / "agent.sock", store)
     try:
         with TrainerSession(tmp_path / "agent.sock", rank=0) as s:
@@ -246,7 +246,7 @@ def test_a_compact_layout_for_another_model_is_not_used(tmp_path: Path, monkeypa
     all, in order; nothing is lost."""
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     _, plan = _hsdp_plan(dp=2, fsdp=1, tp=1)
-    store = StagingStore([1], "wsother")
+    store = StagedVersions([1], "wsother")
     server = serve_staging(tmp_path / "agent.sock", store)
     other = {f"new{i}.weight": torch.randn(64, 32) for i in range(3)}  # 24 KiB, more than the compact arena
     try:

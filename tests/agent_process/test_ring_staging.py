@@ -16,7 +16,8 @@ import torch
 from podprocs import Cluster, get_text, metric_value, wait_for
 
 from weightsync.agent.staging import ring, segments
-from weightsync.agent.transfer.serve import StagingError, StagingStore
+from weightsync.agent.staging.index import StagingError
+from weightsync.agent.staging.versions import StagedVersions
 from weightsync.crds import contract
 
 MiB = 1 << 20
@@ -191,10 +192,10 @@ def test_fill_slot_places_pieces_where_the_bucket_wants_them(tmp_path: Path, mon
 def test_ring_store_streams_metadata_only_and_tells_trainers_what_it_drops(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
-    rs = ring.RingStaging("wstest", depth=2)
+    rs = ring.BucketRing("wstest", depth=2)
     dropped: list[tuple[int, list[int]]] = []
     monkeypatch.setattr(rs, "drop", lambda v, ranks: dropped.append((v, ranks)))
-    store = StagingStore([0], "wstest", ring=rs)
+    store = StagedVersions([0], "wstest", ring=rs)
     meta = [{"name": "w", "dtype": "float32", "shape": [4, 8], "global_shape": [4, 8], "global_offset": [0, 0],
              "nbytes": 128}]
     before = segments.STAGING.current

@@ -2,7 +2,7 @@
 trainer with BrokenPipe on its next publish. Now a call reconnects with back-off and is done again from the
 start (the new agent has none of the old one's staging), and an agent that stays away ends in a clear
 AgentUnavailable after `reconnect_timeout`, not a crash inside the training step. The agent side is the
-real local socket server with a real StagingStore in shared memory (staging_agent.serve_staging)."""
+real local socket server with a real StagedVersions in shared memory (staging_agent.serve_staging)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from staging_agent import serve_staging
 
 from weightsync.agent.client import AgentUnavailable, TrainerSession, checksums
 from weightsync.agent.staging import segments
-from weightsync.agent.transfer.serve import StagingStore
+from weightsync.agent.staging.versions import StagedVersions
 from weightsync.agent.wire.local import LocalServer
 
 HERE = Path(__file__).resolve().parent
@@ -27,8 +27,8 @@ AGENT = """
 import sys, threading
 sys.path.insert(0, sys.argv[1])
 from staging_agent import serve_staging
-from weightsync.agent.transfer.serve import StagingStore
-serve_staging(__import__("pathlib").Path(sys.argv[2]), StagingStore([0], sys.argv[3]))
+from weightsync.agent.staging.versions import StagedVersions
+serve_staging(__import__("pathlib").Path(sys.argv[2]), StagedVersions([0], sys.argv[3]))
 print("ready", flush=True)
 threading.Event().wait()
 """
@@ -51,7 +51,7 @@ def test_publish_survives_an_agent_restart(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     sock = tmp_path / "agent.sock"
     agent = start_agent_process(sock, "wsold", tmp_path)
-    restarted: list[tuple[LocalServer, StagingStore]] = []
+    restarted: list[tuple[LocalServer, StagedVersions]] = []
     try:
         with TrainerSession(sock, rank=0, reconnect_timeout=30) as s:
             s.publish(_weights(1), version=1)
@@ -60,7 +60,7 @@ def test_publish_survives_an_agent_restart(tmp_path: Path, monkeypatch: pytest.M
 
             def restart() -> None:
                 time.sleep(1.0)
-                store = StagingStore([0], "wsnew")
+                store = StagedVersions([0], "wsnew")
                 restarted.append((serve_staging(sock, store), store))
 
             threading.Thread(target=restart, daemon=True).start()
@@ -95,7 +95,7 @@ def test_agent_that_stays_away_is_a_clear_error(tmp_path: Path, monkeypatch: pyt
 
 def test_an_agent_answer_is_never_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
-    store = StagingStore([0], "wsanswer")
+    store = StagedVersions([0], "wsanswer")
     server = serve_staging(tmp_path / "agent.sock", store)
     try:
         with TrainerSession(tmp_path / "agent.sock", rank=0, reconnect_timeout=30) as s:

@@ -15,7 +15,7 @@ from staging_agent import serve_staging
 from weightsync.agent import client
 from weightsync.agent.client import TrainerSession
 from weightsync.agent.staging import segments
-from weightsync.agent.transfer.serve import StagingStore
+from weightsync.agent.staging.versions import StagedVersions
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def test_a_publish_of_cpu_tensors_warns_once_per_session(tmp_path: Path, monkeyp
                                                          caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    store = StagingStore([0], "wstest")
+    store = StagedVersions([0], "wstest")
     server = serve_staging(tmp_path / "agent.sock", store)
     try:
         with caplog.at_level(logging.WARNING, logger="weightsync.agent.client"), \

@@ -31,8 +31,9 @@ from weightsync.agent.engines.custom import CustomEngineAdapter
 from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
 from weightsync.agent.plan import Box, build_plan, shards_of
 from weightsync.agent.staging import segments
-from weightsync.agent.transfer.serve import StagingStore
-from weightsync.agent.transfer.sync import PlacedTensors, ShardPieces, in_place, source_region
+from weightsync.agent.staging.versions import StagedVersions
+from weightsync.agent.transfer.send import source_region
+from weightsync.agent.transfer.sync import PlacedTensors, ShardPieces, in_place
 from weightsync.crds import contract
 
 
@@ -194,7 +195,7 @@ def test_a_resharded_layout_copies_each_byte_once_through_real_agents(mode: str)
 def test_trainer_stages_in_the_plan_arena_so_every_bucket_is_sent_in_place(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
-    store = StagingStore([0], "wstest")
+    store = StagedVersions([0], "wstest")
     server = serve_staging(tmp_path / "agent.sock", store)
     weights = {f"layer{i}.weight": torch.randn(32 + i, 16) for i in range(12)} | {"tiny": torch.randn(3)}
     try:
@@ -230,7 +231,7 @@ def test_a_resharded_trainer_stages_pieces_where_their_buckets_are(tmp_path: Pat
     full = {m.name: torch.randn(m.shape) for m in metas}
     src = [trainer_layout(metas, fsdp_size=2, fsdp_rank=r) for r in range(2)]
     plan = build_plan(src, [inference_layout(metas, 2, r) for r in range(2)], 8 << 10)
-    store = StagingStore([0], "wstest")
+    store = StagedVersions([0], "wstest")
     server = serve_staging(tmp_path / "agent.sock", store)
     weights = {s.name: TensorShard(full[s.name][s.box.slices_within(Box.full(s.global_shape))].clone(),
                                    s.global_shape, s.box.offset) for s in src[0]}

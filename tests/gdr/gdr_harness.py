@@ -32,7 +32,9 @@ from weightsync.agent.plan import Box, TensorShard, build_plan
 from weightsync.agent.plan.buckets import entry_view, itemsize, to_dtype
 from weightsync.agent.transfer.digest import Digest, DigestHooks
 from weightsync.agent.transfer.groups import RoutingTransport
-from weightsync.agent.transfer.sync import SyncHooks, WeightReceiver, WeightSender
+from weightsync.agent.transfer.receive import WeightReceiver
+from weightsync.agent.transfer.send import WeightSender
+from weightsync.agent.transfer.sync import SyncHooks
 from weightsync.agent.transfer.verify import ChecksumHooks, RetryPolicy
 from weightsync.agent.transports.base import Pending, Transport, TransportContext
 from weightsync.agent.transports.delta import DeltaConfig
