@@ -113,6 +113,8 @@ troubleshooting-doc: setup
 lint: $(STAMP)
 	$(VPY) -m ruff check .
 	$(VPY) -m mypy
+	$(VENV)/bin/lint-imports --no-cache --no-logo pyproject.toml
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/lint/test_import_cycles.py
 
 dev-up: setup
 	$(VPY) -m weightsync.e2e.cli up

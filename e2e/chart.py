@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from weightsync.crds import contract
 from weightsync.e2e.binaries import find_binary
 from weightsync.e2e.demo import wait_established
