@@ -451,7 +451,8 @@ def run_workers(cfg: Any, run: Callable[..., dict[str, Any]], preload: list[str]
     from weightsync.agent.transports.nccl import make_store
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "weightsync.agent.transfer.sync", "weightsync.agent.layout.rules", *preload])
+    ctx.set_forkserver_preload(["torch", "weightsync.agent.transfer.send", "weightsync.agent.transfer.receive",
+                                  "weightsync.agent.layout.rules", *preload])
     store = make_store(HOST, 0, is_master=True, timeout=cfg.timeout)
     out = ctx.Queue()
     procs = [ctx.Process(target=_report, args=(run, cfg, "src", r, store.port, out), daemon=True)

@@ -7,7 +7,7 @@ were checked, to the next replica, which forwards it to the next: a chain. The t
 once, each replica receives it once and sends it at most once, and the chain is pipelined bucket by bucket,
 so the last replica has a version about one bucket per hop after the first.
 
-Who relays is decided by the trainer agent of each source rank (server.py `WeightServer._fan_out`): the
+Who relays is decided by the trainer agent of each source rank (transfer/serve.py `WeightServer._dispatch`): the
 replicas whose transfers of one (version, source rank, plan) complete their rendezvous within
 FANOUT_GATHER_S of the first (waiting only while replicas that asked for the version's metadata lately have not
 arrived), and whose destination ranks for that source all live in one pod (so one

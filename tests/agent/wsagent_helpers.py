@@ -237,7 +237,8 @@ def _receiver(scn: Scenario, rank: int, port: int, out: Any) -> None:
     out.put(res)
 
 
-PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.device_mesh", "weightsync.agent.transfer.sync",
+PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.device_mesh", "weightsync.agent.transfer.send",
+           "weightsync.agent.transfer.receive",
            "weightsync.agent.layout.rules", "wsagent_helpers"]
 
 
