@@ -381,7 +381,7 @@ class StagedVersions:
         for rs in sv.ranks.values():
             if rs.slot is not None:
                 self._release_slot(rs.slot)
-        log.info("segments.withdraw version=%s", version)
+        log.info("staging.withdraw version=%s", version)
         return True
 
     def withdraw_rank(self, rank: int) -> list[int]:
@@ -452,7 +452,7 @@ class StagedVersions:
                 continue
             del self._versions[v]
             self._forget(sv)
-            log.info("segments.evict version=%s", v)
+            log.info("staging.evict version=%s", v)
         # incomplete versions older than the newest complete one will never complete usefully
         for v in [v for v, s in self._versions.items() if not s.complete and complete and v < complete[0]]:
             self._forget(self._versions.pop(v))

@@ -136,7 +136,7 @@ def test_a_receiver_dying_mid_stream_frees_the_ring_and_commits_nothing(tmp_path
     tm = _trainer_metrics(t)
     assert metric_value(tm, "weightsync_agent_ring_transfers") == 0.0  # the ring is back in the pool
     assert (metric_value(tm, "weightsync_agent_staging_peak_bytes") or 0.0) <= 2 * MiB + 64 * 1024
-    assert "segments.withdraw version=2" in c.log_text(t, "agent")
+    assert "staging.withdraw version=2" in c.log_text(t, "agent")
     assert all(r["version"] != 2 for r in _rows(commits))
 
     c.start_agent(i)  # a new receiver: it must not find version 2 any more, and gets version 3 whole
