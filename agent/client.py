@@ -2,7 +2,9 @@
 
 Both talk to the pod's agent over its Unix socket (agent/wire/local.py); tensor bytes go through staging
 segments (agent/staging/segments.py), so a publish is one copy of the trainer's local shards into shared memory and
-returns as soon as the trainer may reuse (or keep updating) its own memory.
+returns as soon as the trainer may reuse (or keep updating) its own memory. Reading what a rank holds is
+agent/layout/shards.py's job; placing it in a staging segment (and an engine's views of a bucket there),
+agent/staging/places.py's.
 
     with TrainerSession() as s:
         s.publish(model, version=step)            # nn.Module, state_dict, or (name, tensor) pairs
@@ -10,197 +12,56 @@ returns as soon as the trainer may reuse (or keep updating) its own memory.
 
     sess = InferenceSession(on_bucket=load, on_commit=commit)
     sess.start()                                  # background thread; reconnects if the agent restarts
+
+`PlacedShard` (a local tensor with its global placement, for shards held as plain tensors) lives in
+agent/layout/shards.py and is part of this library's API: it is imported here and listed in `__all__`, so
+`from weightsync.agent.client import PlacedShard` is the import apps use.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-import math
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from weightsync.agent.plan import buckets
+from weightsync.agent.layout.engine import EngineLayout
+from weightsync.agent.layout.shards import LocalShard, PlacedShard, Weights, local_shards
 from weightsync.agent.staging import ring, segments
+from weightsync.agent.staging.places import (
+    BucketViews,
+    PiecePlaces,
+    TrainerStaging,
+    copy_all,
+    index_entry,
+    oversubscribed_threads,
+    shard_key,
+)
 from weightsync.agent.wire import local
 from weightsync.agent.wire import protocol as P
 from weightsync.crds import contract
+
+__all__ = ["AgentUnavailable", "BucketCallback", "InferenceSession", "PiecesCallback", "PlacedShard",
+           "PublishResult", "ServedState", "ServedTimeout", "TrainerSession", "Weights", "default_socket_path"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class TensorShard:
-    """A local shard with explicit global placement, for tensor-parallel shards held as plain tensors."""
-
-    tensor: torch.Tensor
-    global_shape: tuple[int, ...]
-    global_offset: tuple[int, ...]
-
-
-Weights = torch.nn.Module | Mapping[str, Any] | Iterable[tuple[str, Any]]
-
-
-@dataclass(frozen=True)
-class LocalShard:
-    """What a rank publishes for one tensor: its local bytes and where they sit in the global tensor."""
-
-    name: str
-    tensor: torch.Tensor
-    global_shape: tuple[int, ...]
-    global_offset: tuple[int, ...]
-
-
 def default_socket_path() -> Path:
+    """The agent's socket: WEIGHTSYNC_AGENT_SOCKET when set, else the agent's name in WEIGHTSYNC_SOCKET_DIR."""
     explicit = os.environ.get(contract.ENV_APP_SOCKET)
     if explicit:
         return Path(explicit)
     return Path(os.environ.get(contract.ENV_SOCKET_DIR) or contract.SOCKET_DIR) / contract.AGENT_SOCKET_NAME
-
-
-def _dtensor_shard(name: str, t: Any) -> LocalShard:
-    """The local tensor and its box; a placement with no box (a _StridedShard whose rows are not
-    contiguous, Partial, unknown types) is refused by name (dtensor_layout.PlacementError)."""
-    from torch.distributed.tensor import DTensor
-
-    from weightsync.agent.layout.dtensor import dtensor_local_box
-
-    assert isinstance(t, DTensor)
-    offset, _shape = dtensor_local_box(name, t)
-    return LocalShard(name, t.to_local().detach(), tuple(t.shape), offset)
-
-
-def _is_sharded_tensor(t: Any) -> bool:
-    return any(c.__name__ == "ShardedTensor" and c.__module__.startswith("torch.distributed._shard")
-               for c in type(t).__mro__)
-
-
-def _sharded_tensor_shard(name: str, t: Any) -> LocalShard | None:
-    """An FSDP1 ShardedTensor (SHARDED_STATE_DICT): this rank's one local shard with its global box, or None
-    when this rank holds no shard of it (torch.chunk leaves the last ranks empty for a short dim 0)."""
-    from torch.distributed._shard.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec
-
-    spec = t.sharding_spec()
-    if not isinstance(spec, ChunkShardingSpec | EnumerableShardingSpec):
-        raise ValueError(f"{name}: a ShardedTensor with sharding spec {type(spec).__name__} is not supported "
-                         "(ChunkShardingSpec and EnumerableShardingSpec are); publish its local shard as a "
-                         "TensorShard(tensor, global_shape, global_offset)")
-    shards = t.local_shards()
-    if not shards:
-        return None
-    if len(shards) > 1:
-        raise ValueError(f"{name}: this rank holds {len(shards)} local shards of the ShardedTensor; one per rank is "
-                         "supported (publish each as its own TensorShard under its own name, or reshard)")
-    shard = shards[0]
-    local_t = shard.tensor.detach()
-    global_shape = tuple(int(d) for d in t.metadata().size)
-    offset = tuple(int(o) for o in shard.metadata.shard_offsets)
-    sizes = tuple(int(d) for d in shard.metadata.shard_sizes)
-    if sizes != tuple(local_t.shape):
-        raise ValueError(f"{name}: local shard shape {tuple(local_t.shape)} does not match its metadata {sizes}")
-    if len(offset) != len(global_shape) or len(sizes) != len(global_shape):
-        raise ValueError(f"{name}: shard offsets {offset} do not match the global shape {global_shape}")
-    for d, (g, o, n) in enumerate(zip(global_shape, offset, sizes, strict=True)):
-        if o < 0 or o + n > g:
-            raise ValueError(f"{name}: dim {d} shard [{o}, {o + n}) lies outside global size {g}")
-    return LocalShard(name, local_t, global_shape, offset)
-
-
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    """`t` out of autograd: a detached alias when it takes part in it, else itself (a detach per tensor cost
-    microseconds each, tens of thousands of times per MoE publish, to change nothing)."""
-    return t.detach() if t.requires_grad or t.grad_fn is not None else t
-
-
-def _is_parameter(value: Any) -> bool:
-    """isinstance(value, nn.Parameter) without its Python-level instance check for the common plain tensor."""
-    if type(value) is torch.Tensor and not getattr(value, "_is_param", False):
-        return False
-    return isinstance(value, torch.nn.Parameter)
-
-
-def _shard_of(name: str, value: Any) -> LocalShard | None:
-    if isinstance(value, TensorShard):
-        t = _detached(value.tensor)
-        shape = t.shape
-        if len(value.global_shape) != len(shape) or len(value.global_offset) != len(shape):
-            raise ValueError(f"{name}: global shape/offset rank does not match the tensor's {t.dim()} dims")
-        if any(o < 0 or o + n > g for g, o, n in zip(value.global_shape, value.global_offset, shape, strict=True)):
-            d, g, o, n = next((d, g, o, n) for d, (g, o, n) in enumerate(zip(value.global_shape, value.global_offset,
-                                                                             shape, strict=True)) if o < 0 or o + n > g)
-            raise ValueError(f"{name}: dim {d} shard [{o}, {o + n}) lies outside global size {g}")
-        return LocalShard(name, t, tuple(value.global_shape), tuple(value.global_offset))
-    if type(value).__name__ == "DTensor":
-        return _dtensor_shard(name, value)
-    if _is_sharded_tensor(value):
-        return _sharded_tensor_shard(name, value)
-    if isinstance(value, torch.Tensor):
-        t = _detached(value)
-        return LocalShard(name, t, tuple(t.shape), (0,) * t.dim())
-    raise TypeError(f"{name}: expected a tensor, DTensor, ShardedTensor or TensorShard, got {type(value).__name__}")
-
-
-def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
-    if type(t).__name__ == "DTensor" or _is_sharded_tensor(t) or t.numel() == 0:
-        return None
-    # the first byte's address stands for (storage, offset): two views that start at the same address with the
-    # same shape, strides and dtype are the same bytes (and it costs no storage object per tensor)
-    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-
-
-def local_shards(weights: Weights) -> tuple[list[LocalShard], dict[str, str]]:
-    """Normalise what the app passes to publish into local shards, plus tied aliases {dropped: kept}.
-
-    Tied weights (e.g. lm_head.weight sharing embed_tokens.weight) are published once under the first name;
-    the alias map tells receivers the other name refers to the same bytes.
-    """
-    if isinstance(weights, torch.nn.Module):
-        items: Iterable[tuple[str, Any]] = weights.state_dict(keep_vars=True).items()
-    elif isinstance(weights, Mapping):
-        items = weights.items()
-    else:
-        items = weights
-    shards: list[LocalShard] = []
-    aliases: dict[str, str] = {}
-    seen: dict[tuple[Any, ...], str] = {}
-    names: set[str] = set()
-    for name, value in items:
-        if name in names:
-            raise ValueError(f"tensor name {name!r} appears twice in one publish")
-        names.add(name)
-        raw = value.data if not isinstance(value, TensorShard) and _is_parameter(value) else value
-        key = _alias_key(raw) if isinstance(raw, torch.Tensor) else None
-        if key is not None and key in seen:
-            aliases[name] = seen[key]
-            continue
-        if key is not None:
-            seen[key] = name
-        shard = _shard_of(name, raw)
-        if shard is not None:  # None: a ShardedTensor of which this rank holds no shard
-            shards.append(shard)
-    return shards, aliases
-
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes in row-major order: the same digest on both sides means bit-exact."""
-    c = t.detach().contiguous().cpu()
-    if c.numel() == 0:
-        return hashlib.sha256(b"").hexdigest()
-    return hashlib.sha256(c.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    return {name: tensor_checksum(t) for name, t in named}
 
 
 @dataclass(frozen=True)
@@ -287,145 +148,6 @@ def _link_lost(exc: BaseException) -> bool:
         exc, (TimeoutError, local.PeerAnswer))
 
 
-#: where a shard staged in pieces puts each one: (offset in the shard, shape, byte offset in staging)
-PiecePlaces = list[tuple[tuple[int, ...], tuple[int, ...], int]]
-
-
-def arena_offsets(shards: Sequence[LocalShard], layout: Any, size: int) -> list[int | PiecePlaces | None] | None:
-    """Where each of `shards` goes in the staging layout the agent asked for (its plan's buckets, so they are
-    sent straight from staging): a byte offset for a shard staged whole, or its pieces' places for a shard
-    that travels in pieces (`layout["pieces"]`: each is copied to its place in its bucket, so this one copy
-    is also the pack), or None for a shard the plan sends from another rank (`layout["unsent"]`: a data-
-    parallel replica owns it; it is published by metadata only). None when the layout does not describe
-    exactly these tensors (first version, changed model): then they are packed in order and the agent packs
-    buckets itself."""
-    if not isinstance(layout, dict):
-        return None
-    try:
-        index = {e.name: e for e in buckets.BucketLayout.from_dict(layout).entries}
-        pieces: dict[str, PiecePlaces] = {}
-        for p in layout.get("pieces") or ():
-            pieces.setdefault(str(p["name"]), []).append(
-                (tuple(int(x) for x in p["offset"]), tuple(int(x) for x in p["shape"]), int(p["at"])))
-        unsent = {str(n) for n in layout.get("unsent") or ()}
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None
-    if set(index) & set(pieces) or unsent & (set(index) | set(pieces)) or \
-            set(index) | set(pieces) | unsent != {s.name for s in shards}:
-        return None
-    out: list[int | PiecePlaces | None] = []
-    for s in shards:
-        dtype, shape, isz = segments.dtype_name(s.tensor.dtype), tuple(s.tensor.shape), s.tensor.element_size()
-        if s.name in unsent:
-            out.append(None)
-            continue
-        if s.name in pieces:
-            places = pieces[s.name]
-            if any(len(o) != len(shape) or len(n) != len(shape) or at < 0 or at + math.prod(n) * isz > size
-                   or any(a < 0 or a + b > d for a, b, d in zip(o, n, shape, strict=True)) for o, n, at in places):
-                return None
-            if sum(math.prod(n) for _, n, _ in places) != math.prod(shape):
-                return None
-            out.append(places)
-            continue
-        e = index[s.name]
-        if e.dtype != dtype or e.shape != shape or e.offset + e.nbytes > size:
-            return None
-        out.append(e.offset)
-    return out
-
-
-def oversubscribed_threads(env: Mapping[str, str] | None = None) -> str | None:
-    """Why this rank's copy of CPU tensors into staging may stall, or None. The copy runs on torch's intra-op
-    threads (one per core by default); with several ranks on one pod (torchrun's LOCAL_WORLD_SIZE), each
-    running one per core, their OpenMP threads spin against each other. Measured with two ranks on two
-    cores (bench/agent_pipeline.py --mode ipc --fsdp 2 --inference-tp 2): the copy took up to 2 s instead
-    of 0.06 s. torchrun sets OMP_NUM_THREADS=1 per rank unless it is set; this catches the other launchers."""
-    env = os.environ if env is None else env
-    try:
-        local_ranks = int(env.get("LOCAL_WORLD_SIZE") or 1)
-    except ValueError:
-        return None
-    threads = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if local_ranks <= 1 or local_ranks * threads <= cores:
-        return None
-    return (f"{local_ranks} local ranks x {threads} intra-op threads each > {cores} cores: the copy into staging "
-            "runs on those threads and can stall for seconds; launch ranks as torchrun does (OMP_NUM_THREADS=1) "
-            f"or set OMP_NUM_THREADS to at most {max(1, cores // local_ranks)}")
-
-
-ShardKey = tuple[tuple[str, torch.dtype, torch.Size, tuple[int, ...], tuple[int, ...]], ...]
-
-
-def shard_key(shards: Sequence[LocalShard]) -> ShardKey:
-    """What a publish's staging layout depends on in its shards: names, dtypes, shapes and global boxes."""
-    return tuple([(s.name, s.tensor.dtype, s.tensor.shape, s.global_shape, s.global_offset) for s in shards])
-
-
-@dataclass
-class StagingLayout:
-    """One publish's places and tensor index, kept for the next publish of the same shards into the same layout.
-
-    Why: an MoE version has tens of thousands of tensors, and the places (arena_offsets: a parse of the agent's
-    layout), the index sent with the publish, and the staging views to copy into were rebuilt per tensor and per
-    version (about 40 us per tensor). They depend only on the shards' metadata, the layout the agent sent and the
-    segment, so they are built once per layout and segment; every publish still copies every byte."""
-
-    layout: Any
-    size: int
-    key: ShardKey
-    places: Sequence[int | PiecePlaces | None]
-    metas: list[dict[str, Any]]
-    #: segment name -> the staging views each copy writes to (shard order; a shard in pieces: one per piece)
-    views: dict[str, list[torch.Tensor]]
-    layout_id: str = ""  # the agent's name for `layout` (it then replies `layout_same` instead of sending it)
-    index_id: str = ""   # the agent's name for `metas` once it accepted them (a publish then sends the name only)
-
-    def matches(self, layout: Any, size: int, key: ShardKey) -> bool:
-        return self.size == size and self.key == key and self.layout == layout
-
-
-def staging_views(seg: segments.Segment, shards: Sequence[LocalShard],
-                  places: Sequence[int | PiecePlaces | None]) -> list[torch.Tensor]:
-    """The views of `seg` the shards are copied to: one per shard staged whole, one per piece of a shard staged
-    in pieces, none for a shard another rank sends. Slices of one typed view of the segment per dtype."""
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    out: list[torch.Tensor] = []
-    for s, place in zip(shards, places, strict=True):
-        if place is None:
-            continue
-        dt = s.tensor.dtype
-        flat = typed.get(dt)
-        if flat is None:
-            isz = torch.empty((), dtype=dt).element_size()
-            flat = typed[dt] = seg.tensor[: seg.size // isz * isz].view(dt)
-        isz = flat.element_size()
-        for at, shape in ([(place, tuple(s.tensor.shape))] if isinstance(place, int) else
-                          [(at, shape) for _, shape, at in place]):
-            n = math.prod(shape)
-            if at % isz or at + n * isz > seg.size:
-                raise ValueError(f"{s.name}: staging place {at} (+{n * isz} B) is unaligned or outside segment "
-                                 f"{seg.name} of {seg.size} B")
-            out.append(flat[at // isz: at // isz + n].view(shape))
-    return out
-
-
-def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Every src into its dst: one foreach call for CPU tensors (a loop of copy_ calls in C++; from Python it cost
-    about 5 us per tensor more), else a copy each. Not on CUDA: into a staging segment opened from the agent's CUDA
-    IPC handle, `_foreach_copy_` left the engines with other bytes (bench/agent_pipeline.py --device cuda on an
-    H200, torch 2.11: bit_exact false; the same copies one by one, and foreach between one process's own views,
-    were exact). CUDA copies are asynchronous launches anyway."""
-    if not dsts:
-        return
-    if all(t.device.type == "cpu" for t in dsts) and all(t.device.type == "cpu" for t in srcs):
-        torch._foreach_copy_(dsts, srcs)
-    else:
-        for d, t in zip(dsts, srcs, strict=True):
-            d.copy_(t)
-
-
 class TrainerSession:
     """A trainer rank's connection to its agent. Not thread-safe: one publish at a time per session.
 
@@ -456,16 +178,12 @@ class TrainerSession:
         # increase the version is a restarted trainer (a new trainer epoch), not a stale one.
         self.session_id = uuid.uuid4().hex
         self._conn: local.LocalConn | None = None
-        self._segments: dict[str, segments.Segment] = {}
         self._threads_checked = False
-        self._layout: StagingLayout | None = None  # the last publish's places, index and views (StagingLayout)
+        self._staging = TrainerStaging()  # the segments the agent handed out, the last publish's layout
 
     def _drop_connection(self) -> None:
         """Forget the agent: its connection and the staging segments it handed out."""
-        for seg in self._segments.values():
-            seg.close()
-        self._segments.clear()
-        self._layout = None  # its views map segments of the agent that went away
+        self._staging.close()  # its views map segments of the agent that went away
         if self._streamer is not None:
             self._streamer.close()
             self._streamer = None
@@ -503,30 +221,6 @@ class TrainerSession:
             self._conn = conn
         return self._conn
 
-    #: staging segments kept mapped (the agent rotates 2-3 per rank; one it replaced, e.g. by a smaller one once
-    #: the plan sends less from this rank, is unmapped here so that its memory is freed)
-    KEEP_SEGMENTS = 4
-
-    def _segment(self, handle: dict[str, Any]) -> segments.Segment:
-        name = str(handle["name"])
-        seg = self._segments.pop(name, None)
-        if seg is None or seg.size != int(handle["size"]):
-            if seg is not None:
-                self._forget_views(name)
-                seg.close()
-            seg = segments.attach_segment(handle)
-        self._segments[name] = seg  # most recently used last
-        while len(self._segments) > self.KEEP_SEGMENTS:
-            old = next(iter(self._segments))
-            self._forget_views(old)
-            self._segments.pop(old).close()
-        return seg
-
-    def _forget_views(self, name: str) -> None:
-        """Drop the cached views of a segment this process unmaps (they would keep its memory mapped)."""
-        if self._layout is not None:
-            self._layout.views.pop(name, None)
-
     def publish(self, weights: Weights, version: int) -> PublishResult:
         """Stage this rank's shards of `version` with the agent; returns when `weights` may be reused.
         Raises AgentUnavailable when the agent is gone for longer than `reconnect_timeout`."""
@@ -547,25 +241,25 @@ class TrainerSession:
             if why:
                 log.warning("trainer.threads_oversubscribed rank=%s %s", self.rank, why)
         conn = self._connection()
-        known = self._layout.layout_id if self._layout is not None and self._layout.layout_id else None
+        known = self._staging.layout_id()
         reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total, "device": device,
                               "stream": True, "skip_unsent": True, **({"layout_id": known} if known else {})})
         if "ring" in reply:
             return self._publish_streamed(conn, version, shards, aliases, sizes, t0)
-        seg = self._segment(reply["segment"])
+        seg = self._staging.segment(reply["segment"])
         key = shard_key(shards)
-        layout = self._layout_of(reply)
-        arena = self._arena(shards, layout, seg.size, key)
+        layout = self._staging.layout_of(reply)
+        arena = self._staging.arena(shards, layout, seg.size, key)
         if arena is None and seg.size < total:
             # a layout without the shards other ranks send, which does not describe these tensors (the model
             # changed): ask for a segment that holds them all, packed in order
             reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total,
                                   "device": device, "stream": True})
-            seg = self._segment(reply["segment"])
-            layout = self._layout_of(reply)
-            arena = self._arena(shards, layout, seg.size, key)
+            seg = self._staging.segment(reply["segment"])
+            layout = self._staging.layout_of(reply)
+            arena = self._staging.arena(shards, layout, seg.size, key)
         places: Sequence[int | PiecePlaces | None] = arena or offsets
-        lay = self._staging_layout(seg, shards, places, sizes, layout=layout if arena else None, key=key)
+        lay = self._staging.prepare(seg, shards, places, sizes, layout=layout if arena else None, key=key)
         lay.layout_id = str(reply.get("layout_id") or "") if arena else ""
         srcs: list[torch.Tensor] = []
         for s, place in zip(shards, places, strict=True):
@@ -594,50 +288,6 @@ class TrainerSession:
         lay.index_id = str(done.get("index") or "")
         return PublishResult(version, len(metas), sum(sizes), time.perf_counter() - t0)
 
-    def _layout_of(self, reply: Mapping[str, Any]) -> Any:
-        """The staging layout of a stage reply: the one this session holds when the agent says it is the same."""
-        lay = self._layout
-        if reply.get("layout_same") is True and lay is not None and lay.layout_id and \
-                reply.get("layout_id") == lay.layout_id:
-            return lay.layout
-        return reply.get("layout")
-
-    def _arena(self, shards: Sequence[LocalShard], layout: Any, size: int, key: ShardKey
-               ) -> list[int | PiecePlaces | None] | None:
-        """arena_offsets, or the last publish's places when the layout, segment size and shards are the same."""
-        known = self._layout
-        if layout is not None and known is not None and known.matches(layout, size, key):
-            return list(known.places)
-        return arena_offsets(shards, layout, size)
-
-    def _staging_layout(self, seg: segments.Segment, shards: Sequence[LocalShard],
-                        places: Sequence[int | PiecePlaces | None], sizes: Sequence[int], *, layout: Any,
-                        key: ShardKey) -> StagingLayout:
-        """The publish's tensor index and `seg`'s views for these places: the last ones when nothing changed."""
-        known = self._layout
-        if known is None or not known.matches(layout, seg.size, key) or \
-                list(known.places) != list(places):
-            metas = []
-            for s, place, n in zip(shards, places, sizes, strict=True):
-                meta: dict[str, Any] = {
-                    "name": s.name, "dtype": segments.dtype_name(s.tensor.dtype), "shape": list(s.tensor.shape),
-                    "global_shape": list(s.global_shape), "global_offset": list(s.global_offset), "nbytes": n,
-                }
-                if place is None:
-                    meta["unstaged"] = True
-                elif isinstance(place, int):
-                    meta["offset"] = place
-                else:
-                    meta["offset"] = place[0][2]
-                    meta["pieces"] = [{"offset": list(o), "shape": list(k), "at": at} for o, k, at in place]
-                metas.append(meta)
-            for name in list(known.views) if known is not None else ():
-                self._forget_views(name)
-            known = self._layout = StagingLayout(layout, seg.size, key, list(places), metas, {})
-        if seg.name not in known.views:
-            known.views[seg.name] = staging_views(seg, shards, places)
-        return known
-
     def _stream(self) -> ring.Streamer:
         if self._streamer is None or not self._streamer.alive:
             if self._streamer is not None:
@@ -654,9 +304,7 @@ class TrainerSession:
         streamer = self._stream()
         source, snap, hold = ring.snapshot_of({s.name: s.tensor for s in shards}, self.ring_snapshot)
         streamer.add(version, source)
-        metas = [{"name": s.name, "dtype": segments.dtype_name(s.tensor.dtype), "shape": list(s.tensor.shape),
-                  "global_shape": list(s.global_shape), "global_offset": list(s.global_offset), "nbytes": n}
-                 for s, n in zip(shards, sizes, strict=True)]
+        metas = [index_entry(s, n) for s, n in zip(shards, sizes, strict=True)]
         try:
             conn.request({"op": "publish_stream", "version": version, "rank": self.rank, "tensors": metas,
                           "aliases": aliases, "snapshot_bytes": snap, "hold": hold})
@@ -779,8 +427,6 @@ class InferenceSession:
         self.on_bucket = on_bucket
         self.on_pieces = on_pieces
         if layout is not None:  # refused here, by field, rather than by the agent at every reconnect
-            from weightsync.agent.layout.engine import EngineLayout
-
             EngineLayout.from_dict(layout)
         self.layout = dict(layout) if layout is not None else None
         self.on_commit = on_commit
@@ -795,8 +441,7 @@ class InferenceSession:
         self.loading: int | None = None  # version begun and not yet committed or aborted
         self.connected = threading.Event()
         self._segments: dict[str, segments.Segment] = {}
-        #: (segment, first offset, entries) -> (segment, layout dict, its views): InferenceSession._pairs
-        self._layouts: dict[tuple[Any, ...], tuple[segments.Segment, Any, list[tuple[str, torch.Tensor]]]] = {}
+        self._layouts = BucketViews()  # the views of the buckets' layouts seen, per segment
         self._stop = threading.Event()
         self._conn: local.LocalConn | None = None
         self._thread: threading.Thread | None = None
@@ -842,7 +487,7 @@ class InferenceSession:
         op = h["op"]
         if op == "bucket":
             seg = self._segment(h["segment"])
-            pairs = self._pairs_by_id(seg, h) if "layout_id" in h else self._pairs(seg, h["layout"])
+            pairs = self._layouts.by_id(seg, h) if "layout_id" in h else self._layouts.of(seg, h["layout"])
             places = h.get("places")
             if places is None:
                 self.on_bucket(int(h["version"]), pairs)
@@ -876,46 +521,6 @@ class InferenceSession:
             raise ValueError(f"unknown op {op!r}")
         return {"version": self.served_version, "layout_ids": True,
                 **({"pieces": True} if self.on_pieces is not None else {})}
-
-    #: bucket layouts whose views are kept (per agent connection); a version's buckets, a few times over
-    KEEP_LAYOUTS = 1024
-
-    def _pairs(self, seg: segments.Segment, layout_dict: Any) -> list[tuple[str, torch.Tensor]]:
-        """(name, view) of every entry of the bucket the agent placed in `seg`. The agent sends the same layouts
-        at the same places every version (its receive slots are kept): a layout equal to one already seen in
-        this segment takes the views made then, instead of parsing the index and making a view per tensor again
-        (for a bucket of thousands of small tensors that was most of the engine's load time)."""
-        entries = layout_dict.get("entries") if isinstance(layout_dict, dict) else None
-        first = entries[0].get("offset") if isinstance(entries, list) and entries and isinstance(entries[0], dict) \
-            else None
-        key = (seg.name, first, len(entries) if isinstance(entries, list) else -1)
-        hit = self._layouts.get(key)
-        if hit is not None and hit[0] is seg and hit[1] == layout_dict:
-            return list(hit[2])
-        layout = buckets.BucketLayout.from_dict(layout_dict)
-        if layout.nbytes > seg.size:
-            raise ValueError(f"bucket of {layout.nbytes} B does not fit segment {seg.name} ({seg.size} B)")
-        pairs = buckets.unpack(seg.tensor, layout)
-        if len(self._layouts) >= self.KEEP_LAYOUTS:
-            self._layouts.clear()
-        self._layouts[key] = (seg, layout_dict, pairs)
-        return list(pairs)
-
-    def _pairs_by_id(self, seg: segments.Segment, h: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
-        """A bucket whose layout the agent names by id (it sends the layout with the id once, then the id only):
-        its views, made when the layout came. An id this session does not hold (evicted, or never sent to it)
-        is refused by name (protocol.LAYOUT_UNKNOWN) and the agent sends the layout again."""
-        lid = ("id", str(h["layout_id"]))
-        if "layout" in h:
-            pairs = self._pairs(seg, h["layout"])
-            if len(self._layouts) >= self.KEEP_LAYOUTS:
-                self._layouts.clear()
-            self._layouts[lid] = (seg, None, pairs)
-            return pairs
-        hit = self._layouts.get(lid)
-        if hit is None or hit[0] is not seg:
-            raise ValueError(f"{P.LAYOUT_UNKNOWN}: {lid[1]} in segment {seg.name}")
-        return list(hit[2])
 
     def _load_pieces(self, version: int, pairs: list[tuple[str, torch.Tensor]], places: Any) -> None:
         """A bucket with pieces: whole tensors to on_bucket, pieces to on_pieces with their index."""
@@ -959,7 +564,7 @@ class InferenceSession:
 
     def _release(self, name: str) -> None:
         seg = self._segments.pop(name, None)
-        self._layouts = {k: v for k, v in self._layouts.items() if v[0].name != name}  # their views map it
+        self._layouts.forget(name)  # their views map it
         if seg is not None:
             seg.close()
 

@@ -167,7 +167,7 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
                 dp: int = 1, device: str = "cpu", tensors: int | None = None) -> None:
     """Trainer rank `rank` of `fsdp` x `dp` (HSDP: `dp` replicas of an FSDP group of `fsdp`): its shard is FSDP
     chunk rank % fsdp, which the ranks of the other replicas hold too."""
-    from weightsync.agent.client import TensorShard, TrainerSession
+    from weightsync.agent.client import PlacedShard, TrainerSession
     from weightsync.agent.layout.rules import trainer_layout
     from weightsync.agent.plan import Box
 
@@ -176,7 +176,7 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
     for s in trainer_layout(metas, fsdp_size=fsdp, fsdp_rank=rank % fsdp):
         meta = next(m for m in metas if m.name == s.name)
         local = full_tensor(meta)[s.box.slices_within(Box.full(s.global_shape))].clone().to(device)
-        weights[s.name] = TensorShard(local, s.global_shape, s.box.offset)
+        weights[s.name] = PlacedShard(local, s.global_shape, s.box.offset)
     prof = None
     if os.environ.get("BENCH_PROFILE"):  # a developer's look at where publish spends its time (cProfile)
         import cProfile
@@ -212,9 +212,10 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
 
 def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, device: str = "cpu",
                replica: int = 0, tensors: int | None = None) -> None:
-    from weightsync.agent.client import InferenceSession, copy_all
+    from weightsync.agent.client import InferenceSession
     from weightsync.agent.layout.rules import inference_layout
     from weightsync.agent.plan import Box
+    from weightsync.agent.staging.places import copy_all
 
     metas = model(size_mb, tensors)
     needs = inference_layout(metas, tp, rank)
@@ -228,7 +229,7 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, devic
     def on_bucket(version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         calls[version] = calls.get(version, 0) + 1
         # the engine's own load, a bucket at a time (one foreach call on CPU, as an engine loads a flat bucket;
-        # one copy each on CUDA, see agent/client.py copy_all)
+        # one copy each on CUDA, see agent/staging/places.py copy_all)
         copy_all([params[n] for n, _ in tensors], [t for _, t in tensors])
         loaded()
 
@@ -433,6 +434,7 @@ def _raw_nixl(store: Any, rank: int, ip: str, nbytes: int, bucket: int, iters: i
     """The reader READs the writer's registered buffer (host or GPU memory) in bucket-sized descriptors, one
     request."""
     from transport_ratio_extras import _read_streams
+
     from weightsync.agent.transports.nixl_endpoint import NixlEndpoint, configure_ucx, desc_of, mem_of
 
     configure_ucx()
@@ -515,6 +517,7 @@ def run(mode: str, size_mb: int, fsdp: int, tp: int, bucket_mb: int, versions: i
         fan_out: str = "direct", trainer_egress_gbps: float | None = None,
         tensors: int | None = None) -> dict[str, Any]:
     from podprocs import Cluster, wait_for
+
     from weightsync.crds import contract
     from weightsync.e2e.procs import free_port
 

@@ -368,7 +368,7 @@ def _dtensor_locals(cfg: LayoutsConfig, lay: Layouts, rank: int,
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from weightsync.agent.client import local_shards
+    from weightsync.agent.layout.shards import local_shards
 
     dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{cfg.dtensor_port}", rank=rank,
                             world_size=cfg.num_src)

@@ -22,9 +22,11 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import torch
-from weightsync.agent.client import InferenceSession, checksums
+
+from weightsync.agent.client import InferenceSession
 from weightsync.agent.demo.jsonhttp import JsonHandler, serve_in_thread
 from weightsync.agent.demo.model import DemoModel
+from weightsync.agent.layout.shards import checksums
 from weightsync.crds import contract
 
 log = logging.getLogger("weightsync.demo.engine")

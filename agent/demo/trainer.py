@@ -21,9 +21,11 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import torch
-from weightsync.agent.client import TrainerSession, checksums
+
+from weightsync.agent.client import TrainerSession
 from weightsync.agent.demo.jsonhttp import JsonHandler, serve_in_thread
 from weightsync.agent.demo.model import DemoModel, batch
+from weightsync.agent.layout.shards import checksums
 from weightsync.crds import contract
 
 log = logging.getLogger("weightsync.demo.trainer")

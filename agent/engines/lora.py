@@ -36,11 +36,11 @@ from typing import Any, Protocol
 
 import torch
 
-from weightsync.agent.client import tensor_checksum
 from weightsync.agent.config import LoraSpec
 from weightsync.agent.engines import sglang, vllm
 from weightsync.agent.engines.base import EngineAdapter, EngineError, NamedTensors, version_label
 from weightsync.agent.engines.http import EngineHTTPError, HttpClient
+from weightsync.agent.layout.shards import tensor_checksum
 
 log = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ def global_indices(
                                  "bytes of the tensor; reduce it first (t.redistribute(placements=[Replicate()...]))")
         if kind not in ("shard", "strided"):
             raise PlacementError(f"placement {p!r} ({type(p).__name__}) on mesh dim {mesh_dim} is not supported "
-                                 "(Shard, _StridedShard, Replicate are); publish its local tensor as a TensorShard")
+                                 "(Shard, _StridedShard, Replicate are); publish its local tensor as a PlacedShard")
         d = int(p.dim) % len(idx) if idx else 0
         if not idx:
             raise PlacementError(f"placement {p} shards a 0-dim tensor")
@@ -104,7 +104,7 @@ def dtensor_box(
                 f"{name}: placements {tuple(placements)} on mesh {tuple(mesh_shape)} give the rank at coordinate "
                 f"{tuple(coordinate)} indices [{shown}] of dim {d}, not one contiguous range, so no box describes "
                 "its local tensor (publishing the first offset would put bytes in the wrong rows). Redistribute it "
-                "to Shard/Replicate placements before publishing, or publish per-range TensorShards")
+                "to Shard/Replicate placements before publishing, or publish per-range PlacedShards")
         offset.append(start)
         shape.append(n)
     return tuple(offset), tuple(shape)

@@ -2,9 +2,9 @@
 
 Without it the agent splits a Custom engine's tensors by the default row rules (agent/layout/rules.py), which
 cut attention heads when TP exceeds the KV heads. An engine that passes `layout=` to InferenceSession
-gets head-wise TP with KV heads replicated (layout_heads.py), expert parallelism (layout_experts.py)
+gets head-wise TP with KV heads replicated (layout/heads.py), expert parallelism (layout/experts.py)
 and, for block-FP8 weights the trainer published with their `weight_scale_inv`, the scale boxes that go
-with each rank's weight box (fp8.py). Every rank of the engine sends the same layout; the agent refuses
+with each rank's weight box (layout/fp8.py). Every rank of the engine sends the same layout; the agent refuses
 a rank whose layout differs, and a layout that cannot lay out the model fails the load with the reason
 (never a silent row split).
 

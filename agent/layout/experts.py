@@ -5,7 +5,7 @@ size; vLLM's expert parallelism is the case ep == tp) puts the experts in `ep` c
 group of tp / ep consecutive ranks, and splits each expert of a group over its tp / ep ranks like a
 dense MLP (gate / up by rows, down by columns). ep == 1 splits every expert over all ranks; ep == tp
 gives each rank whole experts. A rank needs nothing of the experts outside its range, so the plan
-sends each expert only to the ranks that serve it. Attention and dense tensors follow layout_heads.py.
+sends each expert only to the ranks that serve it. Attention and dense tensors follow layout/heads.py.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def expert_shard(meta: TensorMeta, tp_size: int, tp_rank: int, ep_size: int, num
 def moe_layout(metas: Iterable[TensorMeta], tp_size: int, tp_rank: int, attention: Attention, *, ep_size: int = 1,
                num_experts: int = 0, overrides: Mapping[str, Rule] | None = None,
                tie_word_embeddings: bool = False) -> list[TensorShard]:
-    """What inference rank `tp_rank` needs: its experts (expert_shard), the rest head-wise (layout_heads)."""
+    """What inference rank `tp_rank` needs: its experts (expert_shard), the rest head-wise (layout/heads.py)."""
     out = []
     for meta in untie(metas, tie_word_embeddings):
         if num_experts and EXPERT.search(meta.name):

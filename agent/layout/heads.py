@@ -5,7 +5,7 @@ columns by query heads, k_proj / v_proj by KV heads. When TP exceeds the KV head
 on TP 16) each KV head is replicated on TP / num_kv_heads consecutive ranks, as vLLM and SGLang do: those
 ranks need the same box, which the plan sends once to all of them (a broadcast piece). Head counts that
 do not divide are refused with the numbers (the engines refuse them too). Everything else follows
-layout.py's rules (column / row / vocab / replicated, overrides, tied embeddings).
+layout/rules.py (column / row / vocab / replicated, overrides, tied embeddings).
 """
 
 from __future__ import annotations

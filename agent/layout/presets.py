@@ -2,7 +2,7 @@
 
 `MEGATRON_LLAMA` maps Megatron-core names (local layer numbers per pipeline stage, fused `linear_qkv`
 per KV group, fused `linear_fc1` = [gate, up] per TP shard, TE's fused layer norms) to Hugging Face
-Llama / Qwen2 names; `HF` (layout_spec) is the identity for trainers that already use HF names (FSDP2).
+Llama / Qwen2 names; `HF` (layout/spec.py) is the identity for trainers that already use HF names (FSDP2).
 The shape functions give both sides' tensor metadata for a `ModelShape` (the bench scales them down).
 """
 

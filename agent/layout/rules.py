@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 
+from weightsync.agent.layout.dtensor import dtensor_local_box
 from weightsync.agent.plan import Box, TensorShard
 from weightsync.agent.plan.buckets import dtype_name
 
@@ -175,13 +176,11 @@ def shard_from_local(
 def shard_from_dtensor(name: str, t: Any) -> tuple[TensorShard, torch.Tensor]:
     """(shard, local tensor) of a DTensor (e.g. FSDP2 Shard(0)): global shape and the global offset
     of this rank's local chunk (any Shard / _StridedShard / Replicate placement whose rows are contiguous;
-    others raise dtensor_layout.PlacementError). Plain tensors come back whole."""
-    from torch.distributed.tensor import DTensor
+    others raise layout.dtensor.PlacementError). Plain tensors come back whole."""
+    from torch.distributed.tensor import DTensor  # torch.distributed only when a DTensor is published
 
     if not isinstance(t, DTensor):
         return TensorShard.full(name, t.dtype, tuple(t.shape)), t
-    from weightsync.agent.layout.dtensor import dtensor_local_box
-
     offset, _shape = dtensor_local_box(name, t)
     local = t.to_local()
     return shard_from_local(name, local, tuple(t.shape), offset), local

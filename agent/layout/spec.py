@@ -10,7 +10,7 @@ the planner stays the vectorized one (it sees ordinary boxes, cached per layout)
 
 What cannot be a box is refused with the reason: a fused tensor split along another dim, or a chunk
 (e.g. FSDP Shard(0) of a fused tensor) whose rows cut a group, which would scatter an engine tensor's
-rows over several boxes of one rank. Head-wise needs of the inference side live in layout_heads.py.
+rows over several boxes of one rank. Head-wise needs of the inference side live in layout/heads.py.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from typing import Any, Literal
 
 import torch
 
+from weightsync.agent.layout.fp8 import quantize_blocks, scale_shard
 from weightsync.agent.layout.rules import LayoutError, Rule
+from weightsync.agent.layout.shards import PlacedShard, local_shards
 from weightsync.agent.plan import TensorShard
+from weightsync.agent.plan.buckets import dtype_name
 
 
 @dataclass(frozen=True)
@@ -213,14 +216,10 @@ def engine_weights(weights: Mapping[str, Any], naming: Naming, *, attention: Att
                    tp_size: int = 1, layer_offset: int = 0, expert_offset: int = 0,
                    fp8: str | None = None) -> dict[str, Any]:
     """What a trainer passes to `TrainerSession.publish` to publish in engine names: its local tensors
-    (plain, DTensor, client.TensorShard) mapped to `client.TensorShard`s of engine tensors whose
+    (plain, DTensor, PlacedShard) mapped to `PlacedShard`s of engine tensors whose
     tensors are views of the local ones (publish copies each once into staging). With `fp8` (a regex of
     engine names, e.g. fp8.DEEPSEEK_QUANTIZED) the matching weights are block-quantized here, on the
     tensor's device, and published as float8_e4m3fn plus their `weight_scale_inv` boxes."""
-    from weightsync.agent.client import TensorShard as ClientShard
-    from weightsync.agent.client import local_shards
-    from weightsync.agent.layout.fp8 import quantize_blocks, scale_shard
-
     quantized = re.compile(fp8) if fp8 else None
     shards, _aliases = local_shards(weights)
     out: dict[str, Any] = {}
@@ -231,23 +230,17 @@ def engine_weights(weights: Mapping[str, Any], naming: Naming, *, attention: Att
         out[name] = value
 
     for s in shards:
-        for p in map_shard(naming, s.name, _dtype(s.tensor), s.global_shape, s.global_offset,
+        for p in map_shard(naming, s.name, dtype_name(s.tensor.dtype), s.global_shape, s.global_offset,
                            tuple(s.tensor.shape), attention=attention, tp_size=tp_size, layer_offset=layer_offset,
                            expert_offset=expert_offset):
             if quantized is not None and quantized.search(p.shard.name) and p.shard.box.numel:
                 sc = scale_shard(p.shard, who="trainer ")
                 q, scale = quantize_blocks(p.view.of(s.tensor))
-                put(p.shard.name, ClientShard(q, p.shard.global_shape, p.shard.box.offset), s.name)
-                put(sc.name, ClientShard(scale, sc.global_shape, sc.box.offset), s.name)
+                put(p.shard.name, PlacedShard(q, p.shard.global_shape, p.shard.box.offset), s.name)
+                put(sc.name, PlacedShard(scale, sc.global_shape, sc.box.offset), s.name)
             else:
-                put(p.shard.name, ClientShard(p.view.of(s.tensor), p.shard.global_shape, p.shard.box.offset), s.name)
+                put(p.shard.name, PlacedShard(p.view.of(s.tensor), p.shard.global_shape, p.shard.box.offset), s.name)
     return out
-
-
-def _dtype(t: torch.Tensor) -> str:
-    from weightsync.agent.plan.buckets import dtype_name
-
-    return dtype_name(t.dtype)
 
 
 def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:

@@ -64,7 +64,7 @@ MTP_PREFIX = "mtp."
 
 
 def checksums(named: Any) -> dict[str, str]:
-    from weightsync.agent.client import checksums as sums
+    from weightsync.agent.layout.shards import checksums as sums
 
     return sums(named)
 

@@ -34,7 +34,8 @@ def _placement(spec: tuple[Any, ...]) -> Any:
 def _report(name: str, dt: Any, full: torch.Tensor) -> dict[str, Any]:
     """What the client publishes for this DTensor, and whether its box holds exactly the local bytes."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from weightsync.agent.client import local_shards
+
+    from weightsync.agent.layout.shards import local_shards
     from weightsync.agent.plan import Box
 
     local = dt.to_local()

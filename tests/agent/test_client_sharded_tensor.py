@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from weightsync.agent.client import TrainerSession, local_shards
+from weightsync.agent.client import TrainerSession
+from weightsync.agent.layout.shards import local_shards
 from weightsync.agent.staging import segments
 from weightsync.agent.staging.versions import StagedVersions
 

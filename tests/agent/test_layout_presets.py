@@ -220,9 +220,8 @@ def test_cli_refusal_names_the_reason() -> None:
 
 def test_engine_weights_publishes_megatron_tensors_in_hf_names() -> None:
     """What a Megatron trainer rank passes to TrainerSession.publish: its local tensors (TP rank 1 of 2,
-    pipeline stage 1 of 2) as client TensorShards of HF tensors, each holding exactly its box."""
-    from weightsync.agent.client import TensorShard as ClientShard
-    from weightsync.agent.client import local_shards
+    pipeline stage 1 of 2) as PlacedShards of HF tensors, each holding exactly its box."""
+    from weightsync.agent.layout.shards import PlacedShard, local_shards
     from weightsync.agent.layout.spec import engine_weights
 
     m = LLAMA_GQA
@@ -232,9 +231,9 @@ def test_engine_weights_publishes_megatron_tensors_in_hf_names() -> None:
     weights = {}
     for n, t in full.items():  # Megatron TP: column-parallel and vocab rows, row-parallel columns, norms whole
         if n.endswith(("linear_qkv.weight", "linear_fc1.weight", "output_layer.weight")):
-            weights[n] = ClientShard(t.chunk(2)[1], tuple(t.shape), (t.shape[0] // 2, 0))
+            weights[n] = PlacedShard(t.chunk(2)[1], tuple(t.shape), (t.shape[0] // 2, 0))
         elif n.endswith(("linear_proj.weight", "linear_fc2.weight")):
-            weights[n] = ClientShard(t.chunk(2, dim=1)[1], tuple(t.shape), (0, t.shape[1] // 2))
+            weights[n] = PlacedShard(t.chunk(2, dim=1)[1], tuple(t.shape), (0, t.shape[1] // 2))
         else:
             weights[n] = t
     out = engine_weights(weights, MEGATRON_LLAMA, attention=m.attention, tp_size=2, layer_offset=2)
@@ -305,17 +304,16 @@ def test_expert_ranges_follow_engine_ep_groups() -> None:
 def test_engine_weights_quantizes_where_the_bytes_are() -> None:
     """A DeepSeek trainer rank (TP rank 1 of 2) publishing block-FP8: fp8 weights and weight_scale_inv boxes
     equal to the reference quantization of the full tensors; unquantized tensors stay bf16 views."""
-    from weightsync.agent.client import TensorShard as ClientShard
-    from weightsync.agent.client import local_shards
     from weightsync.agent.layout.fp8 import DEEPSEEK_QUANTIZED
     from weightsync.agent.layout.presets import DEEPSEEK_V3, HF
+    from weightsync.agent.layout.shards import PlacedShard, local_shards
     from weightsync.agent.layout.spec import engine_weights
 
     hf = B.hf_full(DEEPSEEK_V3, finite=True)
     names = ["model.layers.0.self_attn.q_b_proj.weight", "model.layers.0.mlp.down_proj.weight",
              "model.layers.0.input_layernorm.weight"]
-    weights = {names[0]: ClientShard(hf[names[0]].chunk(2)[1], tuple(hf[names[0]].shape), (512, 0)),
-               names[1]: ClientShard(hf[names[1]].chunk(2, dim=1)[1], tuple(hf[names[1]].shape), (0, 256)),
+    weights = {names[0]: PlacedShard(hf[names[0]].chunk(2)[1], tuple(hf[names[0]].shape), (512, 0)),
+               names[1]: PlacedShard(hf[names[1]].chunk(2, dim=1)[1], tuple(hf[names[1]].shape), (0, 256)),
                names[2]: hf[names[2]]}
     out = engine_weights(weights, HF, fp8=DEEPSEEK_QUANTIZED)
     assert sorted(out) == sorted([*names, names[0] + "_scale_inv", names[1] + "_scale_inv"])
@@ -330,5 +328,5 @@ def test_engine_weights_quantizes_where_the_bytes_are() -> None:
     assert torch.equal(got[names[1] + "_scale_inv"].tensor, s1[:, 2:])
     assert got[names[2]].tensor.dtype == torch.bfloat16
     with pytest.raises(LayoutError, match="block boundaries"):
-        engine_weights({names[1]: ClientShard(hf[names[1]][:, :64], tuple(hf[names[1]].shape), (0, 0))}, HF,
+        engine_weights({names[1]: PlacedShard(hf[names[1]][:, :64], tuple(hf[names[1]].shape), (0, 0))}, HF,
                        fp8=DEEPSEEK_QUANTIZED)

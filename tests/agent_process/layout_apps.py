@@ -44,8 +44,8 @@ def hf_model(version: int, fp8: bool) -> dict[str, torch.Tensor]:
 
 def megatron_local(version: int, tp: int, rank: int, fp8: bool) -> dict[str, object]:
     """TP rank `rank`'s Megatron tensors: linear_qkv per KV group [q heads, k, v], linear_fc1 per TP shard
-    [gate; up], each split like Megatron splits it, as client TensorShards with their global placement."""
-    from weightsync.agent.client import TensorShard
+    [gate; up], each split like Megatron splits it, as PlacedShards with their global placement."""
+    from weightsync.agent.client import PlacedShard
 
     hf = hf_model(version, fp8)
     hd = head_dim(fp8)
@@ -72,7 +72,7 @@ def megatron_local(version: int, tp: int, rank: int, fp8: bool) -> dict[str, obj
         n = t.shape[dim] // tp
         off = [0] * t.dim()
         off[dim] = rank * n
-        out[name] = TensorShard(t.narrow(dim, rank * n, n).clone(), tuple(t.shape), tuple(off))
+        out[name] = PlacedShard(t.narrow(dim, rank * n, n).clone(), tuple(t.shape), tuple(off))
     return out
 
 

@@ -45,7 +45,7 @@ def fsdp_chunk(t: torch.Tensor, world: int, rank: int) -> tuple[int, int]:
 
 
 def run_trainer(rank: int, fsdp: int, versions: int, interval: float) -> None:
-    from weightsync.agent.client import TensorShard, TrainerSession
+    from weightsync.agent.client import PlacedShard, TrainerSession
 
     with TrainerSession(rank=rank) as s:
         for v in range(1, versions + 1):
@@ -53,7 +53,7 @@ def run_trainer(rank: int, fsdp: int, versions: int, interval: float) -> None:
             for name, t in model(v).items():
                 a, b = fsdp_chunk(t, fsdp, rank)
                 if b > a:
-                    shards[name] = TensorShard(t[a:b].clone(), tuple(t.shape), (a,) + (0,) * (t.dim() - 1))
+                    shards[name] = PlacedShard(t[a:b].clone(), tuple(t.shape), (a,) + (0,) * (t.dim() - 1))
             s.publish(shards, v)
             print(f"published version={v} rank={rank}", flush=True)
             time.sleep(interval)

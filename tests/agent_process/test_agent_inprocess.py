@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 from staging_agent import serve_staging
 
-from weightsync.agent.client import InferenceSession, TensorShard, TrainerSession, checksums, local_shards
+from weightsync.agent.client import InferenceSession, PlacedShard, TrainerSession
 from weightsync.agent.config import AgentConfig, ConfigError, TopologyWatcher
 from weightsync.agent.engines.base import EngineError, load_version
 from weightsync.agent.engines.custom import AppRegistry, CustomEngineAdapter
+from weightsync.agent.layout.shards import checksums, local_shards
 from weightsync.agent.podstate import (
     Observed,
     annotation_patch,
@@ -105,10 +106,10 @@ def test_local_shards_plain_tied_and_explicit() -> None:
     shards, aliases = local_shards(model)
     assert [s.name for s in shards] == ["embed.weight"] and aliases == {"head.weight": "embed.weight"}
     full = torch.arange(12.0).reshape(4, 3)
-    shards, _ = local_shards({"w": TensorShard(full[2:], (4, 3), (2, 0))})
+    shards, _ = local_shards({"w": PlacedShard(full[2:], (4, 3), (2, 0))})
     assert shards[0].global_shape == (4, 3) and shards[0].global_offset == (2, 0)
     with pytest.raises(ValueError, match="outside"):
-        local_shards({"w": TensorShard(full, (4, 3), (1, 0))})
+        local_shards({"w": PlacedShard(full, (4, 3), (1, 0))})
 
 
 def test_local_shards_dtensor_uses_truthful_global_metadata() -> None:

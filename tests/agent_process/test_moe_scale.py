@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from weightsync.agent.client import TrainerSession, checksums
+from weightsync.agent.client import TrainerSession
+from weightsync.agent.layout.shards import checksums
 from weightsync.agent.plan import TensorShard, buckets, build_plan
 from weightsync.agent.staging import segments
 from weightsync.agent.staging.index import StagingError

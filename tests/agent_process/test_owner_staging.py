@@ -15,10 +15,12 @@ import pytest
 import torch
 from staging_agent import serve_staging
 
-from weightsync.agent.client import TrainerSession, arena_offsets, local_shards
+from weightsync.agent.client import TrainerSession
 from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
+from weightsync.agent.layout.shards import local_shards
 from weightsync.agent.plan import TensorShard, TransferPlan, build_plan
 from weightsync.agent.staging import segments
+from weightsync.agent.staging.places import TrainerStaging, arena_offsets
 from weightsync.agent.staging.versions import StagedVersions
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "agent_pipeline.py"
@@ -231,10 +233,10 @@ def test_the_trainer_unmaps_staging_segments_the_agent_stopped_offering(tmp_path
         with TrainerSession(tmp_path / "agent.sock", rank=0) as s:
             for v in range(1, 9):  # a growing model: every version needs a new, larger segment
                 s.publish({"w": torch.zeros(1024 * v)}, version=v)
-                assert len(s._segments) <= TrainerSession.KEEP_SEGMENTS
+                assert len(s._staging.segments) <= TrainerStaging.KEEP_SEGMENTS
             sv = store.get(8)
             assert sv is not None and sv.ranks[0].slot is not None
-            assert sv.ranks[0].slot.segment.name in s._segments  # the newest is still mapped
+            assert sv.ranks[0].slot.segment.name in s._staging.segments  # the newest is still mapped
     finally:
         server.close()
         store.close()

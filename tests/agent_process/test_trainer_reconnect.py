@@ -17,7 +17,8 @@ import pytest
 import torch
 from staging_agent import serve_staging
 
-from weightsync.agent.client import AgentUnavailable, TrainerSession, checksums
+from weightsync.agent.client import AgentUnavailable, TrainerSession
+from weightsync.agent.layout.shards import checksums
 from weightsync.agent.staging import segments
 from weightsync.agent.staging.versions import StagedVersions
 from weightsync.agent.wire.local import LocalServer

@@ -12,9 +12,8 @@ import pytest
 import torch
 from staging_agent import serve_staging
 
-from weightsync.agent import client
 from weightsync.agent.client import TrainerSession
-from weightsync.agent.staging import segments
+from weightsync.agent.staging import places, segments
 from weightsync.agent.staging.versions import StagedVersions
 
 
@@ -26,19 +25,19 @@ def four_cores_four_threads(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("four_cores_four_threads")
 def test_several_local_ranks_each_with_a_thread_per_core_are_oversubscribed() -> None:
-    why = client.oversubscribed_threads({"LOCAL_WORLD_SIZE": "2"})
+    why = places.oversubscribed_threads({"LOCAL_WORLD_SIZE": "2"})
     assert why is not None and "2 local ranks x 4 intra-op threads each > 4 cores" in why
     assert "OMP_NUM_THREADS to at most 2" in why
-    assert client.oversubscribed_threads({}) is None  # one rank (or a launcher that does not say)
-    assert client.oversubscribed_threads({"LOCAL_WORLD_SIZE": "1"}) is None
-    assert client.oversubscribed_threads({"LOCAL_WORLD_SIZE": "eight"}) is None
+    assert places.oversubscribed_threads({}) is None  # one rank (or a launcher that does not say)
+    assert places.oversubscribed_threads({"LOCAL_WORLD_SIZE": "1"}) is None
+    assert places.oversubscribed_threads({"LOCAL_WORLD_SIZE": "eight"}) is None
 
 
 def test_ranks_that_share_the_cores_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert client.oversubscribed_threads({"LOCAL_WORLD_SIZE": "4"}) is None
-    assert client.oversubscribed_threads({"LOCAL_WORLD_SIZE": "5"}) is not None
+    assert places.oversubscribed_threads({"LOCAL_WORLD_SIZE": "4"}) is None
+    assert places.oversubscribed_threads({"LOCAL_WORLD_SIZE": "5"}) is not None
 
 
 @pytest.mark.usefixtures("four_cores_four_threads")

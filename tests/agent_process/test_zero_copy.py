@@ -18,19 +18,14 @@ from staging_agent import serve_staging
 from test_agent_inprocess import _Engine, engine_registry_server
 from test_demo_processes import engine_sums, trainer_sums
 
-from weightsync.agent.client import (
-    InferenceSession,
-    TensorShard,
-    TrainerSession,
-    arena_offsets,
-    checksums,
-    local_shards,
-)
+from weightsync.agent.client import InferenceSession, PlacedShard, TrainerSession
 from weightsync.agent.engines.base import EngineError, load_version
 from weightsync.agent.engines.custom import CustomEngineAdapter
 from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_layout
+from weightsync.agent.layout.shards import checksums, local_shards
 from weightsync.agent.plan import Box, build_plan, shards_of
 from weightsync.agent.staging import segments
+from weightsync.agent.staging.places import arena_offsets
 from weightsync.agent.staging.versions import StagedVersions
 from weightsync.agent.transfer.send import source_region
 from weightsync.agent.transfer.sync import PlacedTensors, ShardPieces, in_place
@@ -233,7 +228,7 @@ def test_a_resharded_trainer_stages_pieces_where_their_buckets_are(tmp_path: Pat
     plan = build_plan(src, [inference_layout(metas, 2, r) for r in range(2)], 8 << 10)
     store = StagedVersions([0], "wstest")
     server = serve_staging(tmp_path / "agent.sock", store)
-    weights = {s.name: TensorShard(full[s.name][s.box.slices_within(Box.full(s.global_shape))].clone(),
+    weights = {s.name: PlacedShard(full[s.name][s.box.slices_within(Box.full(s.global_shape))].clone(),
                                    s.global_shape, s.box.offset) for s in src[0]}
     try:
         with TrainerSession(tmp_path / "agent.sock", rank=0) as s:

@@ -15,11 +15,12 @@ import pytest
 import torch
 from recording_server import RecordingServer
 from test_sglang_released import Standin
-from weightsync.agent.client import checksums
+
 from weightsync.agent.config import AgentConfig, ConfigError, LoraSpec
 from weightsync.agent.engines import lora, sglang, vllm
 from weightsync.agent.engines.base import EngineError, load_version
 from weightsync.agent.engines.http import HttpClient
+from weightsync.agent.layout.shards import checksums
 from weightsync.crds import contract
 from weightsync.e2e.engines import released
 

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 from test_sglang_released import Standin, _buckets, _weights
-from weightsync.agent.client import checksums
+
 from weightsync.agent.engines import sglang
 from weightsync.agent.engines.base import load_version
+from weightsync.agent.layout.shards import checksums
 
 pytestmark = [pytest.mark.gpu]  # not `engines`: that tier runs without a GPU, with no skips
 

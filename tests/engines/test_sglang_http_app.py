@@ -31,11 +31,11 @@ import torch.multiprocessing as tmp
 from recording_server import RecordingServer
 from test_sglang_released import Standin, _buckets, _weights
 
-from weightsync.agent.client import checksums
 from weightsync.agent.demo.model import DemoModel
 from weightsync.agent.engines import sglang
 from weightsync.agent.engines.base import EngineError, EngineUnsupported, load_version
 from weightsync.agent.engines.http import HttpClient
+from weightsync.agent.layout.shards import checksums
 from weightsync.e2e.engine_venv import engine_python
 from weightsync.e2e.engines import sglang_standin
 

@@ -19,10 +19,10 @@ import pytest
 import requests
 import torch
 
-from weightsync.agent.client import checksums
 from weightsync.agent.demo.model import DemoModel
 from weightsync.agent.engines import sglang
 from weightsync.agent.engines.base import EngineError, EngineUnsupported, load_version
+from weightsync.agent.layout.shards import checksums
 from weightsync.e2e.engine_venv import engine_python
 from weightsync.e2e.engines import released, sglang_code
 from weightsync.e2e.procs import free_port
