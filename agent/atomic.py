@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
 from weightsync.agent.engines.base import EngineAdapter, EngineError, NamedTensors, RankRouter, load_version
 
 log = logging.getLogger(__name__)

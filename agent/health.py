@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
 from weightsync.agent.wire.limits import ConnectionLimiter
 
 log = logging.getLogger(__name__)

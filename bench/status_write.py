@@ -35,6 +35,7 @@ from operator_scale import (  # bench/ is the script's own directory: first on s
     apply_crd,
     kwok_job_spec,
 )
+
 from weightsync.crds import contract
 from weightsync.crds.models import MAX_REPLICAS_IN_STATUS
 from weightsync.e2e.environment import start_environment

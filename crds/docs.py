@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
+
 from weightsync.crds import contract
 from weightsync.crds.generate import diff
 from weightsync.crds.models import POD_TEMPLATE_SCHEMA, WeightSyncJobSpec, WeightSyncJobStatus

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import yaml
+
 from weightsync.crds import contract
 from weightsync.crds.schema import crd
 from weightsync.crds.template_policy import chart_policy_file

@@ -47,6 +47,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
 from weightsync.crds import contract
 from weightsync.crds.k8s_schema import pod_template_schema
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import kubernetes
 import yaml
+
 from weightsync.e2e.binaries import Binaries, BinaryNotFound, find_binary
 from weightsync.e2e.pki import SA_ISSUER, Pki, generate_pki, render_kubeconfig
 from weightsync.e2e.procs import Proc, free_port, listening_ports, stop_all

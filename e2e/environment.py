@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
+
 from weightsync.e2e.cluster import ClusterAccess, ClusterError, ExistingCluster, LocalCluster
 from weightsync.e2e.nodes import NodeSimulator, gpu_fleet
 

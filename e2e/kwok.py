@@ -19,6 +19,7 @@ from typing import Any
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
+
 from weightsync.e2e.binaries import find_binary
 from weightsync.e2e.nodes import DEFAULT_GPU_PRODUCT, LABEL_SIMULATED, GpuNodeSpec, node_manifest
 from weightsync.e2e.procs import Proc, stop_all

@@ -20,6 +20,7 @@ from typing import Any
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
+
 from weightsync.crds import contract
 
 log = logging.getLogger("weightsync.e2e.nodes")

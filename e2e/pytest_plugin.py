@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import kubernetes
 import pytest
 from kubernetes.client.exceptions import ApiException
+
 from weightsync.e2e.binaries import BinaryNotFound
 from weightsync.e2e.cluster import ClusterError
 from weightsync.e2e.environment import (

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
+
 from weightsync.crds import contract
 from weightsync.e2e import demo
 from weightsync.e2e.environment import Environment

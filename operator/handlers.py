@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+
 from weightsync.crds import contract
 from weightsync.operator import gcpolicy, metrics, proofs
 from weightsync.operator.common import JobRef

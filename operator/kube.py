@@ -16,6 +16,7 @@ from typing import Any
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
+
 from weightsync.crds import contract
 from weightsync.operator.metrics import API_REQUESTS
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import kopf
+
 from weightsync.operator import handlers
 from weightsync.operator.config import OperatorConfig
 

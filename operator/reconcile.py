@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from pydantic import ValidationError
+
 from weightsync.crds import contract, desired
 from weightsync.crds.models import ReplicaCounts, TransferMode, WeightSyncJob, validation_messages
 from weightsync.operator import (

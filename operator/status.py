@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from pydantic import ValidationError
+
 from weightsync.crds import contract
 from weightsync.crds.models import (
     MAX_REPLICAS_IN_STATUS,

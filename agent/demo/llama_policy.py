@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from weightsync.agent.demo.tiny_llama import CONFIG
 
 

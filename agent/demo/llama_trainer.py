@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from weightsync.agent.client import TrainerSession
 from weightsync.agent.demo.tiny_llama import init_weights
 from weightsync.crds import contract

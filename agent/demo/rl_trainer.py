@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from weightsync.agent.client import TrainerSession
 from weightsync.agent.demo.llama_policy import forward, token_logprobs
 from weightsync.agent.demo.tiny_llama import init_weights

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import torch.distributed as dist
+
 from weightsync.agent.wire.link import Link, LinkError, LinkListener, LinkTimeout, connect
 
 log = logging.getLogger(__name__)

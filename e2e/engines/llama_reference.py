@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 import torch
+
 from weightsync.agent.demo.tiny_llama import CONFIG
 
 

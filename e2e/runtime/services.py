@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 import requests
+
 from weightsync.e2e.runtime.envvars import has_cluster_ip
 from weightsync.e2e.runtime.ips import PodIPAllocator
 from weightsync.e2e.runtime.kube import ApiError, KubeClient, abort_watch

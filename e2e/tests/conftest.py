@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from weightsync.e2e import demo
 from weightsync.e2e.environment import Environment, runtime_wanted
 

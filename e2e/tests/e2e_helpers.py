@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kubernetes
+
 from weightsync.crds import contract
 from weightsync.e2e import demo
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from e2e_helpers import assert_bit_exact, cond, inference_pods, job, wait
+
 from weightsync.crds import contract, version_proof
 from weightsync.e2e import demo
 from weightsync.operator.config import read_operator_key

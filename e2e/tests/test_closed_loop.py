@@ -27,6 +27,7 @@ from e2e_helpers import (
     target,
     wait,
 )
+
 from weightsync.crds import contract
 from weightsync.e2e import demo
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from e2e_helpers import inference_pods, job, wait
+
 from weightsync.crds import contract
 from weightsync.e2e import demo
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from weightsync.crds import contract
 from weightsync.crds.models import WeightSyncJob
 from weightsync.e2e import demo

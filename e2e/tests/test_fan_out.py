@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from e2e_helpers import assert_bit_exact, job, wait
+
 from weightsync.crds import contract
 from weightsync.e2e import demo
 

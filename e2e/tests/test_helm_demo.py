@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from weightsync.crds import contract
 from weightsync.e2e import chart, demo
 from weightsync.e2e.environment import Environment

@@ -23,6 +23,7 @@ import kubernetes
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
+
 from weightsync.crds import contract
 from weightsync.crds.models import WeightSyncJobSpec
 from weightsync.e2e import demo

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from e2e_helpers import inference_pods, job, pods_show, served, wait
+
 from weightsync.agent.engines.base import LABEL_DIGEST_CHARS, parse_version
 from weightsync.crds import contract
 from weightsync.e2e import demo

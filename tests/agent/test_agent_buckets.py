@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from weightsync.agent.plan.buckets import BucketError, BucketLayout, entry_view, flatten, pack, unpack
 
 

@@ -6,6 +6,8 @@ import queue
 
 import pytest
 import torch
+from wsagent_helpers import dtensor_worker, forkserver_context
+
 from weightsync.agent.layout.rules import (
     LayoutError,
     TensorMeta,
@@ -18,7 +20,6 @@ from weightsync.agent.layout.rules import (
     trainer_layout,
 )
 from weightsync.agent.plan import Box
-from wsagent_helpers import dtensor_worker, forkserver_context
 
 
 @pytest.mark.parametrize(

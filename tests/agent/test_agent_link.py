@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+
 from weightsync.agent.wire.link import (
     AuthError,
     FrameError,

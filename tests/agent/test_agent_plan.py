@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from weightsync.agent.plan import Box, PlanError, TensorShard, build_plan
 
 

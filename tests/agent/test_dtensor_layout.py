@@ -14,8 +14,9 @@ import pytest
 from dtensor_helpers import CASES, placements_worker
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-from weightsync.agent.layout.dtensor import PlacementError, dtensor_box, global_indices
 from wsagent_helpers import forkserver_context
+
+from weightsync.agent.layout.dtensor import PlacementError, dtensor_box, global_indices
 
 
 def test_fsdp2_over_tp_box_is_the_rank_tp_chunk_then_fsdp_chunk() -> None:

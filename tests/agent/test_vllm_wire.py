@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from weightsync.agent.engines import vllm_wire as w
 from weightsync.agent.transports.rendezvous import LinkStore, StoreError, StoreServer
 

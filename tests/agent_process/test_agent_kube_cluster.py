@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from podprocs import Cluster, engine_version, get_json, wait_for
+
 from weightsync.crds import contract
 
 

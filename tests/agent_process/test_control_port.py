@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from podprocs import Cluster, engine_version, get_json, get_text, metric_value, wait_for
+
 from weightsync.agent.wire import protocol as P
 from weightsync.agent.wire.link import AuthError, LinkError, connect
 from weightsync.crds import contract

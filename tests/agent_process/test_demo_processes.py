@@ -18,6 +18,7 @@ from podprocs import (
     metric_value,
     wait_for,
 )
+
 from weightsync.crds import contract
 
 

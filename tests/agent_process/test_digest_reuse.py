@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from podprocs import Cluster, demo_replicas, engine_version, get_text, metric_value, wait_for
+
 from weightsync.agent.client import TrainerSession
 from weightsync.agent.demo.model import DemoModel
 from weightsync.crds import contract

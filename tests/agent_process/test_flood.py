@@ -16,6 +16,7 @@ from pathlib import Path
 
 from podprocs import Cluster, Pod, engine_version, get_json, get_text, metric_value, wait_for
 from test_demo_processes import engine_sums, trainer_sums
+
 from weightsync.agent.wire import link
 from weightsync.crds import contract
 

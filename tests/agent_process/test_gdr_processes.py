@@ -24,6 +24,7 @@ from podprocs import (
 )
 from test_demo_processes import commits, engine_sums, trainer_sums
 from test_sharded_processes import fsdp2_pods_to_tp2_replica
+
 from weightsync.crds import contract
 
 pytest.importorskip("nixl", reason="the GDR transport needs NIXL (pip install 'weightsync[gdr]')")

@@ -14,6 +14,7 @@ from typing import Any
 
 import requests
 from podprocs import Cluster, wait_for
+
 from weightsync.agent.engines.base import LABEL_DIGEST_CHARS, parse_version
 from weightsync.crds import contract
 from weightsync.e2e.engine_venv import engine_python

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from podprocs import Cluster, wait_for
+
 from weightsync.crds import contract
 
 sys.path.insert(0, str(Path(__file__).parent))

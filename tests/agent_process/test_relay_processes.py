@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from podprocs import Cluster, engine_version, get_json, get_text, metric_value, wait_for
 from test_demo_processes import engine_sums, trainer_sums
+
 from weightsync.crds import contract
 
 REPLICAS = 3

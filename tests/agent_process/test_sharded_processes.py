@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from podprocs import Cluster, wait_for
+
 from weightsync.agent.layout.rules import TensorMeta, inference_layout
 from weightsync.crds import contract
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from podprocs import Cluster, demo_replicas, engine_version, wait_for
+
 from weightsync.agent.client import ServedTimeout, TrainerSession
 from weightsync.agent.demo.model import DemoModel
 from weightsync.crds import contract

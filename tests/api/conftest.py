@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from api_helpers import CRD_FILE
+
 from weightsync.crds import contract
 from weightsync.e2e.demo import wait_established
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from api_helpers import REPO, kube_json, kubectl_ok
+
 from weightsync.crds import contract
 from weightsync.crds.models import (
     LastSync,

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from api_helpers import REPO, kubectl_ok, load_cases
+
 from weightsync.e2e.binaries import find_binary
 
 pytestmark = pytest.mark.cluster

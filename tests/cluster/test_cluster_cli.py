@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from weightsync.e2e.procs import listening_ports, pid_alive
 
 pytestmark = pytest.mark.cluster

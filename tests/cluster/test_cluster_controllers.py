@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from kubernetes.client.exceptions import ApiException
+
 from weightsync.e2e.environment import Environment
 from weightsync.e2e.pytest_plugin import Kube, wait_until
 

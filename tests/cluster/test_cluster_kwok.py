@@ -12,6 +12,7 @@ from typing import Any
 
 import kubernetes
 import pytest
+
 from weightsync.crds import contract
 from weightsync.e2e.cluster import LocalCluster
 from weightsync.e2e.kwok import (

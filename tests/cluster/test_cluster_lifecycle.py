@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
+
 from weightsync.e2e.binaries import Binaries
 from weightsync.e2e.cluster import ClusterError, ComponentExited, LocalCluster
 from weightsync.e2e.procs import group_members, listening_ports, pid_alive

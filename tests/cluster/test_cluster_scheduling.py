@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from kubernetes.client.exceptions import ApiException
+
 from weightsync.crds import contract
 from weightsync.e2e.environment import Environment
 from weightsync.e2e.pytest_plugin import Kube, wait_until

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from weightsync.e2e.cluster import ClusterError
 from weightsync.e2e.environment import (
     CLUSTER_EXISTING,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from weightsync.crds import contract
 from weightsync.e2e import binaries
 from weightsync.e2e.binaries import Binaries, BinaryNotFound, cache_root, find_binary, read_versions

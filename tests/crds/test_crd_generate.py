@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import yaml
+
 from weightsync.crds import generate
 from weightsync.crds.schema import crd
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from invalid_cases import colocated, separated
 from pydantic import ValidationError
+
 from weightsync.crds import contract
 from weightsync.crds.models import (
     Condition,

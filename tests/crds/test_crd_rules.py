@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from invalid_cases import ALLOWED_UPDATES, CASES, CREATE_CASES, colocated, separated
 from pydantic import ValidationError
+
 from weightsync.crds.models import WeightSyncJob, validation_messages
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from invalid_cases import colocated, separated
+
 from weightsync.crds import contract, models
 from weightsync.crds.schema import SchemaError, crd, to_structural
 

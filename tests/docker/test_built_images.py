@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from weightsync.e2e.runtime.images import (
     BuildahImages,
     LocalImage,

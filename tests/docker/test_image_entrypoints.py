@@ -21,6 +21,7 @@ import pytest
 import tomllib
 import yaml
 from dockerfile_rules import dockerignore_excludes, parse, stages, target_argv
+
 from weightsync.crds.models import WeightSyncJobSpec
 from weightsync.e2e.binaries import find_binary
 from weightsync.operator.common import JobRef

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import requests
+
 from weightsync.agent.demo import tiny_llama
 from weightsync.agent.engines.base import parse_version
 from weightsync.crds import contract

@@ -9,6 +9,7 @@ import torch
 from recording_server import RecordingServer
 from test_engine_http_order import _buckets, _client
 from test_vllm_released import FakeIpc
+
 from weightsync.agent import atomic
 from weightsync.agent.engines import sglang, vllm
 from weightsync.agent.engines.base import load_version

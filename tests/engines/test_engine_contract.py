@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import load_fixture
 from recording_server import RecordingServer
+
 from weightsync.agent.engines import sglang, vllm
 from weightsync.agent.engines.factory import make_adapter, normalize_engine_type
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from recording_server import RecordingServer
 from test_vllm_released import FakeIpc
+
 from weightsync.agent.engines import sglang, vllm
 from weightsync.agent.engines.base import EngineError, load_version
 from weightsync.agent.engines.http import EngineHTTPError, HttpClient, backoff_delays

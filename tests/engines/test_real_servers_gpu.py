@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 import requests
 import torch
+
 from weightsync.agent.engines import sglang, vllm
 from weightsync.agent.engines.base import EngineAdapter, load_version
 from weightsync.e2e.procs import free_port

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from op_helpers import CRD_FILE, POOL, POOL_LABEL, OperatorProcess, force_delete_pods, start_operator
+
 from weightsync.crds import contract
 from weightsync.e2e.nodes import NodeSimulator, gpu_fleet
 from weightsync.e2e.pytest_plugin import wait_until

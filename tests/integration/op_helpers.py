@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
+
 from weightsync.crds import contract, desired
 from weightsync.e2e.demo import operator_key_file
 from weightsync.e2e.procs import free_port

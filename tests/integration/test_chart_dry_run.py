@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from weightsync.e2e.binaries import find_binary
 from weightsync.e2e.pytest_plugin import wait_until
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from op_helpers import create_job, get_job, live_pods, separated_spec, start_operator, token_kubeconfig
+
 from weightsync.crds import contract
 from weightsync.e2e.binaries import find_binary
 from weightsync.e2e.pytest_plugin import wait_until

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 from op_helpers import separated_spec, token_kubeconfig
+
 from weightsync.crds import contract
 from weightsync.crds.install import FIELD_MANAGER
 from weightsync.crds.schema import crd

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from op_helpers import create_job, force_delete_pods, get_job, live_pods, separated_spec
+
 from weightsync.e2e import chart
 from weightsync.e2e.pytest_plugin import wait_until
 

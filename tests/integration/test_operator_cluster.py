@@ -27,6 +27,7 @@ from op_helpers import (
     separated_spec,
     token_of,
 )
+
 from weightsync.crds import contract
 from weightsync.crds.topology import Topology
 from weightsync.e2e.pytest_plugin import wait_until

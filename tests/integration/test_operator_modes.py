@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from op_helpers import create_job, get_job, live_pods, separated_spec
+
 from weightsync.e2e.binaries import find_binary
 from weightsync.e2e.demo import wait_established
 from weightsync.e2e.procs import free_port

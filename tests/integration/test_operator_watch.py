@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from op_helpers import create_job, get_job, live_pods, separated_spec, start_operator
+
 from weightsync.crds import contract, version_proof
 from weightsync.e2e.demo import operator_key_file
 from weightsync.e2e.procs import free_port

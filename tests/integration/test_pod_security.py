@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from op_helpers import condition, container, create_job, events_for, get_job, live_pods, separated_spec
+
 from weightsync.e2e.pytest_plugin import wait_until
 
 RESTRICTED_CONTAINER = {"securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from weightsync.crds.models import WeightSyncJobSpec
 from weightsync.operator.common import JobRef
 from weightsync.operator.config import OperatorConfig

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
+
 from weightsync.crds import contract
 from weightsync.crds.models import DEFAULT_RDMA_RESOURCE
 from weightsync.e2e.binaries import BinaryNotFound, find_binary

@@ -8,6 +8,7 @@ from typing import Any, cast
 from fakekube import FakeKube
 from prometheus_client import REGISTRY
 from test_status import T0, pod
+
 from weightsync.crds import contract
 from weightsync.operator import metrics
 from weightsync.operator.kube import Kube

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
+
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.operator import metrics as operator_metrics
 

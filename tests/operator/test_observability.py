@@ -13,6 +13,7 @@ import promql_parser
 import pytest
 from test_helm_chart import by_kind, docs
 from test_metrics_documented import agent_metric_names, operator_metric_names
+
 from weightsync.e2e.binaries import find_binary
 
 METRIC = re.compile(r"\bweightsync_[a-z0-9_]+")

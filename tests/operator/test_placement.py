@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from weightsync.crds import contract
 from weightsync.operator.placement import (
     REASON_COLOCATED_NEEDS_DRA,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+
 from weightsync.crds import contract
 from weightsync.operator.placement import plan
 from weightsync.operator.pods import (

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from weightsync.crds import contract, version_proof
 from weightsync.operator import podstate, proofs
 from weightsync.operator.common import JobRef

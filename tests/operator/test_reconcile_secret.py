@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from fakekube import FakeKube
+
 from weightsync.operator.kube import Kube
 from weightsync.operator.reconcile import Outcome, Reconciler
 

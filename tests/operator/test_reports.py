@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
 from weightsync.agent.podstatus import push_report, report_write_delay
 from weightsync.crds import contract, desired, report_push, version_proof
 from weightsync.crds.report_push import BadReport

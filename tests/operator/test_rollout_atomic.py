@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 
 from test_status import T0, cond, pod
+
 from weightsync.crds import contract
 from weightsync.operator import atomic
 from weightsync.operator.events import version_events

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from test_status import pod
+
 from weightsync.crds import contract
 from weightsync.operator.placement import plan
 from weightsync.operator.replicas import replica_states

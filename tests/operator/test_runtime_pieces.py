@@ -10,6 +10,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
+
 from weightsync.operator.config import OperatorConfig
 from weightsync.operator.handlers import owner_job
 from weightsync.operator.leadership import is_leader

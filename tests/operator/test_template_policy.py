@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+
 from weightsync.crds import generate
 from weightsync.crds.template_policy import CHECKS, admission_policy_validations, template_violations
 from weightsync.operator.config import OperatorConfig

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from weightsync.e2e.runtime.atomic_writer import read_current, write_atomic
 from weightsync.e2e.runtime.images import (
     ImageConfig,

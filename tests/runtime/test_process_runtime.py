@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from weightsync.crds.contract import LABEL_PROCESS_NODE, POD_CONDITION_SYNCED
 from weightsync.e2e.pytest_plugin import wait_until
 from weightsync.e2e.runtime.kube import ApiError, KubeClient, endpoint_from_kubeconfig, pod_path

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from weightsync.e2e.runtime.atomic_writer import read_current, write_atomic
 from weightsync.e2e.runtime.containers import Backoff
 from weightsync.e2e.runtime.envvars import EnvError, container_env, expand, field_ref_value

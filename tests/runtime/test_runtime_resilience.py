@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from weightsync.crds.contract import LABEL_PROCESS_NODE
 from weightsync.e2e.cluster import LocalCluster
 from weightsync.e2e.procs import Proc

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
 from weightsync.e2e.runtime.envvars import container_env, env_var_name, expand, service_link_env
 from weightsync.e2e.runtime.ips import DEFAULT_LEASE_DIR, HostLeases, PodIPAllocator
 from weightsync.e2e.runtime.kube import ApiEndpoint, KubeClient
