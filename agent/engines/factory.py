@@ -67,7 +67,8 @@ def make_adapter(engine_type: str, *, url: str | None = None, device: str = "cpu
     if lora is not None:
         return _lora_adapter(t, url, lora, tp_size, timeout)
     if not url:
-        raise EngineError(f"{t} engine needs its URL (WEIGHTSYNC_ENGINE_URL, e.g. http://127.0.0.1:30000)")
+        # a configuration error (the agent exits 2 with this line), not an engine failure
+        raise ConfigError(f"{t} engine needs its URL ({contract.ENV_ENGINE_URL}, e.g. http://127.0.0.1:30000)")
     if t == "SGLang":
         from weightsync.agent.engines.sglang import SGLangAdapter
 

@@ -13,6 +13,7 @@ import torch
 from conftest import load_fixture
 from recording_server import RecordingServer
 
+from weightsync.agent.config import ConfigError
 from weightsync.agent.engines import sglang, vllm
 from weightsync.agent.engines.factory import make_adapter, normalize_engine_type
 
@@ -85,7 +86,7 @@ def test_factory_picks_adapters(server: RecordingServer) -> None:
     assert normalize_engine_type("VLLM") == "VLLM"
     with pytest.raises(Exception, match="unknown engine type"):
         make_adapter("TensorRT", url=server.url)
-    with pytest.raises(Exception, match="needs its URL"):
+    with pytest.raises(ConfigError, match="needs its URL"):  # the agent exits 2 with it, no traceback
         make_adapter("SGLang")
 
 
