@@ -1,4 +1,5 @@
-"""One piece's digest leaf, in a module light enough for an engine process to import.
+"""The content hashes every side computes: a piece's digest leaf and the on-device weighted sum under the
+`wsum64` leaf and checksum, in a module light enough for an engine process to import (torch and xxhash only).
 
 The leaf is defined in agent/transfer/digest.py's docstring (xxh3_128 of the piece's bytes, seeded by its key; the
 on-device weighted sum for CUDA buckets). The vLLM plugin (agent/engines/vllm_plugin.py) recomputes leaves
@@ -15,6 +16,9 @@ import torch
 MASK = (1 << 128) - 1
 XXH3_128 = "xxh3_128"
 WSUM = "wsum64"
+WSUM_BLOCK = 1 << 12  # int64 words per block of the weighted sum
+#: the leaves of a bucket: (piece key, leaf) in the bucket's order
+Leaves = list[tuple[str, int]]
 
 
 def piece_key(name: str, dtype: str, global_shape: Iterable[int], offset: Iterable[int], shape: Iterable[int]) -> str:
@@ -33,8 +37,6 @@ def _xxhash() -> Any:
 def leaf(key: str, data: torch.Tensor, algorithm: str = XXH3_128) -> int:
     """The 128-bit leaf of one piece (`data`: its bytes, 1-d uint8)."""
     if algorithm == WSUM:
-        from weightsync.agent.transfer.verify import wsum_total
-
         return _wsum_leaf(key, int(wsum_total(data).item()), data.numel())
     if algorithm != XXH3_128:
         raise ValueError(f"unknown digest algorithm {algorithm!r}; supported: {XXH3_128}, {WSUM}")
@@ -49,10 +51,35 @@ def leaf(key: str, data: torch.Tensor, algorithm: str = XXH3_128) -> int:
 
 
 def _wsum_leaf(key: str, total: int, nbytes: int) -> int:
-    """A WSUM leaf from the piece's on-device weighted sum (verify.wsum_total, read back)."""
+    """A WSUM leaf from the piece's on-device weighted sum (wsum_total, read back)."""
     inner = total & 0xFFFFFFFFFFFFFFFF
     return int(_xxhash().xxh3_128_intdigest(f"{key}|{inner:016x}|{nbytes}".encode()))
 
 
 def fmt(value: int) -> str:
     return f"{value & MASK:032x}"
+
+
+def wsum_total(data: torch.Tensor) -> torch.Tensor:
+    """The sum of `_wsum` as a 0-d int64 tensor on the data's device, not yet read back: a caller with many
+    pieces (a bucket's digest leaves) stacks them and reads them all at once, one device sync instead of one
+    per piece."""
+    n = data.numel()
+    whole = n // 8 * 8
+    words = data[:whole].view(torch.int64)
+    nblocks = -(-words.numel() // WSUM_BLOCK) if words.numel() else 0
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    if nblocks:
+        full = words.numel() // WSUM_BLOCK * WSUM_BLOCK
+        sums = []
+        if full:
+            sums.append(words[:full].view(-1, WSUM_BLOCK).sum(dim=1))
+        if full < words.numel():
+            sums.append(words[full:].sum().reshape(1))
+        per_block = torch.cat(sums)
+        weights = torch.arange(1, 2 * per_block.numel(), 2, dtype=torch.int64, device=data.device)
+        total = (per_block * weights).sum()
+    tail = data[whole:].to(torch.int64)
+    if tail.numel():
+        total = total + (tail * torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=data.device)).sum()
+    return total

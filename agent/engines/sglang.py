@@ -54,7 +54,7 @@ dtype size, so a bucket is ordered by descending element size (SGLang loads by n
 SGLang cannot roll weights back: after a failed load the weights are mixed. On the distributed path SGLang
 answers 400 ("partially updated"): `abort` closes the session, marks the engine's version `partial-<N>` and
 sets `needs_restore`; the agent then reloads the last good version while the engine stays paused, and only
-then resumes it (agent/main.py). `served_version` is None while the weights are partial.
+then resumes it (agent/inference/loop.py). `served_version` is None while the weights are partial.
 
 On the tensor path SGLang does not catch a loader error: the scheduler process dies and the server with it
 (its watchdog kills the process tree). There is nothing to restore into: the load raises EngineUnreachable

@@ -54,7 +54,7 @@ nothing back and processes the layers that got something, so after a bucket reac
 weights are a mix of two versions. `abort` therefore always closes the update (the engine is never left
 inside one, with layers on meta), marks the engine's version `partial-<N>` (/update_weight_version) and
 the adapter `partial` (served_version() is None) and sets `needs_restore`: the agent reloads the last
-good version while the engine stays paused (agent/main.py). An abort before any bucket reached the
+good version while the engine stays paused (agent/inference/loop.py). An abort before any bucket reached the
 engine leaves the previous version whole. A dead agent's update left open is closed at the next begin.
 
 The `nccl` and `ipc` backends' own formats (init / update info, vLLM's packed layout) and the CUDA calls

@@ -15,7 +15,7 @@ buffer, each at an offset aligned to ALIGNMENT (a multiple of every element size
 workers:
 1. receive it into a buffer nothing else views (vLLM's layer-wise reload holds views of a bucket until their
    layer is whole; buffers are pooled and reused once no view is left);
-2. recompute every tensor's digest leaf (agent/transfer/leaves.py) and compare it with the one in `update_info`;
+2. recompute every tensor's digest leaf (agent/hashing.py) and compare it with the one in `update_info`;
 3. only if all match, hand the tensors (views of the buffer) to the model's `load_weights`, while the next
    bucket is on the wire: bucket k is received (in a thread) while bucket k-1 is loaded, and a last `flush`
    call loads the held bucket before the agent finishes the update;
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.agent.transfer.leaves import WSUM, XXH3_128, fmt, leaf, piece_key
+from weightsync.agent.hashing import WSUM, XXH3_128, fmt, leaf, piece_key
 
 BACKEND_NAME = "weightsync"
 #: Byte alignment of every tensor in a packed bucket (a multiple of every dtype's element size).
@@ -85,7 +85,7 @@ class WeightsyncUpdateInfo:
     shapes: list[list[int]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     nbytes: int = 0
-    leaves: list[str] = field(default_factory=list)  # hex leaf per tensor (agent/transfer/leaves.py)
+    leaves: list[str] = field(default_factory=list)  # hex leaf per tensor (agent/hashing.py)
     algorithm: str = XXH3_128
     bucket: int = 0
     #: The agent gives the session up (it will finish it without a version): no bytes, no collective; the

@@ -21,23 +21,55 @@ from typing import Any
 
 import torch
 
+from weightsync.agent.hashing import Leaves
 from weightsync.agent.plan import SourceArena, TensorShard, TransferPlan
 from weightsync.agent.staging import segments
 from weightsync.agent.staging.index import (
     PublishedIndex,
+    ShardPieces,
     StagingError,
     staged_views,
     validate_metas,
     validate_stream_metas,
 )
 from weightsync.agent.staging.ring import BucketRing
-from weightsync.agent.transfer.digest import SentLeaves
-from weightsync.agent.transfer.sync import ShardPieces
 from weightsync.agent.wire import protocol as P
 
 log = logging.getLogger(__name__)
 
 PLAN_MEMORY_VERSIONS = 3     # a plan that read none of a rank's last 3 versions no longer holds its staging whole
+
+
+class SentLeaves:
+    """The leaves of one staged version and plan, by (bucket index, algorithm), shared by every transfer that
+    sends it (one per replica, concurrent or one after the other, and retries): the first to reach a bucket
+    hashes it, the others take its leaves, waiting for them while it hashes, instead of hashing the same bytes
+    again (one gate per key, as agent/plan/cache.py builds a plan once). Hashing waits on nothing, so a wait
+    ends; a transfer that failed while hashing leaves the bucket to the next one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[tuple[int, str], Leaves] = {}
+        self._gates: dict[tuple[int, str], threading.Lock] = {}
+
+    def get_or_compute(self, key: tuple[int, str], compute: Callable[[], Leaves]) -> tuple[Leaves, bool]:
+        """The leaves of `key` and whether another transfer computed them (False: `compute` ran here)."""
+        with self._lock:
+            known = self._done.get(key)
+            if known is not None:
+                return known, True
+            gate = self._gates.setdefault(key, threading.Lock())
+        with gate:
+            with self._lock:
+                known = self._done.get(key)
+                if known is not None:
+                    return known, True
+            leaves = compute()
+            with self._lock:
+                self._done[key] = leaves
+                self._gates.pop(key, None)
+            return leaves, False
+
 
 
 @dataclass

@@ -28,15 +28,27 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from weightsync.agent.hashing import (
+    MASK,
+    WSUM,
+    XXH3_128,
+    Leaves,
+    _wsum_leaf,
+    _xxhash,
+    fmt,
+    leaf,
+    piece_key,
+    wsum_total,
+)
 from weightsync.agent.plan import BucketPlan
 from weightsync.agent.staging.segments import shm_location
-from weightsync.agent.transfer.leaves import MASK, WSUM, XXH3_128, _wsum_leaf, _xxhash, fmt, leaf, piece_key
+from weightsync.agent.staging.versions import SentLeaves
 from weightsync.agent.transfer.sync import SyncError, SyncHooks
 
 log = logging.getLogger(__name__)
@@ -82,8 +94,6 @@ def bucket_leaves(bucket: BucketPlan, data: torch.Tensor, algorithm: str) -> lis
         return [(k, int(h(mem[o:o + n], seed=sd))) for k, sd, (o, n) in zip(keys, seeds, spans, strict=True)]
     views = [data[o : o + n] for o, n in spans]
     if algorithm == WSUM and views:
-        from weightsync.agent.transfer.verify import wsum_total
-
         totals = torch.stack([wsum_total(s) for s in views]).tolist()  # the one device sync of this bucket
         return [(k, _wsum_leaf(k, int(v), s.numel())) for k, v, s in zip(keys, totals, views, strict=True)]
     return [(k, leaf(k, s, algorithm)) for k, s in zip(keys, views, strict=True)]
@@ -136,7 +146,6 @@ class DigestStats:
     reused_bytes: int = 0
 
 
-Leaves = list[tuple[str, int]]
 MemoryKey = tuple[Any, ...]
 
 
@@ -190,37 +199,6 @@ class HashedHere:
 
 
 HASHED_HERE = HashedHere()
-
-
-class SentLeaves:
-    """The leaves of one staged version and plan, by (bucket index, algorithm), shared by every transfer that
-    sends it (one per replica, concurrent or one after the other, and retries): the first to reach a bucket
-    hashes it, the others take its leaves, waiting for them while it hashes, instead of hashing the same bytes
-    again (one gate per key, as agent/plan/cache.py builds a plan once). Hashing waits on nothing, so a wait
-    ends; a transfer that failed while hashing leaves the bucket to the next one."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._done: dict[tuple[int, str], Leaves] = {}
-        self._gates: dict[tuple[int, str], threading.Lock] = {}
-
-    def get_or_compute(self, key: tuple[int, str], compute: Callable[[], Leaves]) -> tuple[Leaves, bool]:
-        """The leaves of `key` and whether another transfer computed them (False: `compute` ran here)."""
-        with self._lock:
-            known = self._done.get(key)
-            if known is not None:
-                return known, True
-            gate = self._gates.setdefault(key, threading.Lock())
-        with gate:
-            with self._lock:
-                known = self._done.get(key)
-                if known is not None:
-                    return known, True
-            leaves = compute()
-            with self._lock:
-                self._done[key] = leaves
-                self._gates.pop(key, None)
-            return leaves, False
 
 
 @dataclass

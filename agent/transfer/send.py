@@ -17,11 +17,11 @@ import torch
 
 from weightsync.agent.plan import BucketPlan, TensorShard, TransferPlan
 from weightsync.agent.plan.buckets import dtype_name, entry_view, to_dtype
+from weightsync.agent.staging.index import ShardPieces
 from weightsync.agent.transfer.sync import (
     BucketStream,
     PeerFailed,
     PlanMismatch,
-    ShardPieces,
     SyncEndpoint,
     SyncError,
     SyncHooks,

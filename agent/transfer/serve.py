@@ -25,8 +25,8 @@ from weightsync.agent.plan import TransferPlan
 from weightsync.agent.staging import segments
 from weightsync.agent.staging.index import PublishedIndex, StagingError
 from weightsync.agent.staging.ring import RingError
-from weightsync.agent.staging.versions import StagedVersion, StagedVersions
-from weightsync.agent.transfer.digest import HASHED_HERE, DigestHooks, SentLeaves
+from weightsync.agent.staging.versions import SentLeaves, StagedVersion, StagedVersions
+from weightsync.agent.transfer.digest import HASHED_HERE, DigestHooks
 from weightsync.agent.transfer.groups import epoch_of
 from weightsync.agent.transfer.relay import FANOUT_GATHER_S, chain_links
 from weightsync.agent.transfer.send import WeightSender

@@ -1,6 +1,6 @@
 """Which version each inference replica serves, as its agents report it to this trainer agent (ServedTracker).
 
-A trainer's `wait_served` (answered by agent/main.py) blocks on it: an RL loop goes on once every
+A trainer's `wait_served` (answered by agent/transfer/intake.py) blocks on it: an RL loop goes on once every
 inference replica serves the version it published. Only the pods that load weights into their engine count
 (loading_pods), and only what authenticated inference agents report on their control link with the weight
 server (agent/transfer/serve.py).

@@ -146,36 +146,6 @@ class SyncStats:
         return {k: v for k, v in self.__dict__.items()}
 
 
-class ShardPieces:
-    """A source shard staged as separate pieces, each where its bucket wants it (TransferPlan.source_arena),
-    instead of as one tensor: the sender reads a piece where it lies. `pieces` maps a box in the shard's
-    own coordinates (offset, shape) to its view."""
-
-    def __init__(self, dtype: torch.dtype, shape: Sequence[int],
-                 pieces: Mapping[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor]) -> None:
-        self.dtype = dtype
-        self.shape = tuple(int(d) for d in shape)
-        self.pieces = dict(pieces)
-        self._whole: torch.Tensor | None = None
-        self.copied_bytes = 0  # bytes assembled for a region that is not one staged piece
-
-    def region(self, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
-        """The box (shard coordinates) as a tensor: the staged piece itself when the box is one, else a
-        slice of the pieces assembled once (a plan other than the one the staging was laid out for)."""
-        key = (tuple(int(o) for o in offset), tuple(int(n) for n in shape))
-        view = self.pieces.get(key)
-        if view is not None:
-            return view
-        whole = self._whole
-        if whole is None:
-            first = next(iter(self.pieces.values()))
-            whole = self._whole = torch.empty(self.shape, dtype=self.dtype, device=first.device)
-            for (o, n), v in self.pieces.items():
-                whole[tuple(slice(a, a + b) for a, b in zip(o, n, strict=True))].copy_(v)
-                self.copied_bytes += v.numel() * v.element_size()
-        return whole[tuple(slice(a, a + b) for a, b in zip(key[0], key[1], strict=True))]
-
-
 def in_place(bucket: BucketPlan, regions: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """A uint8 view of the memory the bucket's regions occupy, if they already sit exactly like the
     bucket (contiguous, one storage, at the bucket's relative offsets), else None. Then the bytes can

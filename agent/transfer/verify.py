@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from weightsync.agent.hashing import wsum_total
 from weightsync.agent.plan import BucketPlan
 from weightsync.agent.transfer.sync import SyncHooks
 
@@ -30,7 +31,6 @@ log = logging.getLogger(__name__)
 XXH3 = "xxh3_64"
 WSUM = "wsum64"
 ALGORITHMS = (XXH3, WSUM)
-_WSUM_BLOCK = 1 << 12  # int64 words per block of the weighted sum
 
 
 class ChecksumMismatch(RuntimeError):
@@ -53,31 +53,6 @@ def _xxh3(data: torch.Tensor) -> str:
 def _wsum(data: torch.Tensor) -> str:
     """sum_b (2b+1) * sum(words of block b) mod 2^64, plus the tail bytes and the length."""
     return f"{int(wsum_total(data).item()) & 0xFFFFFFFFFFFFFFFF:016x}:{data.numel()}"
-
-
-def wsum_total(data: torch.Tensor) -> torch.Tensor:
-    """The sum of `_wsum` as a 0-d int64 tensor on the data's device, not yet read back: a caller with many
-    pieces (a bucket's digest leaves) stacks them and reads them all at once, one device sync instead of one
-    per piece."""
-    n = data.numel()
-    whole = n // 8 * 8
-    words = data[:whole].view(torch.int64)
-    nblocks = -(-words.numel() // _WSUM_BLOCK) if words.numel() else 0
-    total = torch.zeros((), dtype=torch.int64, device=data.device)
-    if nblocks:
-        full = words.numel() // _WSUM_BLOCK * _WSUM_BLOCK
-        sums = []
-        if full:
-            sums.append(words[:full].view(-1, _WSUM_BLOCK).sum(dim=1))
-        if full < words.numel():
-            sums.append(words[full:].sum().reshape(1))
-        per_block = torch.cat(sums)
-        weights = torch.arange(1, 2 * per_block.numel(), 2, dtype=torch.int64, device=data.device)
-        total = (per_block * weights).sum()
-    tail = data[whole:].to(torch.int64)
-    if tail.numel():
-        total = total + (tail * torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=data.device)).sum()
-    return total
 
 
 def default_algorithm(data: torch.Tensor) -> str:

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from weightsync.agent.client import TrainerSession
+from weightsync.agent.hashing import leaf, piece_key
 from weightsync.agent.layout.shards import checksums
 from weightsync.agent.plan import TensorShard, buckets, build_plan
 from weightsync.agent.staging import segments
 from weightsync.agent.staging.index import StagingError
 from weightsync.agent.staging.versions import StagedVersions
 from weightsync.agent.transfer import digest as D
-from weightsync.agent.transfer.leaves import leaf, piece_key
 from weightsync.agent.wire import protocol as P
 from weightsync.agent.wire.local import LocalServer
 

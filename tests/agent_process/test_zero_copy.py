@@ -25,10 +25,11 @@ from weightsync.agent.layout.rules import TensorMeta, inference_layout, trainer_
 from weightsync.agent.layout.shards import checksums, local_shards
 from weightsync.agent.plan import Box, build_plan, shards_of
 from weightsync.agent.staging import segments
+from weightsync.agent.staging.index import ShardPieces
 from weightsync.agent.staging.places import arena_offsets
 from weightsync.agent.staging.versions import StagedVersions
 from weightsync.agent.transfer.send import source_region
-from weightsync.agent.transfer.sync import PlacedTensors, ShardPieces, in_place
+from weightsync.agent.transfer.sync import PlacedTensors, in_place
 from weightsync.crds import contract
 
 

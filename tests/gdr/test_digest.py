@@ -12,6 +12,7 @@ import torch
 from gdr_harness import GdrScenario, Replica, llama_metas, run_gdr, tp_needs, tp_sources
 
 from weightsync.agent.plan import TensorShard, build_plan
+from weightsync.agent.staging.versions import SentLeaves
 from weightsync.agent.transfer import digest as D
 
 
@@ -106,7 +107,7 @@ def test_concurrent_transfers_of_one_staged_version_hash_each_bucket_once(monkey
         return real(*args)
 
     monkeypatch.setattr(D, "bucket_leaves", slow_leaves)
-    shared = D.SentLeaves()
+    shared = SentLeaves()
     hooks = [D.DigestHooks(sent_leaves=shared) for _ in range(2)]
     metas: list[Any] = [None, None]
     go = threading.Barrier(2)
@@ -127,7 +128,7 @@ def test_concurrent_transfers_of_one_staged_version_hash_each_bucket_once(monkey
 
 
 def test_a_transfer_that_fails_while_hashing_leaves_the_bucket_to_the_next() -> None:
-    shared = D.SentLeaves()
+    shared = SentLeaves()
 
     def broken() -> Any:
         raise RuntimeError("staging unmapped")
@@ -222,7 +223,7 @@ def test_a_bucket_that_lands_where_its_own_sender_hashed_it_is_not_read_again(
 def _wsum_reference(b: bytes) -> int:
     """agent/transfer/verify.py's wsum64 written out: sum over blocks of (2 block + 1) x (sum of the block's int64 words), plus
     the tail bytes weighted 1, 2, ..., all mod 2^64."""
-    from weightsync.agent.transfer.verify import _WSUM_BLOCK
+    from weightsync.agent.hashing import WSUM_BLOCK as _WSUM_BLOCK
 
     words = [int.from_bytes(b[i:i + 8], "little", signed=True) for i in range(0, len(b) // 8 * 8, 8)]
     total = sum((2 * (i // _WSUM_BLOCK) + 1) * w for i, w in enumerate(words))
@@ -236,7 +237,7 @@ def test_a_gpu_buckets_leaves_are_read_back_once_and_keep_their_values(monkeypat
     still the one an agent of the earlier release computes per piece (mixed releases must agree)."""
     import xxhash
 
-    from weightsync.agent.transfer.verify import _WSUM_BLOCK
+    from weightsync.agent.hashing import WSUM_BLOCK as _WSUM_BLOCK
 
     g = torch.Generator().manual_seed(3)
     odd = torch.randint(-128, 127, (_WSUM_BLOCK * 8 * 2 + 13,), dtype=torch.int8, generator=g)  # 2 blocks + a tail
