@@ -111,7 +111,7 @@ troubleshooting-doc: setup
 	$(VPY) -m weightsync.e2e.troubleshooting --out docs/troubleshooting.md
 
 lint: $(STAMP)
-	$(VPY) -m ruff check .
+	$(VPY) -m ruff check --no-cache .  # the cache does not key on which packages are first-party
 	$(VPY) -m mypy
 	$(VENV)/bin/lint-imports --no-cache --no-logo pyproject.toml
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/lint/test_import_cycles.py
