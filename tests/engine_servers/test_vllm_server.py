@@ -42,7 +42,10 @@ from podprocs import PY, Cluster, Pod, wait_for
 
 pytestmark = [pytest.mark.engine_servers, pytest.mark.timeout(900)]
 
-NAMESPACES = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child", "sh", "-c"]
+# The engine container's own mount and PID namespaces, with its own /proc as a container has (vLLM's CPU worker
+# reads /proc/<its pid>/status: the host's /proc has no such pid, or another process's).
+NAMESPACES = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child", "--mount-proc",
+              "sh", "-c"]
 READY_TIMEOUT = 300.0
 LOAD_TIMEOUT = 180.0
 
