@@ -350,17 +350,8 @@ class StagedVersions:
             for pool in self._pools.values():
                 if slot in pool._slots:
                     pool.fill(slot, version)
-            newly = not sv.complete and all(r in sv.ranks for r in self.ranks)
-            if newly:
-                sv.complete = True
-                self._evict()
-            self._lock.notify_all()
-        if old is not None and old.slot is not None:
-            self._release_slot(old.slot)
-        self._notify_dropped()
-        if newly and self.on_complete:
-            self.on_complete(sv)
-        return sv
+            newly = self._mark_complete(sv)
+        return self._after_stage(sv, old, newly)
 
     def _index_of(self, rank: int, metas: Any, segment_size: int) -> PublishedIndex:
         """The validated index of a publish: the rank's last one when the trainer sent the same index for a segment
@@ -389,17 +380,8 @@ class StagedVersions:
             old = sv.ranks.get(rank)
             sv.ranks[rank] = RankStage(rank, None, metas, snapshot_bytes=max(0, int(snapshot_bytes)))
             sv.aliases.update(aliases)
-            newly = not sv.complete and all(r in sv.ranks for r in self.ranks)
-            if newly:
-                sv.complete = True
-                self._evict()
-            self._lock.notify_all()
-        if old is not None and old.slot is not None:
-            self._release_slot(old.slot)
-        self._notify_dropped()
-        if newly and self.on_complete:
-            self.on_complete(sv)
-        return sv
+            newly = self._mark_complete(sv)
+        return self._after_stage(sv, old, newly)
 
     def withdraw(self, version: int) -> bool:
         """A held streamed version whose trainer returned from publish: it is no longer available (transfers
@@ -429,6 +411,26 @@ class StagedVersions:
         """The trainer processes' snapshots of the streamed versions this agent keeps."""
         with self._lock:
             return sum(rs.snapshot_bytes for sv in self._versions.values() for rs in sv.ranks.values())
+
+    def _mark_complete(self, sv: StagedVersion) -> bool:
+        """Under the lock: whether this rank's stage completed the version (every rank staged), evicting what
+        the new version makes old, and waking the waiters either way."""
+        newly = not sv.complete and all(r in sv.ranks for r in self.ranks)
+        if newly:
+            sv.complete = True
+            self._evict()
+        self._lock.notify_all()
+        return newly
+
+    def _after_stage(self, sv: StagedVersion, old: RankStage | None, newly: bool) -> StagedVersion:
+        """Outside the lock: free the slot the rank's previous stage held, report dropped versions, and announce
+        a version that has just completed."""
+        if old is not None and old.slot is not None:
+            self._release_slot(old.slot)
+        self._notify_dropped()
+        if newly and self.on_complete:
+            self.on_complete(sv)
+        return sv
 
     def _notify_dropped(self) -> None:
         """Tell the trainer processes which streamed versions were evicted (outside the lock)."""
