@@ -11,6 +11,11 @@ here is a way the adapter could disagree with that release:
 * on the tensor path a loader error kills SGLang's scheduler and server (no restore is possible);
 * /flush_cache is refused while requests run, and takes a `timeout` to wait for them;
 * the supported releases are a range (0.5.23 and its post releases), not one string.
+
+A stand-in takes ~20 s to start (SGLang's imports), so the tests that neither need other flags nor break the
+server share one with the default flags (`shared`): each sees only its own events, and starts on a server that
+is not paused, has no session open and runs no request, as a fresh one. A test with other flags, or one whose
+server fails a load or dies, starts its own (`standin`).
 """
 
 from __future__ import annotations
@@ -54,6 +59,46 @@ def standin(tmp_path: Path) -> Iterator[Any]:
     yield make
     for s in made:
         s.close()
+
+
+class Seen:
+    """The module's default-flag stand-in as one test sees it: the events from the test's start on (the earlier
+    tests' are not its own), the flushes counted from there."""
+
+    def __init__(self, server: Standin) -> None:
+        self.server, self.url, self.port, self.proc, self.log = server, server.url, server.port, server.proc, server.log
+        self.first = len(server.get("/standin/events")["events"])
+        self.flushes_before = server.get("/standin/state")["flushes"]
+
+    def get(self, path: str) -> Any:
+        return self.server.get(path)
+
+    def events(self) -> list[dict[str, Any]]:
+        return list(self.server.get("/standin/events")["events"][self.first:])
+
+    def ops(self) -> list[str]:
+        return [e["op"] for e in self.events()]
+
+    def flushes(self) -> int:
+        return int(self.server.get("/standin/state")["flushes"]) - int(self.flushes_before)
+
+
+@pytest.fixture(scope="module")
+def default_standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standin]:
+    s = Standin(tmp_path_factory.mktemp("sglang-standin"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def shared(default_standin: Standin) -> Iterator[Seen]:
+    """The shared stand-in, in the state a fresh one starts in (alive, not paused, no session, no request
+    running); whatever requests the test left running end with it."""
+    assert default_standin.proc.poll() is None, default_standin.log.read_text()[-3000:]
+    state = default_standin.get("/standin/state")
+    assert not state["paused"] and not state["session_open"] and state["running"] == 0, state
+    yield Seen(default_standin)
+    requests.post(f"{default_standin.url}/standin/requests", json={"running": 0}, timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +173,8 @@ def test_the_adapter_sends_a_json_body_to_every_route_sglang_requires_it_on(
 
 
 def test_a_body_less_post_is_refused_by_sglangs_app_and_the_adapters_calls_pass(
-        standin: Any, body_routes: dict[str, list[str]]) -> None:
-    eng = standin()
+        shared: Seen, body_routes: dict[str, list[str]]) -> None:
+    eng = shared
     for route in ("/end_weight_update", "/begin_weight_update", "/pause_generation", "/continue_generation",
                   "/update_weight_version"):
         assert "POST" in body_routes[route]
@@ -147,7 +192,7 @@ def test_a_body_less_post_is_refused_by_sglangs_app_and_the_adapters_calls_pass(
     ops = eng.ops()[6:]
     assert "refused" not in ops and ops[-5:] == ["end_weight_update", "update_weight_version", "weights",
                                                 "flush_cache", "continue_generation"], ops
-    assert all(e["status"] == 200 for e in eng.get("/standin/events")["events"][6:] if e["op"] != "weights")
+    assert all(e["status"] == 200 for e in eng.events()[6:] if e["op"] != "weights")
 
 
 # ---------------- /server_info: speculative decoding ----------------
@@ -196,8 +241,8 @@ def test_an_mtp_server_reported_as_eagle_gets_its_mtp_layers_through_selector_al
     (("--pp-size", "2"), 1, ["pp_size=2"]),
 ])
 def test_a_server_whose_parallelism_the_agent_cannot_feed_is_refused_before_any_rendezvous(
-        standin: Any, flags: tuple[str, ...], job_tp: int, words: list[str]) -> None:
-    eng = standin(*flags)
+        standin: Any, request: pytest.FixtureRequest, flags: tuple[str, ...], job_tp: int, words: list[str]) -> None:
+    eng = standin(*flags) if flags else request.getfixturevalue("shared")
     a = sglang.SGLangAdapter(eng.url, tp_size=job_tp, timeout=60)
     with pytest.raises(EngineUnsupported) as ei:
         a.check_engine_version()
@@ -265,10 +310,10 @@ def test_the_distributed_path_answers_partially_updated_and_the_engine_stays(sta
 # ---------------- /flush_cache ----------------
 
 
-def test_a_refused_flush_is_logged_and_the_version_still_served(standin: Any, monkeypatch: pytest.MonkeyPatch,
+def test_a_refused_flush_is_logged_and_the_version_still_served(shared: Seen, monkeypatch: pytest.MonkeyPatch,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(sglang, "FLUSH_TIMEOUT", 0.5)
-    eng = standin()
+    eng = shared
     requests.post(f"{eng.url}/standin/requests", json={"running": 2}, timeout=10)
     a = sglang.SGLangAdapter(eng.url, timeout=60)
     items = _weights(5)
@@ -276,15 +321,15 @@ def test_a_refused_flush_is_logged_and_the_version_still_served(standin: Any, mo
         load_version(a, 5, _buckets(items), pause_generation=False)  # requests keep running
     assert a.served_version() == 5 and not a.needs_restore
     assert eng.get("/standin/checksums")["checksums"] == checksums(items)
-    flush = [e for e in eng.get("/standin/events")["events"] if e["op"] == "flush_cache"]
+    flush = [e for e in eng.events() if e["op"] == "flush_cache"]
     assert [e["status"] for e in flush] == [400] and "Timed out waiting for idle" in flush[0]["message"]
     assert "flush_cache_refused version=5-" in caplog.text or "flush_cache_refused version=5" in caplog.text
 
 
-def test_the_flush_waits_for_running_requests_with_sglangs_timeout(standin: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_flush_waits_for_running_requests_with_sglangs_timeout(shared: Seen, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without `timeout` SGLang refuses at once while requests run; with it, it flushes once they are done."""
     monkeypatch.setattr(sglang, "FLUSH_TIMEOUT", 30.0)
-    eng = standin()
+    eng = shared
     assert requests.post(f"{eng.url}/flush_cache", timeout=10).status_code == 200
     requests.post(f"{eng.url}/standin/requests", json={"running": 1}, timeout=10)
     assert requests.post(f"{eng.url}/flush_cache", timeout=10).status_code == 400  # no timeout: refused
@@ -293,7 +338,7 @@ def test_the_flush_waits_for_running_requests_with_sglangs_timeout(standin: Any,
     a = sglang.SGLangAdapter(eng.url, timeout=60)
     t0 = time.monotonic()
     assert a.flush_cache(7) is True and 0.8 < time.monotonic() - t0 < 20
-    assert eng.get("/standin/state")["flushes"] == 2
+    assert eng.flushes() == 2
 
 
 # ---------------- releases ----------------

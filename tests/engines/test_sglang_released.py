@@ -8,6 +8,7 @@ PID and /dev/shm namespaces (`unshare`), as the engine container is.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -54,7 +55,9 @@ class Standin:
         self.log = tmp / f"standin-{self.port}.log"
         cmd = [str(engine_python()), "-m", "weightsync.e2e.engines.sglang_standin", "--host", "127.0.0.1",
                "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(_in_own_namespaces(cmd), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        argv = _in_own_namespaces(cmd)
+        self.forked = "--fork" in argv  # unshare waits for the engine, its child, instead of exec'ing it
+        self.proc = subprocess.Popen(argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()
@@ -72,7 +75,14 @@ class Standin:
         return [e["op"] for e in self.get("/standin/events")["events"]]
 
     def close(self) -> None:
-        self.proc.terminate()  # unshare --kill-child takes the engine down with it
+        if self.forked:
+            # unshare --fork blocks SIGTERM while it waits for its child (a terminate waited out the 10 s every
+            # time): SIGKILL it, and --kill-child takes the engine, the new PID namespace's init, down with it
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired, AssertionError):  # Popen's waitpid race with gloo
+                self.proc.wait(10)
+            return
+        self.proc.terminate()  # the engine itself (unshare exec'd it): it shuts down on SIGTERM
         try:
             self.proc.wait(10)
         except (subprocess.TimeoutExpired, AssertionError):  # AssertionError: Popen's waitpid race with gloo
