@@ -33,8 +33,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from weightsync.agent.gcpause import collector_paused
 from weightsync.agent.layout.engine import EngineLayout
-from weightsync.agent.layout.shards import LocalShard, PlacedShard, Weights, local_shards
+from weightsync.agent.layout.shards import LocalShard, LocalShardsMemo, PlacedShard, Weights
 from weightsync.agent.staging import ring, segments
 from weightsync.agent.staging.places import (
     BucketViews,
@@ -180,6 +181,7 @@ class TrainerSession:
         self._conn: local.LocalConn | None = None
         self._threads_checked = False
         self._staging = TrainerStaging()  # the segments the agent handed out, the last publish's layout
+        self._local_shards = LocalShardsMemo()  # the last publish's shards, while the app passes the same tensors
 
     def _drop_connection(self) -> None:
         """Forget the agent: its connection and the staging segments it handed out."""
@@ -226,16 +228,17 @@ class TrainerSession:
         Raises AgentUnavailable when the agent is gone for longer than `reconnect_timeout`."""
         if version < 1:
             raise ValueError(f"version must be >= 1, got {version}")
-        return self._retrying(f"publish({version})", lambda: self._publish_once(weights, version))
+        with collector_paused():  # a few containers per tensor live until the publish returns (agent/gcpause.py)
+            return self._retrying(f"publish({version})", lambda: self._publish_once(weights, version))
 
     def _publish_once(self, weights: Weights, version: int) -> PublishResult:
         t0 = time.perf_counter()
-        shards, aliases = local_shards(weights)
+        shards, aliases = self._local_shards(weights)
         sizes = [segments.tensor_nbytes(s.tensor) for s in shards]
         offsets, total = segments.pack_offsets(sizes)
-        devices = {s.tensor.device.type for s in shards}
-        device = "cpu" if devices <= {"cpu"} else str(next(s.tensor.device for s in shards if s.tensor.is_cuda))
-        if "cpu" in devices and not self._threads_checked:
+        first_cuda = next((s.tensor for s in shards if s.tensor.is_cuda), None)  # no device object per tensor
+        device = "cpu" if first_cuda is None else str(first_cuda.device)
+        if not self._threads_checked and any(s.tensor.is_cpu for s in shards):
             self._threads_checked = True
             why = oversubscribed_threads()
             if why:
@@ -487,12 +490,14 @@ class InferenceSession:
         op = h["op"]
         if op == "bucket":
             seg = self._segment(h["segment"])
-            pairs = self._layouts.by_id(seg, h) if "layout_id" in h else self._layouts.of(seg, h["layout"])
-            places = h.get("places")
-            if places is None:
-                self.on_bucket(int(h["version"]), pairs)
-            else:
-                self._load_pieces(int(h["version"]), pairs, places)
+            with collector_paused():  # a view per tensor of the bucket, alive until it is loaded (agent/gcpause.py)
+                pairs = self._layouts.by_id(seg, h) if "layout_id" in h else self._layouts.of(seg, h["layout"])
+                places = h.get("places")
+                if places is None:
+                    self.on_bucket(int(h["version"]), pairs)
+                else:
+                    self._load_pieces(int(h["version"]), pairs, places)
+                del pairs
             if seg.tensor.is_cuda:
                 torch.cuda.synchronize(seg.tensor.device)  # the agent reuses the buffer after our reply
         elif op == "begin":

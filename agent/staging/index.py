@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -162,6 +162,43 @@ def _pieces_of(shard: TensorShard, pieces: Any) -> list[tuple[int, int, str]] | 
             a.intersect(c) is not None for i, a in enumerate(boxes) for c in boxes[i + 1:]):
         raise ValueError("the pieces do not tile the shard")
     return out
+
+
+class StagedTensors(Mapping[str, "torch.Tensor | ShardPieces"]):
+    """A staged rank's tensors by name, views of its staging slot, made when first read; with `memo`, what a
+    sender works out from them once (where each bucket sits in the slot, that they match a plan), kept with the
+    slot for the next version staged there with the same index.
+
+    Why: an MoE version has tens of thousands of tensors. A sender whose memo knows every bucket sits in place
+    sends straight from `segment` and never reads a view, so none is made: over IPC (whose views cannot be kept,
+    see RankStage.tensors) they cost a few microseconds each per version. The memo holds offsets and flags, no
+    view, so it keeps no memory mapped."""
+
+    def __init__(self, make: Callable[[], dict[str, torch.Tensor | ShardPieces]], segment: torch.Tensor,
+                 memo: dict[Any, Any] | None = None) -> None:
+        self._make = make
+        self._views: dict[str, torch.Tensor | ShardPieces] | None = None
+        self.segment = segment  #: the slot's bytes (1-d uint8)
+        self.memo = memo
+
+    @property
+    def materialized(self) -> bool:
+        """Whether the views were made (read)."""
+        return self._views is not None
+
+    def _all(self) -> dict[str, torch.Tensor | ShardPieces]:
+        if self._views is None:
+            self._views = self._make()
+        return self._views
+
+    def __getitem__(self, name: str) -> torch.Tensor | ShardPieces:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
 
 
 class ShardPieces:

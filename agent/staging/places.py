@@ -181,7 +181,7 @@ def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     were exact). CUDA copies are asynchronous launches anyway."""
     if not dsts:
         return
-    if all(t.device.type == "cpu" for t in dsts) and all(t.device.type == "cpu" for t in srcs):
+    if all(t.is_cpu for t in dsts) and all(t.is_cpu for t in srcs):  # is_cpu: no device object per tensor
         torch._foreach_copy_(dsts, srcs)
     else:
         for d, t in zip(dsts, srcs, strict=True):

@@ -27,6 +27,8 @@ from weightsync.agent.staging import segments
 from weightsync.agent.staging.index import (
     PublishedIndex,
     ShardPieces,
+    StagedTensors,
+    StagedView,
     StagingError,
     staged_views,
     validate_metas,
@@ -98,25 +100,43 @@ class RankStage:
         """Shards published by metadata only: the plan the trainer staged for sends them from another rank."""
         return {str(m["name"]) for m in self.metas if m.get("unstaged") is True}
 
-    def tensors(self, keep: bool = False) -> dict[str, torch.Tensor | ShardPieces]:
-        """Each staged shard as a view of staging, or as its pieces where it was staged in pieces.
+    def tensors(self, keep: bool = False) -> StagedTensors:
+        """Each staged shard as a view of staging, or as its pieces where it was staged in pieces, made when first
+        read (StagedTensors), with a memo kept with the slot while the same index is staged in it.
 
-        `keep`: the views are kept with the slot for the next version staged in it with the same index (made
+        `keep`: the views are kept with the slot too, for the next version staged in it with the same index (made
         per tensor, tens of thousands per MoE version); they go with the slot. Not over IPC: a colocated pod's
         receiver hands this very memory to its engine and refuses to release it while another view of it is
-        alive (agent/transports/ipc.py)."""
+        alive (agent/transports/ipc.py). The memo holds no view, so it is kept either way."""
         slot = self.slot
         assert slot is not None, "a streamed rank has no staged tensors"
+        seg = slot.segment
+        memo: dict[Any, Any] | None = None
+        known = slot.__dict__.get("memo")
+        if self.index is not None:
+            if known is not None and known[0] is self.index and known[1] is seg.tensor:
+                memo = known[2]
+            else:
+                memo = {}
+                slot.__dict__["memo"] = (self.index, seg.tensor, memo)
         kept = slot.__dict__.get("views")
         if keep and self.index is not None and kept is not None and kept[0] is self.index and \
-                kept[1] is slot.segment.tensor:
+                kept[1] is seg.tensor:
             views = kept[2]
-        else:
-            views = staged_views(slot.segment, self.metas)
-            slot.__dict__["views"] = (self.index, slot.segment.tensor, views) if keep and self.index is not None \
-                else None
-        return {name: v if isinstance(v, torch.Tensor) else ShardPieces(v[0], v[1], v[2])
-                for name, v in views.items()}
+            return StagedTensors(lambda: _as_tensors(views), seg.tensor, memo)
+        slot.__dict__["views"] = None
+
+        def make() -> dict[str, torch.Tensor | ShardPieces]:
+            views = staged_views(seg, self.metas)
+            if keep and self.index is not None:
+                slot.__dict__["views"] = (self.index, seg.tensor, views)
+            return _as_tensors(views)
+
+        return StagedTensors(make, seg.tensor, memo)
+
+
+def _as_tensors(views: dict[str, StagedView]) -> dict[str, torch.Tensor | ShardPieces]:
+    return {name: v if isinstance(v, torch.Tensor) else ShardPieces(v[0], v[1], v[2]) for name, v in views.items()}
 
 
 @dataclass

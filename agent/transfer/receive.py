@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from weightsync.agent.gcpause import collector_paused
 from weightsync.agent.plan import BucketPlan, TensorShard, TransferPlan
 from weightsync.agent.plan.buckets import dtype_name, entry_view, entry_views, to_dtype
 from weightsync.agent.transfer.sync import (
@@ -295,8 +296,9 @@ class WeightReceiver(SyncEndpoint):
                 meta = h.get("meta")
             stats.wait_seconds += time.perf_counter() - tw
             tl = time.perf_counter()
-            stats.copied_bytes += self._consume(version, bucket, data, meta, remaining, on_bucket, into, slot < 0,
-                                                target)
+            with collector_paused():  # a view and a leaf per piece, alive until the bucket is loaded (agent/gcpause.py)
+                stats.copied_bytes += self._consume(version, bucket, data, meta, remaining, on_bucket, into,
+                                                    slot < 0, target)
             del data, target  # every view of the bucket must be gone before the transport releases it
             stats.load_seconds += time.perf_counter() - tl
             if self.tap is not None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from weightsync.agent.gcpause import collector_paused
 from weightsync.agent.plan import BucketPlan, TensorShard, TransferPlan
 from weightsync.agent.plan.buckets import dtype_name, entry_view, to_dtype
 from weightsync.agent.staging.index import ShardPieces
@@ -41,6 +42,13 @@ def source_region(t: torch.Tensor | ShardPieces, box: Any, src_box: Any) -> torc
     if box == src_box:  # the whole shard (the common case): no view to make
         return t
     return t[box.slices_within(src_box)]
+
+
+def _bytes_at(segment: torch.Tensor | None, at: int, nbytes: int) -> torch.Tensor:
+    """`nbytes` of `segment`'s storage from byte `at`, as in_place found a bucket there (one view per bucket)."""
+    assert segment is not None
+    return torch.empty(0, dtype=torch.uint8, device=segment.device).set_(segment.untyped_storage(), at, (nbytes,),
+                                                                         (1,))
 
 
 class WeightSender(SyncEndpoint):
@@ -104,8 +112,11 @@ class WeightSender(SyncEndpoint):
         t0 = time.perf_counter()
         where = "validating tensors"
         try:
-            if stream is None:
+            memo: dict[Any, Any] | None = getattr(tensors, "memo", None)  # StagedTensors: kept with the slot
+            if stream is None and (memo is None or ("checked", self.plan.hash, self.rank) not in memo):
                 self.check_tensors(tensors)
+                if memo is not None:  # the same index in the same slot: the same views, as checked
+                    memo[("checked", self.plan.hash, self.rank)] = True
             where = "agreeing on the plan"
             self._handshake(version)
             stats.handshake_seconds = time.perf_counter() - t0
@@ -115,8 +126,10 @@ class WeightSender(SyncEndpoint):
             if stream is not None:
                 self._stream_buckets(version, stream, stats)
             else:
-                self._send_buckets(version, tensors, stats)
-            stats.copied_bytes += sum(t.copied_bytes for t in tensors.values() if isinstance(t, ShardPieces))
+                with collector_paused():  # a region per piece per bucket (agent/gcpause.py)
+                    self._send_buckets(version, tensors, stats)
+            if getattr(tensors, "materialized", True):  # views never made copied nothing
+                stats.copied_bytes += sum(t.copied_bytes for t in tensors.values() if isinstance(t, ShardPieces))
             where = "finishing"
             done_meta = self.hooks.on_send_done(version)
             for d in self.dsts:
@@ -163,14 +176,29 @@ class WeightSender(SyncEndpoint):
         slots: list[Pending[None] | None] = [None] * n
         direct: list[Pending[None]] = []
         next_slot = 0
+        # kept with the staging slot (StagedTensors): where a bucket sits there, worked out per piece once, not per
+        # piece and version (an MoE bucket has hundreds of pieces); then no view of the slot is read at all
+        memo: dict[Any, Any] | None = getattr(tensors, "memo", None)
+        segment: torch.Tensor | None = getattr(tensors, "segment", None)
         for bucket in self.buckets:
             for d in self.dsts:
                 reason = self.peers[d].aborted
                 if reason is not None:
                     raise RemoteAbort(f"destination rank {d} aborted: {reason}")
             tp = time.perf_counter()
-            regions = [source_region(tensors[e.piece.name], e.piece.box, e.piece.src_box) for e in bucket.entries]
-            data = in_place(bucket, regions)  # the tensors already sit like the bucket: no pack
+            key = ("in_place", self.plan.hash, self.rank, bucket.index)
+            at = memo.get(key) if memo is not None and segment is not None else None
+            regions: list[torch.Tensor] | None = None
+            data: torch.Tensor | None
+            if at is not None:
+                data = _bytes_at(segment, at, bucket.nbytes)
+            else:
+                regions = [source_region(tensors[e.piece.name], e.piece.box, e.piece.src_box)
+                           for e in bucket.entries]
+                data = in_place(bucket, regions)  # the tensors already sit like the bucket: no pack
+                if data is not None and memo is not None and segment is not None and \
+                        data.untyped_storage().data_ptr() == segment.untyped_storage().data_ptr():
+                    memo[key] = data.storage_offset()
             if data is not None and self.transport.supports_direct_send(data):
                 del regions
                 meta = self.hooks.on_send_bucket(version, bucket, data)
@@ -191,6 +219,9 @@ class WeightSender(SyncEndpoint):
                 stats.wait_seconds += time.perf_counter() - tw
                 tp = time.perf_counter()
             buf = self.transport.send_buffer(slot)
+            if regions is None:
+                regions = [source_region(tensors[e.piece.name], e.piece.box, e.piece.src_box)
+                           for e in bucket.entries]
             for e, region in zip(bucket.entries, regions, strict=True):
                 entry_view(buf, e.bucket_entry).copy_(region)
                 stats.copied_bytes += e.piece.nbytes

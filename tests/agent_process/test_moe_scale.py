@@ -132,11 +132,51 @@ def test_entry_views_are_entry_view() -> None:
     for e, v in zip(entries, views, strict=True):
         ref = buckets.entry_view(data, e)
         assert v.dtype == ref.dtype and v.shape == ref.shape and v.data_ptr() == ref.data_ptr()
+        assert v.stride() == ref.stride() and v.storage_offset() == ref.storage_offset()
     odd = torch.zeros(bucket.nbytes + 1, dtype=torch.uint8)[1:]  # a buffer no typed view can start
     with pytest.raises(RuntimeError, match="divisible"):  # as entry_view refuses it
         buckets.entry_views(odd, entries)
     with pytest.raises(buckets.BucketError, match="ends at byte"):
         buckets.entry_views(data[:8], entries)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_entry_views_by_runs_are_entry_view_whatever_the_layout(seed: int) -> None:
+    """Runs of equal entries (one as_strided and an unbind each) give the very views entry_view gives: random
+    layouts of repeated and mixed shapes and dtypes, every alignment, buffers starting at several offsets; where
+    entry_view refuses (a view no typed tensor can start), entry_views refuses too. Writing through the views
+    writes the bytes entry_view reads."""
+    import random
+
+    rng = random.Random(seed)
+    shapes = [(8, 16), (8, 16), (16, 8), (3,), (2, 3, 5), (1,)]
+    dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.float64]
+    checked = 0
+    for _ in range(60):
+        items = [(f"t{i}", rng.choice(dtypes), rng.choice(shapes)) for i in range(rng.randint(1, 40))]
+        if rng.random() < 0.5:  # an MoE layer: experts' gate, up (one shape) and down projections interleaved
+            items += [(f"x{i}", torch.bfloat16, (16, 8) if i % 3 == 2 else (8, 16)) for i in range(rng.randint(2, 60))]
+        layout = buckets.BucketLayout.build(items, rng.choice([1, 2, 8, 256]))
+        start = rng.choice([0, 8, 16, 4])
+        data = torch.randint(0, 255, (layout.nbytes + 32,), dtype=torch.uint8)[start: start + layout.nbytes]
+        try:
+            refs = [buckets.entry_view(data, e) for e in layout.entries]
+        except RuntimeError:
+            with pytest.raises(RuntimeError):
+                buckets.entry_views(data, layout.entries)
+            continue
+        views = buckets.entry_views(data, layout.entries)
+        assert len(views) == len(refs)
+        for v, ref in zip(views, refs, strict=True):
+            assert (v.dtype, v.shape, v.stride(), v.storage_offset()) == \
+                (ref.dtype, ref.shape, ref.stride(), ref.storage_offset())
+            assert v.data_ptr() == ref.data_ptr()
+        for k, v in enumerate(views):
+            v.view(-1)[0] = k % 100
+        assert [int(buckets.entry_view(data, e).view(-1)[0]) for e in layout.entries] == \
+            [k % 100 for k in range(len(views))]
+        checked += 1
+    assert checked >= 20, "most layouts can be viewed"
 
 
 def test_a_whole_bucket_is_one_request_and_its_layout_is_named_once(tmp_path: Path,
