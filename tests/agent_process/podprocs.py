@@ -7,6 +7,7 @@ the operator would render.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -206,15 +207,30 @@ class Cluster:
             os.killpg(proc.pid, sig)
             proc.wait(10)
 
-    def stop_all(self) -> None:
-        for pod in self.pods.values():
-            for what, proc in pod.procs.items():
-                if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, signal.SIGTERM)
-                        proc.wait(5)
-                    except (ProcessLookupError, subprocess.TimeoutExpired):
-                        self.kill(pod, what)
+    def stop_all(self, grace: float = 5.0) -> None:
+        """End every pod's processes and everything in their process groups. All are signalled at once and
+        waited for together (one GRACE for all, not one per process): an agent, trainer or engine gets SIGTERM
+        and GRACE seconds to close, then SIGKILL. A process under `unshare --fork` gets SIGKILL at once: unshare
+        blocks SIGTERM while it waits for its child, and its child is a container's engine, the init of its own
+        PID and mount namespaces (its /dev/shm goes with them), which SIGKILL ends with all its processes."""
+        alive = [proc for pod in self.pods.values() for proc in pod.procs.values() if proc.poll() is None]
+        for proc in alive:
+            _signal_group(proc, signal.SIGKILL if _forked_namespace(proc) else signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while alive:
+            for proc in list(alive):
+                state = _exit_state(proc)
+                if state == "exited":
+                    _signal_group(proc, signal.SIGKILL)  # whatever of its group outlived it
+                if state != "running":
+                    _reap(proc)
+                    alive.remove(proc)
+            if alive and time.monotonic() > deadline:
+                for proc in alive:
+                    _signal_group(proc, signal.SIGKILL)
+                    _reap(proc, 10)
+                break
+            time.sleep(0.02)
         shutil.rmtree(self.staging_root, ignore_errors=True)
 
     def log_text(self, pod: Pod, what: str) -> str:
@@ -227,6 +243,35 @@ class Cluster:
             for what in pod.logs:
                 out.append(f"===== {pod.name} {what} =====\n{self.log_text(pod, what)[-6000:]}")
         return "\n".join(out)
+
+
+def _forked_namespace(proc: subprocess.Popen[bytes]) -> bool:
+    """PROC is `unshare --fork ...`: the command runs as unshare's child in new namespaces."""
+    args = proc.args if isinstance(proc.args, list) else []
+    return bool(args) and Path(str(args[0])).name == "unshare" and "--fork" in args
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """SIG to PROC's process group (spawn makes each process a group leader). Called only while PROC is not
+    reaped, so that its id cannot have been reused by another group."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _exit_state(proc: subprocess.Popen[bytes]) -> str:
+    """"running"; "exited" and not reaped (a zombie: its process group id is still its own); or "reaped"
+    already, by a waitpid elsewhere in the test process (its id may be another process's by now)."""
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return "reaped"
+    return "running" if info is None else "exited"
+
+
+def _reap(proc: subprocess.Popen[bytes], timeout: float = 1.0) -> None:
+    # AssertionError: Popen's waitpid race with gloo
+    with contextlib.suppress(subprocess.TimeoutExpired, AssertionError, ChildProcessError):
+        proc.wait(timeout)
 
 
 def get_json(url: str, timeout: float = 5.0) -> tuple[int, Any]:
