@@ -4,6 +4,11 @@ Request bodies are validated by SGLang's request types, routes by its route tabl
 to a stand-in server (e2e/engines/sglang_standin.py): SGLang's own FastAPI app, run by the engine venv's
 python (e2e/engine_venv.py), in front of SGLang's own session rules and receive code, in separate mount,
 PID and /dev/shm namespaces (`unshare`), as the engine container is.
+
+A stand-in takes ~17 s to start (SGLang's imports), so the tests that neither need other flags nor break the
+server share one with the default flags (`shared`): each sees only its own events, and starts on a server that
+is not paused, has no session open and runs no request, as a fresh one. A test with other flags starts its own
+(`standin`).
 """
 
 from __future__ import annotations
@@ -101,6 +106,43 @@ def standin(tmp_path: Path) -> Iterator[Any]:
     yield make
     for s in made:
         s.close()
+
+
+class Seen:
+    """The module's default-flag stand-in as one test sees it: the events from the test's start on (the earlier
+    tests' are not its own)."""
+
+    def __init__(self, server: Standin) -> None:
+        self.server, self.url = server, server.url
+        self.first = len(server.get("/standin/events")["events"])
+
+    def get(self, path: str) -> Any:
+        return self.server.get(path)
+
+    def events(self) -> list[dict[str, Any]]:
+        return list(self.server.get("/standin/events")["events"][self.first:])
+
+    def ops(self) -> list[str]:
+        return [e["op"] for e in self.events()]
+
+
+@pytest.fixture(scope="module")
+def default_standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standin]:
+    s = Standin(tmp_path_factory.mktemp("sglang-standin"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def shared(default_standin: Standin) -> Iterator[Seen]:
+    """The shared stand-in, in the state a fresh one starts in (alive, not paused, no session, no request
+    running); a session the test left open is closed after it, as a restarting agent closes it."""
+    assert default_standin.proc.poll() is None, default_standin.log.read_text()[-3000:]
+    state = default_standin.get("/standin/state")
+    assert not state["paused"] and not state["session_open"] and state["running"] == 0, state
+    yield Seen(default_standin)
+    if default_standin.proc.poll() is None and default_standin.get("/standin/state")["session_open"]:
+        requests.post(f"{default_standin.url}/end_weight_update", json={}, timeout=10)
 
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -213,8 +255,8 @@ def test_unsupported_release_is_refused_with_the_versions_that_work() -> None:
 # ---------------- the adapter against SGLang's own session rules and receive code ----------------
 
 
-def test_versions_load_bit_exact_through_sglangs_distributed_receive(standin: Any) -> None:
-    eng = standin()
+def test_versions_load_bit_exact_through_sglangs_distributed_receive(shared: Seen) -> None:
+    eng = shared
     a = sglang.SGLangAdapter(eng.url, timeout=60)
     assert a.check_engine_version() == "0.5.23"
     for v in (1, 2):
@@ -233,8 +275,8 @@ def test_versions_load_bit_exact_through_sglangs_distributed_receive(standin: An
     assert eng.get("/standin/state")["paused"] is False
 
 
-def test_sglang_refuses_loads_outside_a_session_and_a_second_begin(standin: Any) -> None:
-    eng = standin()
+def test_sglang_refuses_loads_outside_a_session_and_a_second_begin(shared: Seen) -> None:
+    eng = shared
     _, meta = sglang.flatten(_weights(0))
     r = requests.post(f"{eng.url}/update_weights_from_distributed",
                       json=sglang.update_weights_from_distributed_body(meta), timeout=10)
@@ -244,8 +286,8 @@ def test_sglang_refuses_loads_outside_a_session_and_a_second_begin(standin: Any)
     assert r.status_code == 400 and "already open" in r.json()["message"]
 
 
-def test_an_agent_restarting_into_an_open_session_closes_it_first(standin: Any) -> None:
-    eng = standin()
+def test_an_agent_restarting_into_an_open_session_closes_it_first(shared: Seen) -> None:
+    eng = shared
     assert requests.post(f"{eng.url}/begin_weight_update", json={}, timeout=10).status_code == 200  # a dead agent
     a = sglang.SGLangAdapter(eng.url, timeout=60)
     items = _weights(3)
@@ -308,10 +350,10 @@ def test_draft_tensors_reach_only_the_draft_model_through_sglangs_selectors(stan
     assert "refused" not in ops and ops.count("begin_weight_update") == ops.count("end_weight_update") == 2
 
 
-def test_draft_tensors_without_a_draft_model_are_refused_before_they_are_dropped(standin: Any) -> None:
+def test_draft_tensors_without_a_draft_model_are_refused_before_they_are_dropped(shared: Seen) -> None:
     """SGLang answers success for selector "draft" on a server without a draft runner (nothing loads): the
     adapter refuses instead, naming the tensor and what to do, and the engine is resumed and left whole."""
-    eng = standin()
+    eng = shared
     a = sglang.SGLangAdapter(eng.url, timeout=60)
     assert not a.draft_model()
     load_version(a, 1, _buckets(_weights(1)), pause_generation=True)
