@@ -228,10 +228,16 @@ class TrainerSession:
         Raises AgentUnavailable when the agent is gone for longer than `reconnect_timeout`."""
         if version < 1:
             raise ValueError(f"version must be >= 1, got {version}")
-        with collector_paused():  # a few containers per tensor live until the publish returns (agent/gcpause.py)
-            return self._retrying(f"publish({version})", lambda: self._publish_once(weights, version))
+        return self._retrying(f"publish({version})", lambda: self._publish_once(weights, version))
 
     def _publish_once(self, weights: Weights, version: int) -> PublishResult:
+        with contextlib.ExitStack() as paused:
+            # a few containers per tensor live until the staged publish returns (agent/gcpause.py); not over a
+            # ring publish, which may hold the trainer until the fleet serves the version
+            paused.enter_context(collector_paused())
+            return self._publish_paused(weights, version, paused)
+
+    def _publish_paused(self, weights: Weights, version: int, paused: contextlib.ExitStack) -> PublishResult:
         t0 = time.perf_counter()
         shards, aliases = self._local_shards(weights)
         sizes = [segments.tensor_nbytes(s.tensor) for s in shards]
@@ -248,6 +254,7 @@ class TrainerSession:
         reply = conn.request({"op": "stage", "version": version, "rank": self.rank, "nbytes": total, "device": device,
                               "stream": True, "skip_unsent": True, **({"layout_id": known} if known else {})})
         if "ring" in reply:
+            paused.close()
             return self._publish_streamed(conn, version, shards, aliases, sizes, t0)
         seg = self._staging.segment(reply["segment"])
         key = shard_key(shards)

@@ -76,10 +76,10 @@ def test_a_publish_pauses_the_collector_while_it_stages(monkeypatch: pytest.Monk
 
     seen: list[bool] = []
 
-    def publish_once(self: TrainerSession, weights: object, version: int) -> None:
+    def publish_paused(self: TrainerSession, weights: object, version: int, paused: object) -> None:
         seen.append(gc.isenabled())
 
-    monkeypatch.setattr(TrainerSession, "_publish_once", publish_once)
+    monkeypatch.setattr(TrainerSession, "_publish_paused", publish_paused)
     session = TrainerSession("/nonexistent.sock", rank=0)
     session.publish({}, 1)
     assert seen == [False]
