@@ -18,6 +18,7 @@ is not paused, has no session open and runs no request, as a fresh one. A test w
 server fails a load or dies, starts its own (`standin`).
 """
 
+# ruff: noqa: F811
 from __future__ import annotations
 
 import json
@@ -34,7 +35,10 @@ import requests
 import torch
 import torch.multiprocessing as tmp
 from recording_server import RecordingServer
-from test_sglang_released import Standin, _buckets, _weights
+
+# the shared stand-in's fixtures are test_sglang_released's (each module gets its own stand-in); pytest passes them
+# to the tests by name, which ruff reads as redefinitions
+from test_sglang_released import Seen, Standin, _buckets, _weights, default_standin, shared  # noqa: F401
 
 from weightsync.agent.demo.model import DemoModel
 from weightsync.agent.engines import sglang
@@ -59,46 +63,6 @@ def standin(tmp_path: Path) -> Iterator[Any]:
     yield make
     for s in made:
         s.close()
-
-
-class Seen:
-    """The module's default-flag stand-in as one test sees it: the events from the test's start on (the earlier
-    tests' are not its own), the flushes counted from there."""
-
-    def __init__(self, server: Standin) -> None:
-        self.server, self.url, self.port, self.proc, self.log = server, server.url, server.port, server.proc, server.log
-        self.first = len(server.get("/standin/events")["events"])
-        self.flushes_before = server.get("/standin/state")["flushes"]
-
-    def get(self, path: str) -> Any:
-        return self.server.get(path)
-
-    def events(self) -> list[dict[str, Any]]:
-        return list(self.server.get("/standin/events")["events"][self.first:])
-
-    def ops(self) -> list[str]:
-        return [e["op"] for e in self.events()]
-
-    def flushes(self) -> int:
-        return int(self.server.get("/standin/state")["flushes"]) - int(self.flushes_before)
-
-
-@pytest.fixture(scope="module")
-def default_standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standin]:
-    s = Standin(tmp_path_factory.mktemp("sglang-standin"))
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def shared(default_standin: Standin) -> Iterator[Seen]:
-    """The shared stand-in, in the state a fresh one starts in (alive, not paused, no session, no request
-    running); whatever requests the test left running end with it."""
-    assert default_standin.proc.poll() is None, default_standin.log.read_text()[-3000:]
-    state = default_standin.get("/standin/state")
-    assert not state["paused"] and not state["session_open"] and state["running"] == 0, state
-    yield Seen(default_standin)
-    requests.post(f"{default_standin.url}/standin/requests", json={"running": 0}, timeout=10)
 
 
 @pytest.fixture(scope="module")

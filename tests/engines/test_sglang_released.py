@@ -110,11 +110,12 @@ def standin(tmp_path: Path) -> Iterator[Any]:
 
 class Seen:
     """The module's default-flag stand-in as one test sees it: the events from the test's start on (the earlier
-    tests' are not its own)."""
+    tests' are not its own), the flushes counted from there."""
 
     def __init__(self, server: Standin) -> None:
-        self.server, self.url = server, server.url
+        self.server, self.url, self.port, self.proc, self.log = server, server.url, server.port, server.proc, server.log
         self.first = len(server.get("/standin/events")["events"])
+        self.flushes_before = server.get("/standin/state")["flushes"]
 
     def get(self, path: str) -> Any:
         return self.server.get(path)
@@ -125,9 +126,13 @@ class Seen:
     def ops(self) -> list[str]:
         return [e["op"] for e in self.events()]
 
+    def flushes(self) -> int:
+        return int(self.server.get("/standin/state")["flushes"]) - int(self.flushes_before)
+
 
 @pytest.fixture(scope="module")
 def default_standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standin]:
+    """One default-flag stand-in per module that uses it (a module importing this fixture gets its own)."""
     s = Standin(tmp_path_factory.mktemp("sglang-standin"))
     yield s
     s.close()
@@ -136,13 +141,16 @@ def default_standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standi
 @pytest.fixture
 def shared(default_standin: Standin) -> Iterator[Seen]:
     """The shared stand-in, in the state a fresh one starts in (alive, not paused, no session, no request
-    running); a session the test left open is closed after it, as a restarting agent closes it."""
+    running); after the test, a session it left open is closed (as a restarting agent closes it) and the requests
+    it left running end."""
     assert default_standin.proc.poll() is None, default_standin.log.read_text()[-3000:]
     state = default_standin.get("/standin/state")
     assert not state["paused"] and not state["session_open"] and state["running"] == 0, state
     yield Seen(default_standin)
-    if default_standin.proc.poll() is None and default_standin.get("/standin/state")["session_open"]:
-        requests.post(f"{default_standin.url}/end_weight_update", json={}, timeout=10)
+    if default_standin.proc.poll() is None:
+        if default_standin.get("/standin/state")["session_open"]:
+            requests.post(f"{default_standin.url}/end_weight_update", json={}, timeout=10)
+        requests.post(f"{default_standin.url}/standin/requests", json={"running": 0}, timeout=10)
 
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
