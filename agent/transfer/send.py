@@ -28,6 +28,7 @@ from weightsync.agent.transfer.sync import (
     SyncHooks,
     SyncStats,
     in_place,
+    storage_bytes,
 )
 from weightsync.agent.transports.base import Pending, Transport, TransportError, WorldMap, src
 from weightsync.agent.wire.link import Link, LinkError, Mailbox, RemoteAbort
@@ -42,13 +43,6 @@ def source_region(t: torch.Tensor | ShardPieces, box: Any, src_box: Any) -> torc
     if box == src_box:  # the whole shard (the common case): no view to make
         return t
     return t[box.slices_within(src_box)]
-
-
-def _bytes_at(segment: torch.Tensor | None, at: int, nbytes: int) -> torch.Tensor:
-    """`nbytes` of `segment`'s storage from byte `at`, as in_place found a bucket there (one view per bucket)."""
-    assert segment is not None
-    return torch.empty(0, dtype=torch.uint8, device=segment.device).set_(segment.untyped_storage(), at, (nbytes,),
-                                                                         (1,))
 
 
 class WeightSender(SyncEndpoint):
@@ -187,11 +181,11 @@ class WeightSender(SyncEndpoint):
                     raise RemoteAbort(f"destination rank {d} aborted: {reason}")
             tp = time.perf_counter()
             key = ("in_place", self.plan.hash, self.rank, bucket.index)
-            at = memo.get(key) if memo is not None and segment is not None else None
+            at = memo.get(key) if memo is not None else None
             regions: list[torch.Tensor] | None = None
             data: torch.Tensor | None
-            if at is not None:
-                data = _bytes_at(segment, at, bucket.nbytes)
+            if at is not None and segment is not None:  # as in_place found it there for an earlier version
+                data = storage_bytes(segment.untyped_storage(), at, bucket.nbytes, segment.device)
             else:
                 regions = [source_region(tensors[e.piece.name], e.piece.box, e.piece.src_box)
                            for e in bucket.entries]

@@ -164,7 +164,12 @@ def in_place(bucket: BucketPlan, regions: Sequence[torch.Tensor]) -> torch.Tenso
     for e, r in zip(bucket.entries, regions, strict=True):
         if r.data_ptr() != base + e.offset or r.device != dev or not r.is_contiguous():
             return None
-    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, base - sp, (bucket.nbytes,), (1,))
+    return storage_bytes(storage, base - sp, bucket.nbytes, first.device)
+
+
+def storage_bytes(storage: torch.UntypedStorage, offset: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """`nbytes` of `storage` from byte `offset` as a 1-d uint8 tensor: a bucket's bytes where they sit."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, offset, (nbytes,), (1,))
 
 
 class SyncEndpoint:
