@@ -13,6 +13,11 @@ A round moves every serving replica from the committed version C to N (the train
    copy into the engine (pause, load, commit, resume) and are Ready again when they serve N. A replica
    whose gate says Ready serves `committed-version`, so two Ready replicas never serve different versions.
 
+With no replica Ready on C (just switched, or all starting) a newer version skips the prepare and goes
+straight to the drain, but only once no replica is about to serve C (`ready_wait`: loading C, or serving it
+with the kubelet not caught up yet): otherwise a trainer publishing faster than a switch takes would start
+each drain before the last switch made anybody Ready, and no replica would ever be Ready.
+
 The drain makes the switch safe although pods are patched one by one: no replica can be Ready at N before
 every replica stopped being Ready at C. "Stopped" means the kubelet evaluated the pod's readiness gate after
 the gate turned False: a kubelet computes Ready from its own (possibly older) copy of the pod, so a replica
@@ -81,6 +86,8 @@ class AtomicRound:
     #: the drain waits only for gates to settle (drain_wait): pass again after this many seconds
     recheck_after: float | None = None
     settling: tuple[str, ...] = ()  # the pods it waits for
+    #: no replica Ready on `committed` yet: the pods about to serve it that the next round waits for
+    awaiting: tuple[str, ...] = ()
 
     @property
     def switching(self) -> bool:
@@ -125,6 +132,29 @@ def drain_wait(pod: Mapping[str, Any], now: datetime) -> float | None:
     if ready_since is not None and ready_since >= gate_since:
         return 0.0
     return max(0.0, DRAIN_SETTLE_S + TIME_PRECISION_S - (now - gate_since).total_seconds())
+
+
+def ready_wait(s: ReplicaState, pods: Mapping[str, Mapping[str, Any]], committed: VersionKey,
+               now: datetime) -> float | None:
+    """How long a replica that is not Ready may still be waited for before a newer version's drain: it is
+    about to serve COMMITTED. 0.0 (no timer: its own pod update brings the operator back) while it loads
+    COMMITTED; the seconds left while it serves COMMITTED, its gate True and the kubelet not caught up yet
+    (DRAIN_SETTLE_S after the gate turned True, as for the drain); None when it is not worth waiting for
+    (Ready already, incomplete, failing, reporting a sync error, or NotReady for another reason)."""
+    if s.ready or not s.complete:
+        return None
+    live = [pods[n] for n in s.pod_names if podstate.is_live(pods.get(n))]
+    if any(podstate.sync_error(p) or podstate.failure(p, now) for p in live):
+        return None
+    if s.target_key == committed and (s.served_key is None or s.served_key < committed):
+        return 0.0
+    if s.served_key != committed or not s.synced_condition:
+        return None
+    since = [podstate.condition_since(p, contract.POD_CONDITION_SYNCED) for p in live]
+    if any(t is None for t in since):
+        return None
+    left = DRAIN_SETTLE_S + TIME_PRECISION_S - (now - max(t for t in since if t is not None)).total_seconds()
+    return left if left > 0.0 else None
 
 
 def _replica_prepared(s: ReplicaState, pods: Mapping[str, Mapping[str, Any]]) -> VersionKey | None:
@@ -177,6 +207,18 @@ def decide(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]],
 
     commit_set = frozenset(s.replica for s in states if s.serving and s.ready and s.served_key == committed)
     newer = trainer if trainer is not None and trainer > committed else None
+    if not commit_set and newer is not None:
+        # nobody Ready on C: first let the replicas that are about to serve C do so (just switched, loading C,
+        # or Ready in a moment), else a trainer publishing faster than a switch keeps every replica out of
+        # the Service for good: each drain would start before the last switch made anybody Ready
+        about: dict[str, float] = {}
+        for s in states:
+            if (left := ready_wait(s, pods, committed, now)) is not None:
+                about.update(dict.fromkeys(s.pod_names, left))
+        if about:
+            timed = [left for left in about.values() if left > 0.0]
+            return AtomicRound(committed, commit, {s.replica: committed for s in states}, commit_set,
+                               recheck_after=max(timed) if timed else None, awaiting=tuple(sorted(about)))
     if not commit_set:  # nobody to prepare: straight to the drain (a replica may be about to turn Ready)
         return AtomicRound(committed, newer or commit, {s.replica: committed for s in states}, commit_set,
                            newer)

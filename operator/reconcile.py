@@ -270,6 +270,10 @@ class Reconciler:
                 log.info("atomic.drain_settling job=%s/%s version=%s pods=%s recheck_after_s=%.2f", job.namespace,
                          job.name, round_.commit[1] if round_.commit else None, ",".join(round_.settling),
                          round_.recheck_after or 0.0, extra={"job": f"{job.namespace}/{job.name}"})
+            if round_.awaiting:
+                log.info("atomic.awaiting_ready job=%s/%s committed=%s trainer=%s pods=%s", job.namespace, job.name,
+                         round_.committed[1] if round_.committed else None, tv[1] if tv else None,
+                         ",".join(round_.awaiting), extra={"job": f"{job.namespace}/{job.name}"})
         annotations = desired_annotations(spec, plan, states, tv, generation, pods, overdue, now)
         try:
             desired_pods = self._memo(job, "pods", None, lambda: build_pods(job, spec, plan, self.cfg))

@@ -237,3 +237,59 @@ def test_rolling_clears_leftover_commit_annotations(separated):
     fresh = {**pods, _name(0): pod(_name(0), served=1)}
     ann = desired_annotations(spec, p, replica_states(p, fresh), (0, 2), 1, fresh)
     assert contract.ANN_COMMITTED_VERSION not in ann[_name(0)]
+
+
+def test_after_a_switch_the_replicas_loading_the_committed_version_are_waited_for(separated):
+    """The trainer published version 3 while every replica still loads the committed version 2 (just switched):
+    no drain to 3 before they serve 2 and are Ready, else a trainer publishing faster than a switch keeps every
+    replica out of the Service for good (the four-replica e2e test saw no Ready replica for minutes in CI).
+    Once they are Ready on 2, the next round prepares 3 while they serve."""
+    spec = _spec(separated)
+    p = plan("demo", spec)
+    loading = {f"r{i}": _inf(i, served=1, target=2, ready=False, commit=(2, 2)) for i in range(N)}
+    pods = _pods(p, trainer=3, **loading)
+    r, ann = _decide(spec, pods, (0, 3))
+    assert r.committed == (0, 2) and r.commit == (0, 2) and r.preparing is None
+    assert r.awaiting == tuple(sorted(_name(i) for i in range(N))) and r.recheck_after is None
+    assert _ann(ann, contract.ANN_COMMIT_VERSION) == ["2"] * N and _ann(ann, contract.ANN_TARGET_VERSION) == ["2"] * N
+    # Ready on 2: an ordinary round, 3 is prepared while they serve 2
+    pods = _pods(p, trainer=3, **{f"r{i}": _inf(i, served=2, target=2, commit=(2, 2)) for i in range(N)})
+    r, ann = _decide(spec, pods, (0, 3))
+    assert r.commit_set == frozenset(range(N)) and r.preparing == (0, 3) and r.commit == (0, 2) and not r.awaiting
+    assert _ann(ann, contract.ANN_TARGET_VERSION) == ["3"] * N
+
+
+def test_a_replica_serving_the_committed_version_is_waited_for_only_while_its_kubelet_catches_up(separated):
+    """Served 2, gate True, Ready still False: the kubelet has not caught up yet, so wait DRAIN_SETTLE_S after
+    the gate turned True; past that it is NotReady for another reason, and the drain to 3 goes on."""
+    spec = _spec(separated)
+    p = plan("demo", spec)
+    t = T0 + dt.timedelta(minutes=5)
+    lagging = {f"r{i}": _since(_inf(i, served=2, target=2, ready=False, commit=(2, 2)), "Ready", T0)
+               for i in range(N)}
+    for i in range(N):  # the gate is True (synced), the pod not Ready yet
+        c = next(c for c in lagging[f"r{i}"]["status"]["conditions"] if c["type"] == contract.POD_CONDITION_SYNCED)
+        c["status"] = "True"
+        _since(lagging[f"r{i}"], contract.POD_CONDITION_SYNCED, t)
+    pods = _pods(p, trainer=3, **lagging)
+    states = replica_states(p, pods)
+    settle = atomic.DRAIN_SETTLE_S + atomic.TIME_PRECISION_S
+    r = atomic.decide(states, pods, (0, 3), now=t + dt.timedelta(seconds=1))
+    assert r.commit == (0, 2) and len(r.awaiting) == N
+    assert r.recheck_after is not None and abs(r.recheck_after - (settle - 1)) < 1e-6
+    r = atomic.decide(states, pods, (0, 3), now=t + dt.timedelta(seconds=settle + 0.1))
+    assert r.commit == (0, 3) and not r.awaiting  # straight to the drain, as before
+
+
+def test_a_replica_failing_to_load_the_committed_version_is_not_waited_for(separated):
+    spec = _spec(separated)
+    p = plan("demo", spec)
+    failing = {f"r{i}": _inf(i, served=1, target=2, ready=False, commit=(2, 2),
+                             **{contract.ANN_SYNC_ERROR: "checksum mismatch"}) for i in range(N)}
+    pods = _pods(p, trainer=3, **failing)
+    r, _ = _decide(spec, pods, (0, 3))
+    assert r.commit == (0, 3) and not r.awaiting
+    # one loading healthily is enough to wait for (the others' errors are theirs to retry)
+    pods = _pods(p, trainer=3, **{**failing, "r2": _inf(2, served=1, target=2, ready=False, commit=(2, 2))})
+    r, _ = _decide(spec, pods, (0, 3))
+    assert r.commit == (0, 2) and r.awaiting == (_name(2),)
