@@ -200,14 +200,19 @@ class LinkStore(dist.Store):
         self.timeout_s = timeout
         self._link: Link | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def _request(self, header: dict[str, Any], payload: bytes = b"", wait: float = 0.0) -> tuple[dict[str, Any], bytes]:
         with self._lock:
             deadline = time.monotonic() + min(self.timeout_s, 60.0)
             while True:
+                if self._closed:
+                    raise StoreError(f"rendezvous store {self.host}:{self.port}: the client is closed")
                 try:
                     if self._link is None or self._link.closed:
                         self._link = connect(self.host, self.port, self._token, timeout=10.0)
+                        if self._closed:  # closed while connecting: close() did not see this link
+                            self._link.close()
                     self._link.send(header, payload)
                     reply, data = self._link.recv(timeout=wait + 30.0)
                     break
@@ -256,9 +261,12 @@ class LinkStore(dist.Store):
         self.timeout_s = timeout.total_seconds()
 
     def close(self) -> None:
-        with self._lock:
-            if self._link is not None:
-                self._link.close()
-                self._link = None
+        """Close at once, without the request lock: a request blocked in a wait holds it for up to the
+        store's timeout (minutes), and an agent closing on SIGTERM would sit out its grace period and be
+        killed. Shutting the link down wakes that request, which then fails; no request reconnects after."""
+        self._closed = True
+        link = self._link
+        if link is not None:
+            link.close()
 
 

@@ -117,3 +117,33 @@ def test_limits(server: StoreServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rendezvous, "MAX_BYTES", 10)
     with pytest.raises(StoreError, match="bytes of values"):
         s.set("one", b"x" * 20)
+
+
+def test_close_wakes_a_wait_in_flight_at_once_and_no_request_follows(server: StoreServer) -> None:
+    """An agent closing on SIGTERM while a group's rendezvous waits for a peer that is gone: close() must not
+    queue behind that wait (it held the request lock for up to the store's timeout, so the agent outlived its
+    grace period and was killed). The wait fails at once; later requests fail without reconnecting."""
+    import time
+
+    s = LinkStore(HOST, server.port, TOKEN, timeout=120)
+    outcome: list[BaseException | None] = []
+
+    def waiter() -> None:
+        try:
+            s.wait(["never-set"])
+            outcome.append(None)
+        except BaseException as exc:  # the assertion below looks at it
+            outcome.append(exc)
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    time.sleep(0.5)  # the wait is in flight on the server
+    t0 = time.monotonic()
+    s.close()
+    assert time.monotonic() - t0 < 1.0
+    th.join(5)
+    assert not th.is_alive() and time.monotonic() - t0 < 2.0, "the wait outlived close()"
+    assert isinstance(outcome[0], StoreError), outcome
+    with pytest.raises(StoreError, match="closed"):
+        s.set("k", b"v")
+    assert "k" not in server.table.data
