@@ -14,8 +14,8 @@ A round moves every serving replica from the committed version C to N (the train
    whose gate says Ready serves `committed-version`, so two Ready replicas never serve different versions.
 
 With no replica Ready on C (just switched, or all starting) a newer version skips the prepare and goes
-straight to the drain, but only once no replica is about to serve C (`ready_wait`: loading C, or serving it
-with the kubelet not caught up yet): otherwise a trainer publishing faster than a switch takes would start
+straight to the drain, but only once no replica is about to serve C (`ready_wait`: switching to the copy of
+C it holds prepared, or serving C with the kubelet not caught up yet): otherwise a trainer publishing faster than a switch takes would start
 each drain before the last switch made anybody Ready, and no replica would ever be Ready.
 
 The drain makes the switch safe although pods are patched one by one: no replica can be Ready at N before
@@ -137,16 +137,18 @@ def drain_wait(pod: Mapping[str, Any], now: datetime) -> float | None:
 def ready_wait(s: ReplicaState, pods: Mapping[str, Mapping[str, Any]], committed: VersionKey,
                now: datetime) -> float | None:
     """How long a replica that is not Ready may still be waited for before a newer version's drain: it is
-    about to serve COMMITTED. 0.0 (no timer: its own pod update brings the operator back) while it loads
-    COMMITTED; the seconds left while it serves COMMITTED, its gate True and the kubelet not caught up yet
-    (DRAIN_SETTLE_S after the gate turned True, as for the drain); None when it is not worth waiting for
-    (Ready already, incomplete, failing, reporting a sync error, or NotReady for another reason)."""
+    about to serve COMMITTED. 0.0 (no timer: its own pod update brings the operator back) while it switches
+    to the copy of COMMITTED it holds prepared (a load from host memory); the seconds left while it serves
+    COMMITTED, its gate True and the kubelet not caught up yet (DRAIN_SETTLE_S after the gate turned True, as
+    for the drain); None when it is not worth waiting for: Ready already, incomplete, failing, reporting a
+    sync error, NotReady for another reason, or fetching COMMITTED from the trainer (a joining replica, which
+    must not hold the others back, or one that may find the trainer has moved past COMMITTED)."""
     if s.ready or not s.complete:
         return None
     live = [pods[n] for n in s.pod_names if podstate.is_live(pods.get(n))]
     if any(podstate.sync_error(p) or podstate.failure(p, now) for p in live):
         return None
-    if s.target_key == committed and (s.served_key is None or s.served_key < committed):
+    if s.served_key != committed and _replica_prepared(s, pods) == committed:
         return 0.0
     if s.served_key != committed or not s.synced_condition:
         return None
