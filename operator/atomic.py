@@ -15,8 +15,9 @@ A round moves every serving replica from the committed version C to N (the train
 
 With no replica Ready on C (just switched, or all starting) a newer version skips the prepare and goes
 straight to the drain, but only once no replica is about to serve C (`ready_wait`: switching to the copy of
-C it holds prepared, or serving C with the kubelet not caught up yet): otherwise a trainer publishing faster than a switch takes would start
-each drain before the last switch made anybody Ready, and no replica would ever be Ready.
+C it holds prepared, or serving C with the kubelet not caught up yet): otherwise a trainer publishing faster
+than a switch takes would start each drain before the last switch made anybody Ready, and no replica would
+ever be Ready.
 
 The drain makes the switch safe although pods are patched one by one: no replica can be Ready at N before
 every replica stopped being Ready at C. "Stopped" means the kubelet evaluated the pod's readiness gate after
@@ -131,7 +132,12 @@ def drain_wait(pod: Mapping[str, Any], now: datetime) -> float | None:
     ready_since = podstate.condition_since(pod, "Ready")
     if ready_since is not None and ready_since >= gate_since:
         return 0.0
-    return max(0.0, DRAIN_SETTLE_S + TIME_PRECISION_S - (now - gate_since).total_seconds())
+    return max(0.0, _settle_left(gate_since, now))
+
+
+def _settle_left(gate_since: datetime, now: datetime) -> float:
+    """Seconds until every kubelet has computed Ready from a gate that changed at GATE_SINCE (negative: past)."""
+    return DRAIN_SETTLE_S + TIME_PRECISION_S - (now - gate_since).total_seconds()
 
 
 def ready_wait(s: ReplicaState, pods: Mapping[str, Mapping[str, Any]], committed: VersionKey,
@@ -155,7 +161,7 @@ def ready_wait(s: ReplicaState, pods: Mapping[str, Mapping[str, Any]], committed
     since = [podstate.condition_since(p, contract.POD_CONDITION_SYNCED) for p in live]
     if any(t is None for t in since):
         return None
-    left = DRAIN_SETTLE_S + TIME_PRECISION_S - (now - max(t for t in since if t is not None)).total_seconds()
+    left = _settle_left(max(t for t in since if t is not None), now)
     return left if left > 0.0 else None
 
 
@@ -210,9 +216,9 @@ def decide(states: list[ReplicaState], pods: Mapping[str, Mapping[str, Any]],
     commit_set = frozenset(s.replica for s in states if s.serving and s.ready and s.served_key == committed)
     newer = trainer if trainer is not None and trainer > committed else None
     if not commit_set and newer is not None:
-        # nobody Ready on C: first let the replicas that are about to serve C do so (just switched, loading C,
-        # or Ready in a moment), else a trainer publishing faster than a switch keeps every replica out of
-        # the Service for good: each drain would start before the last switch made anybody Ready
+        # nobody Ready on C: first let the replicas about to serve C do so (loading their prepared copy, or
+        # Ready in a moment), else a trainer publishing faster than a switch keeps every replica out of the
+        # Service for good: each drain would start before the last switch made anybody Ready
         about: dict[str, float] = {}
         for s in states:
             if (left := ready_wait(s, pods, committed, now)) is not None:

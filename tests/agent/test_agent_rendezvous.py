@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -123,8 +124,6 @@ def test_close_wakes_a_wait_in_flight_at_once_and_no_request_follows(server: Sto
     """An agent closing on SIGTERM while a group's rendezvous waits for a peer that is gone: close() must not
     queue behind that wait (it held the request lock for up to the store's timeout, so the agent outlived its
     grace period and was killed). The wait fails at once; later requests fail without reconnecting."""
-    import time
-
     s = LinkStore(HOST, server.port, TOKEN, timeout=120)
     outcome: list[BaseException | None] = []
 
