@@ -37,14 +37,14 @@ from weightsync.agent.gcpause import collector_paused
 from weightsync.agent.layout.engine import EngineLayout
 from weightsync.agent.layout.shards import LocalShard, LocalShardsMemo, PlacedShard, Weights
 from weightsync.agent.staging import ring, segments
+from weightsync.agent.staging.copies import copy_all
 from weightsync.agent.staging.places import (
     BucketViews,
     PiecePlaces,
+    ShardsDerived,
     TrainerStaging,
-    copy_all,
     index_entry,
     oversubscribed_threads,
-    shard_key,
 )
 from weightsync.agent.wire import local
 from weightsync.agent.wire import protocol as P
@@ -182,6 +182,7 @@ class TrainerSession:
         self._threads_checked = False
         self._staging = TrainerStaging()  # the segments the agent handed out, the last publish's layout
         self._local_shards = LocalShardsMemo()  # the last publish's shards, while the app passes the same tensors
+        self._derived: ShardsDerived | None = None  # their sizes, offsets, device and key, while they are the same
 
     def _drop_connection(self) -> None:
         """Forget the agent: its connection and the staging segments it handed out."""
@@ -240,10 +241,10 @@ class TrainerSession:
     def _publish_paused(self, weights: Weights, version: int, paused: contextlib.ExitStack) -> PublishResult:
         t0 = time.perf_counter()
         shards, aliases = self._local_shards(weights)
-        sizes = [segments.tensor_nbytes(s.tensor) for s in shards]
-        offsets, total = segments.pack_offsets(sizes)
-        first_cuda = next((s.tensor for s in shards if s.tensor.is_cuda), None)  # no device object per tensor
-        device = "cpu" if first_cuda is None else str(first_cuda.device)
+        derived = self._derived
+        if derived is None or derived.shards is not shards:  # the memo hands back the very same shards: reuse
+            derived = self._derived = ShardsDerived.of(shards)
+        sizes, offsets, total, device = derived.sizes, derived.offsets, derived.total, derived.device
         if not self._threads_checked and any(s.tensor.is_cpu for s in shards):
             self._threads_checked = True
             why = oversubscribed_threads()
@@ -257,7 +258,7 @@ class TrainerSession:
             paused.close()
             return self._publish_streamed(conn, version, shards, aliases, sizes, t0)
         seg = self._staging.segment(reply["segment"])
-        key = shard_key(shards)
+        key = derived.key
         layout = self._staging.layout_of(reply)
         arena = self._staging.arena(shards, layout, seg.size, key)
         if arena is None and seg.size < total:
@@ -271,17 +272,9 @@ class TrainerSession:
         places: Sequence[int | PiecePlaces | None] = arena or offsets
         lay = self._staging.prepare(seg, shards, places, sizes, layout=layout if arena else None, key=key)
         lay.layout_id = str(reply.get("layout_id") or "") if arena else ""
-        srcs: list[torch.Tensor] = []
-        for s, place in zip(shards, places, strict=True):
-            if place is None:  # another rank sends it (this one is a data-parallel replica): not copied
-                continue
-            if isinstance(place, int):
-                srcs.append(s.tensor)
-            else:  # each piece straight to its place in its bucket: a strided copy, the only one
-                srcs.extend(s.tensor[tuple(slice(o, o + k) for o, k in zip(off, shape, strict=True))]
-                            for off, shape, _ in place)
+        srcs = lay.sources(shards)
         with torch.no_grad():
-            copy_all(lay.views[seg.name], srcs)
+            copy_all(lay.views[seg.name], srcs, lay.chunks(torch.get_num_threads()))
         metas = lay.metas
         if seg.tensor.is_cuda:
             torch.cuda.synchronize(seg.tensor.device)

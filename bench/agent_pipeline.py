@@ -30,6 +30,9 @@ out (the two copies any hand-off through shared memory needs; with --device cuda
 `--tensors N` spreads the same bytes over N tensors shaped like an MoE model (moe_metas: experts of equal size plus
 two large dense tensors), and runs the same bench again at 256 tensors in the same invocation: the difference is
 what each tensor costs (`per_tensor_overhead_us`). Without it, the Llama-shaped model has about 251 tensors per GiB.
+A `--tensors` run takes 10 versions unless --versions says otherwise (else 6): versions 2 and 3 stage into new
+segments whose pages the trainer's copy faults in, and with 6 versions the median of versions 2-6 was the slowest
+steady version, not a typical one, in each of the two runs the slope compares.
 
 JSON fields (steady state: version 1 excluded, it forms groups, faults pages in and learns the layout):
   end_to_end_s       p50 of first publish call -> last engine rank committed
@@ -55,7 +58,11 @@ JSON fields (steady state: version 1 excluded, it forms groups, faults pages in 
                      version (weightsync_agent_received_buckets_total)
   per_tensor_overhead_us  with --tensors: the slope of end_to_end_s over the tensor count at fixed bytes, from this
                      run and one at 256 tensors (`base`: its figures; `ratio_at_base`: its ratio), each scaled to
-                     this run's bytes; `trainer_blocked_per_tensor_us`: the same for trainer_blocked_s
+                     this run's bytes; `trainer_blocked_per_tensor_us`: the same for trainer_blocked_s;
+                     `same_raw`: both runs' ratios against one raw reference, the median of both runs' raw samples
+                     (`raw_samples_s`; the raw transport moves the same bytes in the same buckets in both, so
+                     its run-to-run scatter is noise, not a difference between them), and their difference
+                     `ratio_gap`
   trainer_sent_per_byte  bytes the trainer agent sent per model byte and version (what leaves the trainer pod:
                      N with direct fan-out to N replicas, 1 with relay); `relayed_per_byte`: bytes the inference
                      agents forwarded per model byte and version (N - 1 with relay)
@@ -215,7 +222,7 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, devic
     from weightsync.agent.client import InferenceSession
     from weightsync.agent.layout.rules import inference_layout
     from weightsync.agent.plan import Box
-    from weightsync.agent.staging.places import copy_all
+    from weightsync.agent.staging.copies import copy_all
 
     metas = model(size_mb, tensors)
     needs = inference_layout(metas, tp, rank)
@@ -229,7 +236,7 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, devic
     def on_bucket(version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         calls[version] = calls.get(version, 0) + 1
         # the engine's own load, a bucket at a time (one foreach call on CPU, as an engine loads a flat bucket;
-        # one copy each on CUDA, see agent/staging/places.py copy_all)
+        # one copy each on CUDA, see agent/staging/copies.py)
         copy_all([params[n] for n, _ in tensors], [t for _, t in tensors])
         loaded()
 
@@ -674,6 +681,7 @@ def _result(ns: dict[str, Any], raw: list[float]) -> dict[str, Any]:
         "trainer_blocked_s": round(statistics.median(r["trainer_blocked_s"] for r in steady), 4),
         "publish_skew_s": round(statistics.median(r["publish_skew_s"] for r in steady), 4),
         "raw_s": round(raw_s, 4) if raw else None, "ratio": round(raw_s / e2e, 3) if raw else None,
+        "raw_samples_s": [round(x, 4) for x in raw],
         "effective_gbps": round(model_bytes / e2e / 1e9, 3),
         "raw_gbps": round(model_bytes / raw_s / 1e9, 3) if raw else None,
         "copies_per_byte": round(sum(stages.values()), 3),
@@ -724,7 +732,19 @@ def with_per_tensor_overhead(res: dict[str, Any], base: dict[str, Any]) -> dict[
             "trainer_blocked_per_tensor_us": round((res["trainer_blocked_s"] - base["trainer_blocked_s"]
                                                     * res["bytes"] / base["bytes"]) / extra * 1e6, 2) if extra else None,
             "ratio_at_base": base["ratio"],
+            "same_raw": same_raw(res, base),
             "base": {k: base.get(k) for k in keys}}
+
+
+def same_raw(res: dict[str, Any], base: dict[str, Any]) -> dict[str, Any] | None:
+    """Both runs' ratios against one raw reference: the median of the raw samples of both (None without them)."""
+    samples = [*res.get("raw_samples_s", []), *base.get("raw_samples_s", [])]
+    if not samples:
+        return None
+    raw_s = statistics.median(samples)
+    ratio, at_base = raw_s / res["end_to_end_s"], raw_s / base["end_to_end_s"]
+    return {"raw_s": round(raw_s, 4), "ratio": round(ratio, 3), "ratio_at_base": round(at_base, 3),
+            "ratio_gap": round(at_base - ratio, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -754,7 +774,8 @@ def main(argv: list[str] | None = None) -> int:
                    "held by DP trainer ranks, and the plan sends each from one of them")
     p.add_argument("--inference-tp", type=int, default=1, help="engine ranks of the one replica (TP)")
     p.add_argument("--bucket-mb", type=int, default=64)
-    p.add_argument("--versions", type=int, default=6)
+    p.add_argument("--versions", type=int, default=None,
+                   help="versions published (default 6; 10 with --tensors: see above)")
     p.add_argument("--staging", choices=("version", "ring"), default="version",
                    help="the trainer agent's staging: whole versions (default) or a ring of bucket slots")
     p.add_argument("--depth", type=int, default=2, help="ring slots per transfer (--staging ring)")
@@ -785,6 +806,8 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "raw":
         run_raw(a.kind, a.rank, a.ip, a.store, a.nbytes, a.bucket, a.iters, Path(a.out), a.device)
     else:
+        if a.versions is None:
+            a.versions = 10 if a.tensors is not None else 6
         if a.versions < 2:
             p.error("--versions must be at least 2 (version 1 is the warm-up)")
         # a `timeout` or a Ctrl-C stops the pods' processes too (run()'s finally), not only this one

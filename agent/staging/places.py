@@ -2,7 +2,7 @@
 
 Trainer side: the place the agent's staging layout gives each local shard (`arena_offsets`: whole, in
 pieces straight into their buckets, or nowhere when another rank sends it), the tensor index the publish
-sends, the views of the segment the shards are copied to and the copy itself (`copy_all`), kept per layout
+sends and the views of the segment the shards are copied to (the copy itself: copies.copy_all), kept per layout
 (`StagingLayout`, held with the mapped segments by `TrainerStaging`) because they depend only on metadata.
 Engine side: the views of a bucket the agent placed
 in a segment, kept per layout (`BucketViews`). Every byte is still copied once per version; what is kept is
@@ -15,14 +15,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from weightsync.agent.layout.shards import LocalShard
 from weightsync.agent.plan import buckets
-from weightsync.agent.staging import segments
+from weightsync.agent.staging import copies, segments
 from weightsync.agent.wire import protocol as P
 
 #: where a shard staged in pieces puts each one: (offset in the shard, shape, byte offset in staging)
@@ -102,6 +102,28 @@ def shard_key(shards: Sequence[LocalShard]) -> ShardKey:
 
 
 @dataclass
+class ShardsDerived:
+    """What a publish derives from its shards' metadata alone: sizes, packed offsets, device and layout key. Kept
+    while LocalShardsMemo hands back the very same shards (same tensors, addresses and shapes): at 16,384 tensors,
+    working it out again took about 2 us a tensor of every publish."""
+
+    shards: list[LocalShard]
+    sizes: list[int]
+    offsets: list[int]
+    total: int
+    device: str
+    key: ShardKey
+
+    @classmethod
+    def of(cls, shards: list[LocalShard]) -> ShardsDerived:
+        sizes = [segments.tensor_nbytes(s.tensor) for s in shards]
+        offsets, total = segments.pack_offsets(sizes)
+        first_cuda = next((s.tensor for s in shards if s.tensor.is_cuda), None)  # no device object per tensor
+        device = "cpu" if first_cuda is None else str(first_cuda.device)
+        return cls(shards, sizes, list(offsets), total, device, shard_key(shards))
+
+
+@dataclass
 class StagingLayout:
     """One publish's places and tensor index, kept for the next publish of the same shards into the same layout.
 
@@ -119,9 +141,39 @@ class StagingLayout:
     views: dict[str, list[torch.Tensor]]
     layout_id: str = ""  # the agent's name for `layout` (it then replies `layout_same` instead of sending it)
     index_id: str = ""   # the agent's name for `metas` once it accepted them (a publish then sends the name only)
+    #: the copy's sources for the last shards seen (those very objects), and its chunks per thread count
+    _sources: tuple[list[LocalShard], list[torch.Tensor]] | None = None
+    _chunks: dict[int, copies.Chunks] = field(default_factory=dict)
 
     def matches(self, layout: Any, size: int, key: ShardKey) -> bool:
         return self.size == size and self.key == key and self.layout == layout
+
+    def sources(self, shards: list[LocalShard]) -> list[torch.Tensor]:
+        """What the copy reads, in the order of `views`: each staged shard whole, or its pieces (strided views of
+        it, straight to their places in their buckets); nothing of a shard another rank sends. Kept while the same
+        shard objects come back (their tensors are the app's own, so the views read what they hold now)."""
+        if self._sources is not None and self._sources[0] is shards:
+            return self._sources[1]
+        srcs: list[torch.Tensor] = []
+        for s, place in zip(shards, self.places, strict=True):
+            if place is None:  # another rank sends it (this one is a data-parallel replica): not copied
+                continue
+            if isinstance(place, int):
+                srcs.append(s.tensor)
+            else:  # each piece straight to its place in its bucket: a strided copy, the only one
+                srcs.extend(s.tensor[tuple(slice(o, o + k) for o, k in zip(off, shape, strict=True))]
+                            for off, shape, _ in place)
+        self._sources, self._chunks = (shards, srcs), {}
+        return srcs
+
+    def chunks(self, threads: int) -> copies.Chunks | None:
+        """The copy's split for `threads` threads (copies.split_for_threads), once per layout and thread count."""
+        if self._sources is None:
+            return None
+        got = self._chunks.get(threads)
+        if got is None:
+            got = self._chunks[threads] = copies.split_for_threads([t.nbytes for t in self._sources[1]], threads)
+        return got
 
 
 def index_entry(s: LocalShard, nbytes: int) -> dict[str, Any]:
@@ -171,21 +223,6 @@ def staging_views(seg: segments.Segment, shards: Sequence[LocalShard],
                                  f"{seg.name} of {seg.size} B")
             out.append(flat[at // isz: at // isz + n].view(shape))
     return out
-
-
-def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Every src into its dst: one foreach call for CPU tensors (a loop of copy_ calls in C++; from Python it cost
-    about 5 us per tensor more), else a copy each. Not on CUDA: into a staging segment opened from the agent's CUDA
-    IPC handle, `_foreach_copy_` left the engines with other bytes (bench/agent_pipeline.py --device cuda on an
-    H200, torch 2.11: bit_exact false; the same copies one by one, and foreach between one process's own views,
-    were exact). CUDA copies are asynchronous launches anyway."""
-    if not dsts:
-        return
-    if all(t.is_cpu for t in dsts) and all(t.is_cpu for t in srcs):  # is_cpu: no device object per tensor
-        torch._foreach_copy_(dsts, srcs)
-    else:
-        for d, t in zip(dsts, srcs, strict=True):
-            d.copy_(t)
 
 
 class TrainerStaging:
