@@ -51,11 +51,6 @@ from weightsync.agent.staging.segments import shm_location
 from weightsync.agent.staging.versions import SentLeaves
 from weightsync.agent.transfer.sync import SyncError, SyncHooks
 
-#: hashing a bucket's small pieces yields the GIL after this many bytes (about 0.1 ms of xxh3 here): python-xxhash
-#: releases the GIL only for inputs of 128 KiB and more, so a bucket of 860 experts of 64 KiB held it for the
-#: whole bucket, and the agent's link readers, receiver and engine requests waited behind it
-YIELD_BYTES = 1 << 20
-
 log = logging.getLogger(__name__)
 
 class DigestMismatch(SyncError):
@@ -96,15 +91,7 @@ def bucket_leaves(bucket: BucketPlan, data: torch.Tensor, algorithm: str) -> lis
             host = host.contiguous()
         mem = host.numpy().data if host.numel() else memoryview(b"")
         h = _xxhash().xxh3_128_intdigest
-        out: list[tuple[str, int]] = []
-        since_yield = 0
-        for k, sd, (o, n) in zip(keys, seeds, spans, strict=True):
-            out.append((k, int(h(mem[o:o + n], seed=sd))))
-            since_yield += n
-            if since_yield >= YIELD_BYTES:
-                since_yield = 0
-                time.sleep(0)  # xxh3 keeps the GIL for pieces under 128 KiB: let the agent's other threads in
-        return out
+        return [(k, int(h(mem[o:o + n], seed=sd))) for k, sd, (o, n) in zip(keys, seeds, spans, strict=True)]
     views = [data[o : o + n] for o, n in spans]
     if algorithm == WSUM and views:
         totals = torch.stack([wsum_total(s) for s in views]).tolist()  # the one device sync of this bucket

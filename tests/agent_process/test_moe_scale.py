@@ -118,24 +118,6 @@ def test_bucket_leaves_are_the_per_piece_leaves() -> None:
     assert D.bucket_leaves(bucket, flipped, D.XXH3_128)[1] != want[1]
 
 
-def test_hashing_a_bucket_of_small_pieces_lets_the_agents_other_threads_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """python-xxhash keeps the GIL for inputs under 128 KiB: a bucket of 64 KiB experts must yield it every
-    YIELD_BYTES, or the agent's link readers and receiver wait for the whole bucket (ipc at 16,384 tensors:
-    0.82 s a version, 0.63 s with the yield). The leaves keep their values."""
-    named = {f"e{i}": torch.randn(16384) for i in range(64)}  # 64 pieces of 64 KiB: 4 MiB
-    shards = [TensorShard.full(n, t.dtype, t.shape) for n, t in named.items()]
-    (bucket,) = build_plan([shards], [shards], 8 << 20).buckets
-    data = torch.zeros(bucket.nbytes, dtype=torch.uint8)
-    for e in bucket.entries:
-        data[e.offset: e.offset + e.piece.nbytes] = named[e.piece.name].view(torch.uint8)
-    yields: list[float] = []
-    monkeypatch.setattr(D.time, "sleep", yields.append)
-    got = D.bucket_leaves(bucket, data, D.XXH3_128)
-    assert len(yields) == bucket.data_nbytes // D.YIELD_BYTES and set(yields) == {0}
-    assert got == [(k, leaf(k, data[e.offset: e.offset + e.piece.nbytes]))
-                   for k, e in zip(D.piece_ids(bucket)[0], bucket.entries, strict=True)]
-
-
 def test_a_digest_clash_within_one_bucket_is_refused() -> None:
     d = D.Digest()
     d.add_all([("k1", 1), ("k2", 2)])
