@@ -431,6 +431,7 @@ class ServiceProxy:
                     current = None
                 if service is None or not proxied(service):
                     continue
+                fresh = current is None
                 if current is None:
                     try:
                         address = self.addresses.allocate(f"service/{key[0]}/{key[1]}/{uid}")
@@ -438,10 +439,19 @@ class ServiceProxy:
                         log.warning("service.proxy no address ns=%s name=%s error=%s", *key, exc)
                         continue
                     current = _ServiceListeners(self, key, uid, address)
-                    self._listeners[key] = current
                 wanted = tcp_ports(service)
                 before = dict(current.ports)
-                current.sync_ports(wanted)
+                try:
+                    current.sync_ports(wanted)
+                except BaseException:
+                    if fresh:  # never published: nothing else holds its sockets or its address
+                        current.close()
+                        self.addresses.release(f"service/{key[0]}/{key[1]}/{uid}")
+                    raise
+                if fresh:
+                    # published once its ports are bound: a pod's service links (link_services) and address() /
+                    # port() never see the address without its ports (a pod started in between got no port link)
+                    self._listeners[key] = current
                 if current.ports != before:
                     with self._lock:
                         ready = {name or "-": len(self._backends.get((key, name), ())) for name in set(wanted.values())}

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from weightsync.e2e.runtime import services as services_mod
 from weightsync.e2e.runtime.envvars import container_env, env_var_name, expand, service_link_env
 from weightsync.e2e.runtime.ips import DEFAULT_LEASE_DIR, HostLeases, PodIPAllocator
 from weightsync.e2e.runtime.kube import ApiEndpoint, KubeClient
@@ -238,6 +239,23 @@ def test_proxy_spreads_over_ready_endpoints_and_drops_not_ready(proxy: ServicePr
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         get(f"http://{address}:{port}/")
     assert time.monotonic() - t0 < 1.0
+
+
+def test_a_new_services_address_is_published_with_its_ports_bound(proxy: ServiceProxy,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader (a pod's service links, address() / port()) never sees a new Service's address without its ports:
+    the listeners are published once bound (test_runtime_survives_apiserver_restart once read a port of None)."""
+    seen_while_binding: list[object] = []
+    real = services_mod._ServiceListeners.sync_ports
+
+    def sync_ports(self: services_mod._ServiceListeners, wanted: dict[int, str]) -> None:
+        seen_while_binding.append((proxy.address(*self.key), proxy.link_services(self.key[0])))
+        real(self, wanted)
+
+    monkeypatch.setattr(services_mod._ServiceListeners, "sync_ports", sync_ports)
+    proxy._replace(SERVICES_PATH, [service("web", [{"name": "http", "port": 8081}])])
+    assert seen_while_binding == [(None, [])]
+    assert proxy.address("ns", "web") is not None and proxy.port("ns", "web", 8081) is not None
 
 
 def test_proxy_links_only_its_namespace_and_releases_everything_on_stop(proxy: ServiceProxy) -> None:
