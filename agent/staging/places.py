@@ -120,7 +120,7 @@ class ShardsDerived:
         offsets, total = segments.pack_offsets(sizes)
         first_cuda = next((s.tensor for s in shards if s.tensor.is_cuda), None)  # no device object per tensor
         device = "cpu" if first_cuda is None else str(first_cuda.device)
-        return cls(shards, sizes, list(offsets), total, device, shard_key(shards))
+        return cls(shards, sizes, offsets, total, device, shard_key(shards))
 
 
 @dataclass

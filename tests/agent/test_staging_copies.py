@@ -72,12 +72,23 @@ def test_copy_all_on_two_threads_is_bit_exact_and_uses_a_worker(two_threads, mon
         assert torch.equal(d.view(torch.int16), s.view(torch.int16))
 
 
-def test_given_chunks_are_used_as_given(two_threads):
+def test_given_chunks_are_used_as_given(two_threads, monkeypatch):
+    """A caller that keeps its split (StagingLayout.chunks) gets exactly that split, not one made again."""
     srcs = moe_like(600)
     dsts = [torch.zeros_like(t) for t in srcs]
-    chunks = split_for_threads([t.nbytes for t in srcs], 2)
-    assert len(chunks) == 2
+    chunks = [list(range(len(srcs) - 7)), list(range(len(srcs) - 7, len(srcs)))]  # uneven: not split_for_threads
+    made = split_for_threads([t.nbytes for t in srcs], 2)
+    assert sorted(len(c) for c in chunks) != sorted(len(c) for c in made)
+    sizes: list[int] = []
+    real = copies._copy_chunk
+
+    def spy(d, s):
+        sizes.append(len(s))
+        real(d, s)
+
+    monkeypatch.setattr(copies, "_copy_chunk", spy)
     copy_all(dsts, srcs, chunks)
+    assert sorted(sizes) == sorted(len(c) for c in chunks)
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
 
 
