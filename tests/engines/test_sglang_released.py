@@ -65,13 +65,17 @@ class Standin:
         self.proc = subprocess.Popen(argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
+            if self.proc.poll() is not None:
+                raise AssertionError(f"stand-in exited with {self.proc.returncode}: {self.log.read_text()}")
             try:
                 requests.get(f"{self.url}/standin/state", timeout=1)
                 return
             except requests.RequestException:
                 time.sleep(0.1)
-        raise AssertionError(f"stand-in did not start: {self.log.read_text()}")
+        # the fixture never got this object: stop the server here, or it outlives the test (it did: an engine
+        # left serving for the rest of a run, after a start slowed by a parallel run timed out)
+        self.close()
+        raise AssertionError(f"stand-in did not start within {START_TIMEOUT:.0f} s: {self.log.read_text()}")
 
     def get(self, path: str) -> Any:
         return requests.get(f"{self.url}{path}", timeout=10).json()

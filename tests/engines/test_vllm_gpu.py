@@ -200,6 +200,7 @@ class Engine:
                 return
             except requests.RequestException:
                 time.sleep(0.2)
+        self.close()  # the caller never got this object: it would outlive the test
         raise AssertionError(f"engine stand-in did not start: {self.log.read_text()}")
 
     def loaded(self) -> dict[str, list[list[tuple[str, torch.Tensor]]]]:
