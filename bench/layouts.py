@@ -19,7 +19,12 @@ the Megatron tensors are built from them by concatenation following Megatron's l
 inference rank's expected slices follow the engines' head rules written out again here.
 
 A combination the layouts cannot express is refused before any process starts: one JSON object with
-`refused` (the reason) and `bit_exact: null`, exit status 3. Timing fields are medians over --iters.
+`refused` (the reason) and `bit_exact: null`, exit status 3. Timing fields are medians over --iters:
+`seconds` (one version through WeightSender / WeightReceiver, the slowest rank), `raw_seconds` (the same
+streams through the raw transport, one op per (source, destinations) stream with no plan and no control
+message, bench/transport_ratio.py, in rounds alternating with the agent's), `ratio` (raw / agent) and
+`cpu_seconds` / `raw_cpu_seconds` (the CPU time of every rank process over one version, their threads
+included: with more rank processes than cores, this is what the wall time follows).
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 if BENCH_DIR not in sys.path:
     sys.path.insert(0, BENCH_DIR)
 
-from transport_ratio import BenchConfig, _arena, _barrier, _links, _make_transport, run_workers  # noqa: E402
+from transport_ratio import BenchConfig, _arena, _barrier, _links, _make_transport, _raw, run_workers  # noqa: E402
 
 HOST = "127.0.0.1"
 
@@ -459,7 +464,15 @@ def _run(cfg: LayoutsConfig, role: str, rank: int, port: int) -> dict[str, Any]:
     transport = _make_transport(cfg, store)
     if owner is not None and hasattr(transport, "register_shared"):
         transport.register_shared(owner.path, flat)
+    # The raw transport under the same plan (one torch.distributed op, or one memcpy for IPC, per (source,
+    # destinations) stream; no plan, no control messages), in rounds alternating with the agent's.
+    _barrier(store, "raw-setup", world)
+    raw_step, raw_close = _raw(cfg, plan, role, rank, store, flat, peers, world, owner)
     times: list[float] = []
+    cpu: list[float] = []
+    raw_times: list[float] = []
+    raw_cpu: list[float] = []
+    last = cfg.warmup + cfg.iters - 1
     if role == "src":
         sender = WeightSender(plan, rank, transport, peers, device="cpu", timeout=cfg.timeout)
     else:
@@ -468,15 +481,24 @@ def _run(cfg: LayoutsConfig, role: str, rank: int, port: int) -> dict[str, Any]:
         if role == "dst":
             flat.zero_()
         _barrier(store, f"v{v}", world)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if role == "src":
             sender.send_version(v, views)
         else:
             receiver.receive_version(None, expected_version=v, into=views)
         times.append(time.perf_counter() - t0)
-    if role == "dst":
-        result.update(verify(cfg, lay, rank, views))
+        cpu.append(time.process_time() - c0)
+        if role == "dst" and v == last:  # before the raw round overwrites the destination
+            result.update(verify(cfg, lay, rank, views))
+        c0 = time.process_time()
+        r0, r1 = raw_step(v)
+        raw_times.append(r1 - r0)
+        raw_cpu.append(time.process_time() - c0)
     result["seconds"] = times[cfg.warmup:]
+    result["cpu_seconds"] = cpu[cfg.warmup:]
+    result["raw_seconds"] = raw_times[cfg.warmup:]
+    result["raw_cpu_seconds"] = raw_cpu[cfg.warmup:]
+    raw_close()
     transport.close()
     if owner is not None:
         del views, flat
@@ -529,6 +551,9 @@ def run(cfg: LayoutsConfig) -> dict[str, Any]:
     dst = [r for r in results if r["role"] == "dst"]
     per_iter = [max(r["seconds"][i] for r in results) for i in range(cfg.iters)]
     sec = statistics.median(per_iter)
+    cpu = statistics.median(sum(r["cpu_seconds"][i] for r in results) for i in range(cfg.iters))
+    raw = statistics.median(max(r["raw_seconds"][i] for r in results) for i in range(cfg.iters))
+    raw_cpu = statistics.median(sum(r["raw_cpu_seconds"][i] for r in results) for i in range(cfg.iters))
     plan = lay.plan
     return {
         **head,
@@ -547,6 +572,11 @@ def run(cfg: LayoutsConfig) -> dict[str, Any]:
         "bytes_delivered": plan.delivered_bytes(),
         "plan_hash": plan.hash,
         "seconds": sec,
+        "cpu_seconds": cpu,
+        "processes": len(results),
+        "raw_seconds": raw,
+        "raw_cpu_seconds": raw_cpu,
+        "ratio": raw / sec if sec > 0 else None,
         "gbps": plan.delivered_bytes() / sec / 1e9 if sec > 0 else None,
         "iters": cfg.iters,
     }

@@ -202,6 +202,9 @@ def test_real_processes_and_transports_are_bit_exact(args: tuple[str, ...]) -> N
     assert rc == 0, res
     assert res["bit_exact"] is True and res["refused"] is None
     assert res["verified_tensors"] > 0
+    # the raw transport ran under the same plan, and the CPU of every rank process was counted
+    assert res["raw_seconds"] > 0 and res["ratio"] == pytest.approx(res["raw_seconds"] / res["seconds"])
+    assert res["cpu_seconds"] > 0 and res["raw_cpu_seconds"] > 0 and res["processes"] >= 2
     if "megatron-fused" in args:
         assert res["fused_parts"] > 0 and res["trainer_tensors"] < res["engine_tensors"]
     if "fsdp2-tp-strided" in args:
