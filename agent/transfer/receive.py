@@ -22,6 +22,7 @@ from weightsync.agent.plan import BucketPlan, TensorShard, TransferPlan
 from weightsync.agent.plan.buckets import dtype_name, entry_view, entry_views, to_dtype
 from weightsync.agent.transfer.sync import (
     BucketTap,
+    MemoryKey,
     PeerFailed,
     Place,
     PlacedTensors,
@@ -31,6 +32,8 @@ from weightsync.agent.transfer.sync import (
     SyncHooks,
     SyncStats,
     in_place,
+    memory_key,
+    storage_bytes,
 )
 from weightsync.agent.transports.base import Pending, Transport, TransportError, WorldMap, dst
 from weightsync.agent.wire.link import Link, LinkError, Mailbox
@@ -125,6 +128,9 @@ class WeightReceiver(SyncEndpoint):
         # Tensors that arrive in several pieces are assembled in buffers reused across versions.
         self._pieces: dict[str, int] = known[1]
         self._assembly: dict[str, torch.Tensor] = {}
+        #: (memory_key of `into`, per bucket the byte offset of its in-place target in the storage of its first
+        #: entry's tensor, or None): reused while a caller passes the same destination memory
+        self._into_places: tuple[MemoryKey, list[int | None]] | None = None
 
     def _assembly_buffer(self, name: str) -> torch.Tensor:
         buf = self._assembly.get(name)
@@ -133,6 +139,26 @@ class WeightReceiver(SyncEndpoint):
             buf = torch.empty(s.box.shape, dtype=to_dtype(s.dtype), device=self.device)
             self._assembly[name] = buf
         return buf
+
+    def _places_in(self, into: Mapping[str, torch.Tensor]) -> list[int | None]:
+        """Per bucket (plan order), where it lands in place in `into`: the byte offset of its target in the
+        storage of its first entry's tensor, or None (it takes a slot). Worked out per piece once and reused while
+        `into` holds the same memory (memory_key): an MoE bucket has hundreds of pieces, each a box to slice."""
+        key = memory_key(into.values())
+        if self._into_places is not None and self._into_places[0] == key:
+            return self._into_places[1]
+        spans = memory_spans(into.values())
+        places: list[int | None] = []
+        for bucket in self.buckets:
+            regions = [into[e.piece.name][e.piece.box.slices_within(self.needs[e.piece.name].box)]
+                       for e in bucket.entries]
+            target = in_place(bucket, regions)
+            del regions
+            if target is not None and not gaps_are_free(bucket, target, spans):
+                target = None  # the padding would overwrite other destination memory
+            places.append(None if target is None else int(target.storage_offset()))
+        self._into_places = (key, places)
+        return places
 
     def check_into(self, into: Mapping[str, torch.Tensor]) -> None:
         """Raise SyncError unless `into` has a tensor of the needed shape and dtype for every need."""
@@ -255,19 +281,18 @@ class WeightReceiver(SyncEndpoint):
         free = list(range(self.transport.num_slots))
         inflight: dict[int, tuple[Pending[torch.Tensor], int, torch.Tensor | None]] = {}
         next_post = 0
-        spans = memory_spans(into.values()) if into is not None else []
+        places = self._places_in(into) if into is not None else []
 
         def post() -> None:
             nonlocal next_post
             while next_post < len(buckets) and len(inflight) < MAX_DIRECT_INFLIGHT:
                 bucket = buckets[next_post]
                 if into is not None:
-                    regions = [into[e.piece.name][e.piece.box.slices_within(self.needs[e.piece.name].box)]
-                               for e in bucket.entries]
-                    target = in_place(bucket, regions)
-                    del regions
-                    if target is not None and not gaps_are_free(bucket, target, spans):
-                        target = None  # the padding would overwrite other destination memory
+                    at = places[next_post]
+                    target = None
+                    if at is not None:
+                        first = into[bucket.entries[0].piece.name]
+                        target = storage_bytes(first.untyped_storage(), at, bucket.nbytes, first.device)
                     if target is not None:
                         pending = self.transport.start_recv_into(bucket, -1, target)
                         if pending is not None:

@@ -21,6 +21,7 @@ from weightsync.agent.plan.buckets import dtype_name, entry_view, to_dtype
 from weightsync.agent.staging.index import ShardPieces
 from weightsync.agent.transfer.sync import (
     BucketStream,
+    MemoryKey,
     PeerFailed,
     PlanMismatch,
     SyncEndpoint,
@@ -28,6 +29,7 @@ from weightsync.agent.transfer.sync import (
     SyncHooks,
     SyncStats,
     in_place,
+    memory_key,
     storage_bytes,
 )
 from weightsync.agent.transports.base import Pending, Transport, TransportError, WorldMap, src
@@ -79,6 +81,9 @@ class WeightSender(SyncEndpoint):
                                                             for n in sent])
         self.shards: dict[str, TensorShard] = known[0]
         self._expected: list[tuple[str, tuple[int, ...], torch.dtype]] = known[1]
+        #: tensors passed as a plain mapping (no StagedTensors memo): (memory_key of the sent tensors, per bucket
+        #: the byte offset of its bytes in the storage of its first entry's tensor, or None), while they stay put
+        self._places: tuple[MemoryKey, dict[int, int | None]] | None = None
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor | ShardPieces]) -> None:
         """Raise SyncError unless `tensors` has every tensor this rank sends, with its local shape/dtype."""
@@ -174,6 +179,7 @@ class WeightSender(SyncEndpoint):
         # piece and version (an MoE bucket has hundreds of pieces); then no view of the slot is read at all
         memo: dict[Any, Any] | None = getattr(tensors, "memo", None)
         segment: torch.Tensor | None = getattr(tensors, "segment", None)
+        places = self._places_of(tensors) if memo is None else None
         for bucket in self.buckets:
             for d in self.dsts:
                 reason = self.peers[d].aborted
@@ -186,6 +192,12 @@ class WeightSender(SyncEndpoint):
             data: torch.Tensor | None
             if at is not None and segment is not None:  # as in_place found it there for an earlier version
                 data = storage_bytes(segment.untyped_storage(), at, bucket.nbytes, segment.device)
+            elif places is not None and bucket.index in places:  # the same memory as an earlier version
+                off = places[bucket.index]
+                first = tensors[bucket.entries[0].piece.name]
+                assert isinstance(first, torch.Tensor)  # _places_of takes plain tensors only
+                data = None if off is None else storage_bytes(first.untyped_storage(), off, bucket.nbytes,
+                                                              first.device)
             else:
                 regions = [source_region(tensors[e.piece.name], e.piece.box, e.piece.src_box)
                            for e in bucket.entries]
@@ -193,6 +205,8 @@ class WeightSender(SyncEndpoint):
                 if data is not None and memo is not None and segment is not None and \
                         data.untyped_storage().data_ptr() == segment.untyped_storage().data_ptr():
                     memo[key] = data.storage_offset()
+                if places is not None:
+                    places[bucket.index] = None if data is None else int(data.storage_offset())
             if data is not None and self.transport.supports_direct_send(data):
                 del regions
                 meta = self.hooks.on_send_bucket(version, bucket, data)
@@ -230,6 +244,19 @@ class WeightSender(SyncEndpoint):
             if pend is not None:
                 pend.wait(self.timeout)
         stats.wait_seconds += time.perf_counter() - tw
+
+    def _places_of(self, tensors: Mapping[str, torch.Tensor | ShardPieces]) -> dict[int, int | None] | None:
+        """Where each bucket sits in place in a plain mapping of tensors, filled in as buckets are sent (bucket index
+        -> byte offset in the storage of its first entry's tensor, or None): kept while the mapping holds the same
+        memory (memory_key), so a later version makes no region per piece. None for ShardPieces (assembled per
+        version)."""
+        sent = [t for name, _shape, _dtype in self._expected if isinstance(t := tensors[name], torch.Tensor)]
+        if len(sent) != len(self._expected):
+            return None
+        key = memory_key(sent)
+        if self._places is None or self._places[0] != key:
+            self._places = (key, {})
+        return self._places[1]
 
     def _stream_buckets(self, version: int, stream: BucketStream, stats: SyncStats) -> None:
         """Ring staging: bucket k goes through ring slot k % depth. The slot is filled (by the trainer

@@ -167,6 +167,24 @@ def in_place(bucket: BucketPlan, regions: Sequence[torch.Tensor]) -> torch.Tenso
     return storage_bytes(storage, base - sp, bucket.nbytes, first.device)
 
 
+#: What decides where a tensor's bytes are, per tensor (MemoryKey): its storage (address, size), its own address,
+#: strides and device. Shapes and dtypes are checked against the plan separately.
+MemoryKey = tuple[tuple[int, int, int, tuple[int, ...], torch.device], ...]
+
+
+def memory_key(tensors: Iterable[torch.Tensor]) -> MemoryKey:
+    """Equal keys mean the same memory at the same addresses, laid out the same: `in_place` and the gaps
+    between a bucket's entries come out the same, so what they found for one version holds for the next.
+
+    The storage is part of the key, not only the tensor's address: tensors freed and made again at the same
+    addresses, but as separate allocations, must not pass for one storage a bucket spans."""
+    key = []
+    for t in tensors:
+        st = t.untyped_storage()
+        key.append((st.data_ptr(), st.nbytes(), t.data_ptr(), t.stride(), t.device))
+    return tuple(key)
+
+
 def storage_bytes(storage: torch.UntypedStorage, offset: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """`nbytes` of `storage` from byte `offset` as a 1-d uint8 tensor: a bucket's bytes where they sit."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, offset, (nbytes,), (1,))
