@@ -31,9 +31,9 @@ from weightsync.agent.transfer.sync import (
     SyncError,
     SyncHooks,
     SyncStats,
+    bytes_in_storage_of,
     in_place,
     memory_key,
-    storage_bytes,
 )
 from weightsync.agent.transports.base import Pending, Transport, TransportError, WorldMap, dst
 from weightsync.agent.wire.link import Link, LinkError, Mailbox
@@ -289,10 +289,8 @@ class WeightReceiver(SyncEndpoint):
                 bucket = buckets[next_post]
                 if into is not None:
                     at = places[next_post]
-                    target = None
-                    if at is not None:
-                        first = into[bucket.entries[0].piece.name]
-                        target = storage_bytes(first.untyped_storage(), at, bucket.nbytes, first.device)
+                    target = None if at is None else \
+                        bytes_in_storage_of(into[bucket.entries[0].piece.name], at, bucket.nbytes)
                     if target is not None:
                         pending = self.transport.start_recv_into(bucket, -1, target)
                         if pending is not None:

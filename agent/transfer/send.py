@@ -28,9 +28,9 @@ from weightsync.agent.transfer.sync import (
     SyncError,
     SyncHooks,
     SyncStats,
+    bytes_in_storage_of,
     in_place,
     memory_key,
-    storage_bytes,
 )
 from weightsync.agent.transports.base import Pending, Transport, TransportError, WorldMap, src
 from weightsync.agent.wire.link import Link, LinkError, Mailbox, RemoteAbort
@@ -191,13 +191,12 @@ class WeightSender(SyncEndpoint):
             regions: list[torch.Tensor] | None = None
             data: torch.Tensor | None
             if at is not None and segment is not None:  # as in_place found it there for an earlier version
-                data = storage_bytes(segment.untyped_storage(), at, bucket.nbytes, segment.device)
+                data = bytes_in_storage_of(segment, at, bucket.nbytes)
             elif places is not None and bucket.index in places:  # the same memory as an earlier version
                 off = places[bucket.index]
                 first = tensors[bucket.entries[0].piece.name]
                 assert isinstance(first, torch.Tensor)  # _places_of takes plain tensors only
-                data = None if off is None else storage_bytes(first.untyped_storage(), off, bucket.nbytes,
-                                                              first.device)
+                data = None if off is None else bytes_in_storage_of(first, off, bucket.nbytes)
             else:
                 regions = [source_region(tensors[e.piece.name], e.piece.box, e.piece.src_box)
                            for e in bucket.entries]

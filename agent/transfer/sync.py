@@ -190,6 +190,12 @@ def storage_bytes(storage: torch.UntypedStorage, offset: int, nbytes: int, devic
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, offset, (nbytes,), (1,))
 
 
+def bytes_in_storage_of(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """`nbytes` from byte `offset` of the storage under `t`: a bucket's bytes where an earlier version found them
+    (`in_place`), made again from the offset kept instead of from a region per piece."""
+    return storage_bytes(t.untyped_storage(), offset, nbytes, t.device)
+
+
 class SyncEndpoint:
     """What a sender and a receiver have in common: the plan, this endpoint, its transport and a control Mailbox
     per peer rank (a Link is wrapped once), the transport context of a version and aborting every peer."""
