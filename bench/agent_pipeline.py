@@ -179,9 +179,10 @@ def run_trainer(run: Path, rank: int, fsdp: int, size_mb: int, versions: int, sn
     from weightsync.agent.plan import Box
 
     metas = model(size_mb, tensors)
+    by_name = {m.name: m for m in metas}  # a search per shard was 16,384^2 comparisons, seconds before version 1
     weights: dict[str, Any] = {}
     for s in trainer_layout(metas, fsdp_size=fsdp, fsdp_rank=rank % fsdp):
-        meta = next(m for m in metas if m.name == s.name)
+        meta = by_name[s.name]
         local = full_tensor(meta)[s.box.slices_within(Box.full(s.global_shape))].clone().to(device)
         weights[s.name] = PlacedShard(local, s.global_shape, s.box.offset)
     prof = None
@@ -225,6 +226,7 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, devic
     from weightsync.agent.staging.copies import copy_all
 
     metas = model(size_mb, tensors)
+    by_name = {m.name: m for m in metas}
     needs = inference_layout(metas, tp, rank)
     params = {s.name: torch.empty(s.box.shape, dtype=getattr(torch, s.dtype), device=device) for s in needs}
     calls: dict[int, int] = {}  # version -> calls the agent made into this engine rank (on_bucket + on_pieces)
@@ -253,7 +255,7 @@ def run_engine(run: Path, rank: int, tp: int, size_mb: int, versions: int, devic
             time.sleep(0.01)
         bad = []
         for s in needs:
-            want = full_tensor(next(m for m in metas if m.name == s.name))[s.box.slices_within(
+            want = full_tensor(by_name[s.name])[s.box.slices_within(
                 Box.full(s.global_shape))].clone()
             advance(want, versions)
             if not torch.equal(want.view(torch.int16), params[s.name].cpu().view(torch.int16)):
