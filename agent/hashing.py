@@ -9,6 +9,7 @@ inside the engine's workers with this same code, which imports only torch and xx
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +20,23 @@ WSUM = "wsum64"
 WSUM_BLOCK = 1 << 12  # int64 words per block of the weighted sum
 #: the leaves of a bucket: (piece key, leaf) in the bucket's order
 Leaves = list[tuple[str, int]]
+
+
+@dataclass(frozen=True)
+class HashedLeaves:
+    """A bucket's leaves with the hex strings its metadata carries, formatted once where they were hashed.
+
+    Why: an MoE bucket has hundreds of pieces, and formatting a leaf costs about 1 us, as much as hashing a small
+    piece's bytes. The trainer agent sends the same staged bytes to every replica (SentLeaves) and, over IPC, its
+    own receiver compares what it hashed (HashedHere) against the metadata: both reuse `hexes` instead of
+    formatting every leaf again for every transfer and every compare."""
+
+    leaves: Leaves
+    hexes: list[str]
+
+    @classmethod
+    def of(cls, leaves: Leaves) -> HashedLeaves:
+        return cls(leaves, [fmt(v) for _, v in leaves])
 
 
 def piece_key(name: str, dtype: str, global_shape: Iterable[int], offset: Iterable[int], shape: Iterable[int]) -> str:

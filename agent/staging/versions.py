@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from weightsync.agent.hashing import Leaves
+from weightsync.agent.hashing import HashedLeaves
 from weightsync.agent.plan import SourceArena, TensorShard, TransferPlan
 from weightsync.agent.staging import segments
 from weightsync.agent.staging.index import (
@@ -51,10 +51,11 @@ class SentLeaves:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._done: dict[tuple[int, str], Leaves] = {}
+        self._done: dict[tuple[int, str], HashedLeaves] = {}
         self._gates: dict[tuple[int, str], threading.Lock] = {}
 
-    def get_or_compute(self, key: tuple[int, str], compute: Callable[[], Leaves]) -> tuple[Leaves, bool]:
+    def get_or_compute(self, key: tuple[int, str],
+                       compute: Callable[[], HashedLeaves]) -> tuple[HashedLeaves, bool]:
         """The leaves of `key` and whether another transfer computed them (False: `compute` ran here)."""
         with self._lock:
             known = self._done.get(key)

@@ -38,6 +38,7 @@ from weightsync.agent.hashing import (
     MASK,
     WSUM,
     XXH3_128,
+    HashedLeaves,
     Leaves,
     _wsum_leaf,
     _xxhash,
@@ -174,21 +175,21 @@ class HashedHere:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: OrderedDict[MemoryKey, Leaves] = OrderedDict()
+        self._entries: OrderedDict[MemoryKey, HashedLeaves] = OrderedDict()
         self._count = 0
 
-    def put(self, key: MemoryKey | None, leaves: Leaves) -> None:
+    def put(self, key: MemoryKey | None, hashed: HashedLeaves) -> None:
         if key is None:
             return
         with self._lock:
             old = self._entries.pop(key, None)
-            self._count += len(leaves) - (len(old) if old is not None else 0)
-            self._entries[key] = leaves
+            self._count += len(hashed.leaves) - (len(old.leaves) if old is not None else 0)
+            self._entries[key] = hashed
             while self._count > self.MAX_LEAVES and len(self._entries) > 1:
                 _, gone = self._entries.popitem(last=False)
-                self._count -= len(gone)
+                self._count -= len(gone.leaves)
 
-    def get(self, key: MemoryKey | None) -> Leaves | None:
+    def get(self, key: MemoryKey | None) -> HashedLeaves | None:
         if key is None:
             return None
         with self._lock:
@@ -229,21 +230,21 @@ class DigestHooks(SyncHooks):
         t0 = time.perf_counter()
         algo = self.algorithm or default_algorithm(data)
 
-        def compute() -> Leaves:
-            got = bucket_leaves(bucket, data, algo)
+        def compute() -> HashedLeaves:
+            got = HashedLeaves.of(bucket_leaves(bucket, data, algo))
             if self.hashed_here is not None:
                 self.hashed_here.put(memory_key(version, bucket, data, algo), got)  # over these very bytes
             return got
 
         if self.sent_leaves is not None:
-            leaves, reused = self.sent_leaves.get_or_compute((bucket.index, algo), compute)
+            hashed, reused = self.sent_leaves.get_or_compute((bucket.index, algo), compute)
         else:
-            leaves, reused = compute(), False
+            hashed, reused = compute(), False
         if reused:
             self.stats.reused_bytes += bucket.data_nbytes
         else:
-            self._count(leaves, bucket, t0)
-        meta["digest"] = {"algorithm": algo, "leaves": [fmt(v) for _, v in leaves]}
+            self._count(hashed.leaves, bucket, t0)
+        meta["digest"] = {"algorithm": algo, "leaves": list(hashed.hexes)}  # a copy: the shared list stays as hashed
         return meta
 
     def on_recv_bucket(
@@ -267,10 +268,10 @@ class DigestHooks(SyncHooks):
         algo = str(sent.get("algorithm") or XXH3_128)
         want = sent["leaves"]
         here = HASHED_HERE.get(memory_key(version, bucket, data, algo)) if HASHED_HERE else None
-        if here is not None and [fmt(v) for _, v in here] == want and [k for k, _ in here] == piece_ids(bucket)[0]:
+        if here is not None and here.hexes == want and [k for k, _ in here.leaves] == piece_ids(bucket)[0]:
             self.stats.reused_bytes += bucket.data_nbytes  # landed where this process hashed it: not read again
             if self.digest is not None:
-                self.digest.add_all(here)
+                self.digest.add_all(here.leaves)
             return
         got = bucket_leaves(bucket, data, algo)
         if len(want) != len(got):

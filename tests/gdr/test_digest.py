@@ -11,6 +11,7 @@ import pytest
 import torch
 from gdr_harness import GdrScenario, Replica, llama_metas, run_gdr, tp_needs, tp_sources
 
+from weightsync.agent.hashing import HashedLeaves, fmt
 from weightsync.agent.plan import TensorShard, build_plan
 from weightsync.agent.staging.versions import SentLeaves
 from weightsync.agent.transfer import digest as D
@@ -123,7 +124,10 @@ def test_concurrent_transfers_of_one_staged_version_hash_each_bucket_once(monkey
         t.join(10)
     assert len(calls) == 1  # before: 2 (each transfer found no leaves yet and hashed)
     assert metas[0] == metas[1] and metas[0] is not None
-    assert sorted([h.stats.reused_bytes for h in hooks]) == [0, bucket.data_nbytes]
+    metas[0]["digest"]["leaves"][0] = "changed"  # each transfer's metadata is its own: the shared hex stays
+    assert metas[1]["digest"]["leaves"][0] != "changed"
+    assert hooks[0].on_send_bucket(1, bucket, data) == metas[1]
+    assert sum(h.stats.reused_bytes for h in hooks) == bucket.data_nbytes * 2  # hashed once for three sends
     assert sorted([h.stats.bytes for h in hooks]) == [0, bucket.data_nbytes]
 
 
@@ -135,8 +139,10 @@ def test_a_transfer_that_fails_while_hashing_leaves_the_bucket_to_the_next() -> 
 
     with pytest.raises(RuntimeError):
         shared.get_or_compute((0, "xxh3_128"), broken)
-    assert shared.get_or_compute((0, "xxh3_128"), lambda: [("k", 1)]) == ([("k", 1)], False)
-    assert shared.get_or_compute((0, "xxh3_128"), broken) == ([("k", 1)], True)
+    one = HashedLeaves.of([("k", 1)])
+    assert shared.get_or_compute((0, "xxh3_128"), lambda: one) == (one, False)
+    assert shared.get_or_compute((0, "xxh3_128"), broken) == (one, True)
+    assert one.hexes == [fmt(1)]
 
 
 def test_a_region_two_ranks_hold_counts_once_and_must_agree() -> None:
