@@ -248,3 +248,30 @@ def test_the_pipeline_bench_measures_the_cost_per_tensor() -> None:
     assert r["buckets"] >= 4 and r["engine_calls"] == r["buckets"]  # a call per bucket, not per tensor
     assert isinstance(r["per_tensor_overhead_us"], float)
     assert abs(r["bytes"] - r["base"]["bytes"]) < 0.01 * r["bytes"]  # the same bytes in other tensors
+
+
+def test_the_floor_bench_times_every_stage_and_reads_the_criterion_from_a_pipeline_run(tmp_path: Path) -> None:
+    """bench/per_tensor_floor.py: every stage timed at 256 and at N tensors over the same bytes (its own check that
+    the copies moved them), and the criterion's allowance worked out from a pipeline result:
+    raw / (ratio_at_base - 0.1) - base end_to_end_s."""
+    import json
+    import subprocess
+    import sys
+
+    pipeline = tmp_path / "pipeline.json"
+    pipeline.write_text(json.dumps({"raw_s": 0.3, "ratio_at_base": 0.85, "end_to_end_s": 0.6,
+                                    "base": {"end_to_end_s": 0.35}}))
+    bench = Path(__file__).resolve().parents[2] / "bench" / "per_tensor_floor.py"
+    out = subprocess.run([sys.executable, str(bench), "--size-mb", "8", "--tensors", "600", "--bucket-mb", "2",
+                          "--against", str(pipeline), "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["tensors"] == 600 and r["base_tensors"] == 256
+    stages = {"publish", "leaves", "hex", "load"}
+    assert set(r["seconds"]) == set(r["seconds_at_base"]) == set(r["extra_us_per_tensor"]) == stages
+    assert all(r["seconds"][k] > 0 for k in stages - {"hex"})
+    assert r["floor_extra_s"] == pytest.approx(sum(r["extra_s"].values()), abs=1e-3)
+    crit = r["criterion"]
+    assert crit["allowed_end_to_end_s"] == pytest.approx(0.3 / 0.75, abs=1e-4)
+    assert crit["allowed_extra_s"] == pytest.approx(0.3 / 0.75 - 0.35, abs=1e-4)
+    assert crit["measured_extra_s"] == pytest.approx(0.25, abs=1e-4)
