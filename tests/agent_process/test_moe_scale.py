@@ -265,7 +265,7 @@ def test_the_floor_bench_times_every_stage_and_reads_the_criterion_from_a_pipeli
                                     "same_raw": {"raw_s": 0.3, "ratio_at_base": 0.85}}))
     bench = Path(__file__).resolve().parents[2] / "bench" / "per_tensor_floor.py"
     out = subprocess.run([sys.executable, str(bench), "--size-mb", "8", "--tensors", "600", "--bucket-mb", "2",
-                          "--against", str(pipeline), "--json"], capture_output=True, text=True, timeout=300)
+                          "--rounds", "3", "--against", str(pipeline), "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
     assert r["tensors"] == 600 and r["base_tensors"] == 256
@@ -273,6 +273,9 @@ def test_the_floor_bench_times_every_stage_and_reads_the_criterion_from_a_pipeli
     assert set(r["seconds"]) == set(r["seconds_at_base"]) == set(r["extra_us_per_tensor"]) == stages
     assert all(r["seconds"][k] > 0 for k in stages - {"hex"})
     assert r["floor_extra_s"] == pytest.approx(sum(r["extra_s"].values()), abs=1e-3)
+    assert set(r["cpu_extra_s"]) == stages and r["rounds"] == 3
+    assert all(lo <= r["extra_s"][k] <= hi for k, (lo, hi) in r["extra_s_range"].items())  # a median of the pairs
+    assert r["overlapped_floor_s"] == pytest.approx(sum(r["cpu_extra_s"].values()) / r["cpus"], abs=1e-3)
     crit = r["criterion"]
     assert crit["allowed_end_to_end_s"] == pytest.approx(0.3 / 0.75, abs=1e-4)
     assert crit["allowed_extra_s"] == pytest.approx(0.3 / 0.75 - 0.35, abs=1e-4)
