@@ -19,7 +19,7 @@ product's processes at best do. When that is above the allowance, the ratio crit
 by any change to the agent.
 
     python bench/per_tensor_floor.py --size-mb 1024 --tensors 16384 --json \\
-        [--against bench/results/session41/ipc-16384-a1.json]
+        [--against bench/results/session41/ipc-16384-head-1.json]
 """
 
 from __future__ import annotations
@@ -118,8 +118,9 @@ def paired(base: dict[str, Stage], at_n: dict[str, Stage], rounds: int) -> dict[
     return out
 
 
-def _median_gap(a: list[float], b: list[float]) -> float:
-    return statistics.median(y - x for x, y in zip(a, b, strict=True))
+def _gaps(a: list[float], b: list[float]) -> list[float]:
+    """The paired differences b - a."""
+    return [y - x for x, y in zip(a, b, strict=True)]
 
 
 def allowance(pipeline_json: Path) -> dict[str, float]:
@@ -150,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     times = paired(stages(a.size_mb, BASE_TENSORS, a.bucket_mb), stages(a.size_mb, a.tensors, a.bucket_mb), a.rounds)
     base = {k: statistics.median(v["base_s"]) for k, v in times.items()}
     at_n = {k: statistics.median(v["n_s"]) for k, v in times.items()}
-    extra = {k: _median_gap(v["base_s"], v["n_s"]) for k, v in times.items()}
-    cpu_extra = {k: _median_gap(v["base_cpu_s"], v["n_cpu_s"]) for k, v in times.items()}
-    spread = {k: [round(min(y - x for x, y in zip(v["base_s"], v["n_s"], strict=True)), 4),
-                  round(max(y - x for x, y in zip(v["base_s"], v["n_s"], strict=True)), 4)] for k, v in times.items()}
+    gaps = {k: _gaps(v["base_s"], v["n_s"]) for k, v in times.items()}
+    extra = {k: statistics.median(g) for k, g in gaps.items()}
+    cpu_extra = {k: statistics.median(_gaps(v["base_cpu_s"], v["n_cpu_s"])) for k, v in times.items()}
+    spread = {k: [round(min(g), 4), round(max(g), 4)] for k, g in gaps.items()}
     cpus = os.cpu_count() or 1
     res: dict[str, Any] = {
         "benchmark": "per_tensor_floor", "size_mb": a.size_mb, "tensors": a.tensors, "base_tensors": BASE_TENSORS,
