@@ -273,6 +273,11 @@ def test_the_relay_port_refuses_wrong_ranks_floods_and_strangers(chains: list[Ch
     for v in range(2, 5):  # two more keys fill the bound (the expectation above is one)
         kept.append(connect(HOST, c.server.port, TOKEN))
         kept[-1].send({"kind": P.RELAY, "version": v, "src": 0, "dst": 0, "plan_hash": "x"})
+        if v < 4:  # each link has its own handler thread: wait for this key before the next, so the refused one is v4
+            deadline = time.monotonic() + 10
+            while len(c.hub._relays) < v and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(c.hub._relays) == v
     over = Mailbox(kept[-1])
     with pytest.raises(LinkError, match="already has 3 relays pending"):
         over.get(P.EPOCH, timeout=5)
