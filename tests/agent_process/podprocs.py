@@ -179,9 +179,11 @@ class Cluster:
     def start_engine(self, pod: Pod, *args: str) -> subprocess.Popen[bytes]:
         return self.spawn(pod, "engine", [PY, "-m", "weightsync.agent.demo.engine", *args])
 
-    def start_separated(self, replicas: int, *trainer_args: str) -> tuple[Pod, list[Pod]]:
+    def start_separated(self, replicas: int, *trainer_args: str, replicas_ready: bool = False) -> tuple[Pod, list[Pod]]:
         """One trainer pod and REPLICAS one-pod inference replicas, each with its agent (and engine), then
-        the demo trainer with TRAINER_ARGS: the usual shape of a separated job."""
+        the demo trainer with TRAINER_ARGS: the usual shape of a separated job. REPLICAS_READY: the trainer
+        starts only once every replica's agent has its engine and its link to the trainer agent (a test that
+        counts what each version cost must not see a replica start late under load)."""
         trainer = self.add_pod("demo-trainer-0", contract.ROLE_TRAINER)
         infs = [self.add_pod(f"demo-inference-{r}-0", contract.ROLE_INFERENCE, replica=r) for r in range(replicas)]
         self.write_topology()
@@ -189,6 +191,10 @@ class Cluster:
             self.start_agent(p)
         for p in infs:
             self.start_engine(p)
+        if replicas_ready:
+            for p in infs:
+                wait_for(lambda p=p: all(s in self.log_text(p, "agent") for s in ("engine connected", "trainer.connected")),
+                         120, f"{p.name}'s agent linked to its engine and to the trainer agent", self)
         self.start_trainer(trainer, *trainer_args)
         return trainer, infs
 

@@ -4,6 +4,7 @@ engine path over the real Unix socket and shared memory, and the pure pod-status
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -249,7 +250,6 @@ def test_agent_dying_mid_load_aborts_the_partial_version(tmp_path: Path) -> None
     """The agent that began a load dies: the engine drops the partial version and tells the next agent
     it is still paused (so that agent resumes it)."""
     import queue
-    import threading
 
 
 
@@ -285,7 +285,6 @@ def test_agent_dying_mid_load_aborts_the_partial_version(tmp_path: Path) -> None
 
 
 def test_agent_waits_until_the_topology_lists_its_pod(tmp_path: Path) -> None:
-    import threading
 
     from weightsync.agent.membership import wait_for_membership
 
@@ -316,11 +315,10 @@ def test_custom_engine_that_hangs_fails_the_load_after_the_timeout(tmp_path: Pat
     monkeypatch.setenv(segments.SHM_DIR_ENV, str(tmp_path))
     registry, server = engine_registry_server(tmp_path / "agent.sock")
     eng = _Engine()
-    release = time.monotonic() + 4.0
+    release = threading.Event()  # set once the load failed: the engine hangs however long the set-up took
 
     def hang(version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        while time.monotonic() < release:
-            time.sleep(0.05)
+        release.wait(30)
 
     sess = InferenceSession(hang, eng.on_commit, socket_path=tmp_path / "agent.sock", rank=0)
     sess.start()
@@ -328,8 +326,10 @@ def test_custom_engine_that_hangs_fails_the_load_after_the_timeout(tmp_path: Pat
     try:
         with pytest.raises(EngineError, match=r"did not answer bucket within 1s"):
             load_version(adapter, 1, [[("a", torch.randn(4))]], pause_generation=False)
+        release.set()  # the engine comes back: its session, dropped by the agent, connects again
         assert "commit1" not in eng.events and adapter.served_version() is None
     finally:
+        release.set()
         adapter.close()
         sess.close()
         server.close()

@@ -80,9 +80,16 @@ def test_bad_peers_are_rejected_and_the_agent_keeps_serving(tmp_path: Path, clus
     time.sleep(0.3)
     link._sock.close()
 
-    # The agent is alive, says why it rejected each peer, and counts the rejections.
+    # The agent is alive, says why it rejected each peer, and counts the rejections (each peer is handled in a
+    # thread of its own: the counts are awaited, not read once after a fixed sleep).
     code, health = get_json(f"{t.metrics_url}/healthz")
     assert code == 200 and health["ok"]
+
+    def rejected(reason: str) -> float:
+        return metric_value(get_text(f"{t.metrics_url}/metrics")[1], "weightsync_agent_rejected_frames_total",
+                            f'reason="{reason}"') or 0
+
+    wait_for(lambda: rejected("malformed") >= 1 and rejected("auth") >= 1, 30, "the cut and forged frames counted", c)
     _, metrics = get_text(f"{t.metrics_url}/metrics")
     assert (metric_value(metrics, "weightsync_agent_rejected_connections") or 0) >= 3
     assert (metric_value(metrics, "weightsync_agent_rejected_frames_total", 'reason="protocol"') or 0) >= 3

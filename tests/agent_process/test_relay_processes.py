@@ -37,7 +37,7 @@ def test_relay_chain_sends_each_version_once_and_every_replica_is_bit_exact(tmp_
     c.extra_env["WEIGHTSYNC_FANOUT_GATHER_SECONDS"] = "1.0"  # the replicas' fetches start within a second here
     clusters.append(c)
     # versions far enough apart that every replica fetches each one (a replica that skips one is not chained)
-    t, infs = c.start_separated(REPLICAS, "--versions", "3", "--interval", "4")
+    t, infs = c.start_separated(REPLICAS, "--versions", "3", "--interval", "4", replicas_ready=True)
 
     for p in infs:
         wait_for(lambda p=p: engine_version(p) == 3, 120, f"{p.name} serving version 3", c)
@@ -66,18 +66,19 @@ def test_relay_chain_sends_each_version_once_and_every_replica_is_bit_exact(tmp_
 
 def test_a_replica_fetching_alone_is_sent_to_at_once(tmp_path: Path, clusters: list[Cluster]) -> None:
     """The trainer agent waits for other replicas to chain only when they asked for the version too (a Rolling
-    wave of one replica, or the others stopped, costs nothing): with a 5 s gather window and replica 1's agent
-    stopped, replica 0 loads each version in well under 5 s, and replica 1 catches up alone once resumed."""
+    wave of one replica, or the others stopped, costs nothing): with a 20 s gather window and replica 1's agent
+    stopped, replica 0 loads each version in well under 20 s (a first fetch sets up its group: seconds on a loaded
+    machine), and replica 1 catches up alone once resumed."""
     c = Cluster(tmp_path, mode="NCCL", bucket_mb=1)
     c.extra_env[contract.ENV_FAN_OUT] = "Relay"
-    c.extra_env["WEIGHTSYNC_FANOUT_GATHER_SECONDS"] = "5"
+    c.extra_env["WEIGHTSYNC_FANOUT_GATHER_SECONDS"] = "20"
     clusters.append(c)
     t, infs = c.start_separated(2, "--versions", "2", "--interval", "2")
     os.killpg(infs[1].procs["agent"].pid, signal.SIGSTOP)
     wait_for(lambda: engine_version(infs[0]) == 2, 90, f"{infs[0].name} serving version 2", c)
     took = [float(x) for x in re.findall(r"version committed version=\d+ .*? seconds=([\d.]+)",
                                          c.log_text(infs[0], "agent"))]
-    assert took and max(took) < 2.5, took
+    assert took and max(took) < 10, took
     os.killpg(infs[1].procs["agent"].pid, signal.SIGCONT)
     wait_for(lambda: engine_version(infs[1]) == 2, 90, f"{infs[1].name} serving version 2 after it resumed", c)
     assert engine_sums(infs[1].demo_url)[1] == trainer_sums(t, 2)

@@ -61,7 +61,7 @@ def test_batch_window_makes_one_pass_of_a_burst_of_events():
         return object()
 
     async def scenario() -> float:
-        q = WorkQueue(work, batch_seconds=0.1)
+        q = WorkQueue(work, batch_seconds=1.0)  # far above the burst's ~55 ms, however loaded the machine
         t0 = time.monotonic()
         for _ in range(50):  # the pod events of one version: every replica commits at about the same time
             q.request(("ns", "a"))
@@ -71,7 +71,7 @@ def test_batch_window_makes_one_pass_of_a_burst_of_events():
 
     t0 = asyncio.run(scenario())
     assert len(calls) == 1
-    assert calls[0] - t0 >= 0.1
+    assert calls[0] - t0 >= 1.0
 
 
 def test_relist_of_one_namespace_leaves_the_others_alone():

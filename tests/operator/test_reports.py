@@ -231,6 +231,7 @@ def test_the_listener_has_a_deadline_and_a_bound_on_connections(server: Any) -> 
     # a client that never finishes its body is cut off at the deadline
     answer = _raw(srv.port, b"POST /v1/reports HTTP/1.1\r\nContent-Length: 100\r\n\r\n{", wait=5)
     assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 3
+    srv.deadline_seconds = 10.0  # the connections below are held while the bound is probed: none may time out meanwhile
     # slow clients beyond the bound of one address are turned away at once, not queued; another address
     # still gets through, until the bound of all connections
     held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(3)]

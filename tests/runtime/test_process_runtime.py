@@ -663,7 +663,7 @@ def test_cluster_ip_service_reaches_ready_endpoints_only(api: KubeClient, namesp
     wait_until(lambda: _ready(api, namespace, ("echo-a", "echo-b")) == {"echo-a": False, "echo-b": True}, timeout=15,
                interval=0.1, what="echo-a not Ready")
     not_ready_s = time.monotonic() - flipped
-    wait_until(lambda: all(_service_get(target) == "echo-b" for _ in range(20)), timeout=3, interval=0.05,
+    wait_until(lambda: all(_service_get(target) == "echo-b" for _ in range(20)), timeout=15, interval=0.05,
                what="the proxy sending new connections to echo-b only")
     switch_s = time.monotonic() - flipped
     assert [_service_get(target) for _ in range(30)] == ["echo-b"] * 30
@@ -672,7 +672,7 @@ def test_cluster_ip_service_reaches_ready_endpoints_only(api: KubeClient, namesp
     urllib.request.urlopen(f"http://{pods['echo-b']['status']['podIP']}:18080/fail", timeout=5).read()
     wait_until(lambda: not any(_ready(api, namespace, ("echo-a", "echo-b")).values()), timeout=15,
                interval=0.1, what="no pod Ready")
-    wait_until(lambda: _service_get(target) is None, timeout=3, interval=0.05, what="connections reset")
+    wait_until(lambda: _service_get(target) is None, timeout=15, interval=0.05, what="connections reset")
     t0 = time.monotonic()
     assert _service_get(target) is None and time.monotonic() - t0 < 1.0
     print(f"service test: echo-a not Ready after {not_ready_s:.2f} s, proxy switched after {switch_s:.2f} s, "
