@@ -136,6 +136,8 @@ def test_rl_loop_learns_and_goes_on_while_an_inference_pod_is_deleted(cluster, k
     assert set(range(deleted["step"] + 1, STEPS + 2)) <= set(survivor), sorted(survivor)
     renewed = committed_by_incarnation(cluster, namespace, victim, new["metadata"]["uid"])
     assert renewed and min(renewed) > deleted["step"] + 2 and last in renewed, (deleted["step"], renewed)
-    assert demo.pod_condition(inference_pods(kube, namespace, name)[victim], contract.POD_CONDITION_SYNCED) == "True"
+    # the agent writes the pod's Synced condition after the commit the server and the log already show
+    wait(lambda: demo.pod_condition(inference_pods(kube, namespace, name)[victim], contract.POD_CONDITION_SYNCED)
+         == "True" or None, 30, f"{victim} Synced=True")
     got = vllm_server.completions(demo.engine_url(new))
     assert got == vllm_server.completions(demo.engine_url(pods[survivor_name]))
