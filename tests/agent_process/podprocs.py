@@ -193,10 +193,15 @@ class Cluster:
             self.start_engine(p)
         if replicas_ready:
             for p in infs:
-                wait_for(lambda p=p: all(s in self.log_text(p, "agent") for s in ("engine connected", "trainer.connected")),
-                         120, f"{p.name}'s agent linked to its engine and to the trainer agent", self)
+                self.wait_linked(p)
         self.start_trainer(trainer, *trainer_args)
         return trainer, infs
+
+    def wait_linked(self, pod: Pod, timeout: float = 120.0) -> None:
+        """Until POD's inference agent has its engine and its link to the trainer agent: a trainer started after
+        this publishes v1 to a replica that is there for it, however loaded the machine."""
+        wait_for(lambda: all(s in self.log_text(pod, "agent") for s in ("engine connected", "trainer.connected")),
+                 timeout, f"{pod.name}'s agent linked to its engine and to the trainer agent", self)
 
     def join_late(self, replica: int) -> Pod:
         """An inference replica added to a running job: the topology grows (new generation)."""

@@ -135,8 +135,7 @@ def test_failed_load_is_aborted_and_engine_always_resumed(tmp_path: Path, cluste
     c.start_engine(i, "--fail-versions", "1,2")
     # the first load must be v1: the engine is connected before the trainer publishes (under load it could
     # start after v2 and the agent would load the newest version first)
-    wait_for(lambda: all(s in c.log_text(i, "agent") for s in ("engine connected", "trainer.connected")), 90,
-             "the inference agent linked to its engine and to the trainer agent", c)
+    c.wait_linked(i)
     c.start_trainer(t, "--versions", "3", "--interval", "1.5")
     wait_for(lambda: engine_version(i) == 3, 90, "engine at v3 after failed loads", c)
     _, body = get_json(f"{i.demo_url}/events")

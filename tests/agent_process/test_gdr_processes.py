@@ -159,8 +159,7 @@ def test_gdr_recovers_after_a_failed_version(tmp_path: Path, clusters: list[Clus
     c.start_engine(i, "--fail-versions", "1")
     # the first load must be v1: the engine is connected before the trainer publishes (under load it could
     # start after v2 and the agent would load the newest version first)
-    wait_for(lambda: all(s in c.log_text(i, "agent") for s in ("engine connected", "trainer.connected")), 90,
-             "the inference agent linked to its engine and to the trainer agent", c)
+    c.wait_linked(i)
     c.start_trainer(t, "--versions", str(VERSIONS), "--interval", "1.5")
 
     wait_for(lambda: engine_version(i) == VERSIONS, 120, f"engine at v{VERSIONS} after a failed load", c)
