@@ -81,6 +81,19 @@ def _keep_most(model: torch.nn.Module, before: dict[str, torch.Tensor], fraction
             t.copy_(torch.where(keep_new, t, before[name]))
 
 
+def _wait_served_before_exit(session: TrainerSession, version: int, timeout: float) -> None:
+    """A trainer that exits takes its pod's agent, the source of its versions, with it: wait until every
+    inference replica serves the last version first, so Complete never leaves an engine a version behind."""
+    log.info("all %d versions published; waiting up to %gs for every inference replica to serve version %d",
+             version, timeout, version)
+    try:
+        served = session.wait_served(version, timeout=timeout)
+    except TimeoutError as exc:  # ServedTimeout names each lagging replica
+        log.warning("exiting although not every replica serves the last version: %s", exc)
+        return
+    log.info("every inference replica serves version %d (%s); exiting", version, served.describe())
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--versions", type=int, default=int(os.environ.get("WEIGHTSYNC_DEMO_VERSIONS", "5")))
@@ -92,7 +105,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default=os.environ.get(contract.ENV_POD_IP, "127.0.0.1"))
     p.add_argument("--checksums", default=os.environ.get(ENV_DEMO_CHECKSUMS, ""),
                    help="JSON file for per-version checksums (default: <socket dir>/demo-trainer-checksums.json)")
-    p.add_argument("--exit", action="store_true", help="exit after the last version instead of idling")
+    p.add_argument("--exit", action="store_true",
+                   help="exit after the last version instead of idling, once every inference replica serves it")
+    p.add_argument("--exit-wait-served", type=float, default=300.0, metavar="SECONDS",
+                   help="with --exit: how long to wait for every inference replica to serve the last version "
+                   "before exiting anyway (the pod's agent ends with the trainer, so a replica that has not "
+                   "fetched the last version by then stays on the one before)")
     p.add_argument("--sparse-update", type=float, default=0.0, metavar="FRACTION",
                    help="each version changes only this fraction of each parameter's elements (chosen at random; "
                    "the others keep the previous version's values), like a sparse fine-tune: what delta sync "
@@ -140,10 +158,12 @@ def main(argv: list[str] | None = None) -> None:
                      res.seconds)
             if version < args.versions:
                 time.sleep(args.interval)
-    log.info("all %d versions published; idling", args.versions)
+        if args.exit:
+            _wait_served_before_exit(session, args.versions, args.exit_wait_served)
     if args.exit:
         server.shutdown()
         return
+    log.info("all %d versions published; idling", args.versions)
     while True:
         time.sleep(3600)
 
