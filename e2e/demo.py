@@ -642,7 +642,7 @@ def print_served(env: Environment, custom: Any, namespace: str, name: str, last:
 def run_demo(env: Environment, example: str, namespace: str, timeout: float, out: Callable[[str], None] = print,
              operator_log: Callable[[], str] | None = None, body: JSON | None = None) -> BitExactReport:
     """Apply EXAMPLE (or BODY, e.g. load_example + set_trainer_args) in NAMESPACE (an operator must serve it),
-    print the progress table until status.servedVersion reaches the trainer's last version, then check the
+    print the progress table until status.servedVersion reaches the trainer's last version (Synced and Ready), then check the
     engines bit for bit. OPERATOR_LOG (the operator's log tail) goes into the failure message."""
     if body is None:
         body = load_example(example, process_nodes=env.runtime is not None)
@@ -662,13 +662,17 @@ def run_demo(env: Environment, example: str, namespace: str, timeout: float, out
                 out("    " + line)
             served = (job.get("status") or {}).get("servedVersion")
             synced = condition(job, contract.COND_SYNCED).get("status") == "True"
-            return job if served is not None and served >= last and synced else None
+            # Ready too: servedVersion counts Ready replicas and Synced every replica, so either can show before
+            # the last replica's pod is Ready again (its readiness gate follows its own, later, write)
+            ready = condition(job, contract.COND_READY).get("status") == "True"
+            return job if served is not None and served >= last and synced and ready else None
 
         def diagnose() -> str:
             text = f"operator log tail:\n{operator_log()}\n" if operator_log else ""
             return text + log_tails(env, namespace, job_pods(api, namespace, name))
 
-        poll(check, timeout, f"{namespace}/{name} status.servedVersion >= {last} and Synced=True", interval=0.5,
+        poll(check, timeout, f"{namespace}/{name} status.servedVersion >= {last}, Synced=True and Ready=True",
+             interval=0.5,
              on_timeout=diagnose)
         print_served(env, custom, namespace, name, last, time.monotonic() - t0, out)
         report = verify_bit_exact(job_pods(api, namespace, name), last)

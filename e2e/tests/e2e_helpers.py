@@ -19,6 +19,16 @@ def wait(predicate: Any, timeout: float, what: str, interval: float = 0.25) -> A
     return demo.poll(predicate, timeout, what, interval)
 
 
+def events_once(kube: Any, namespace: str, name: str, reason: str) -> list[Any]:
+    """The job's Events once one with REASON is there: the operator posts them right after the status write
+    that carried the condition, so a test that saw the condition may list them a moment too early."""
+    def listed() -> list[Any] | None:
+        events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+        return events if any(e.reason == reason for e in events) else None
+
+    return list(wait(listed, 30, f"a {reason} Event on {name}"))
+
+
 def job(kube: Any, namespace: str, name: str) -> dict[str, Any]:
     return demo.get_job(kube.custom, namespace, name)
 

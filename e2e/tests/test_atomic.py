@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from e2e_helpers import assert_bit_exact, cond, inference_pods, job, wait
+from e2e_helpers import assert_bit_exact, cond, events_once, inference_pods, job, wait
 
 from weightsync.crds import contract, version_proof
 from weightsync.e2e import demo
@@ -88,7 +88,7 @@ def test_atomic_one_replica_failing_at_prepare_keeps_every_replica_on_the_commit
         assert demo.annotation(p, contract.ANN_SERVED_VERSION) == str(committed), (n, p["metadata"]["annotations"])
         assert demo.engine_state(p)["version"] == committed, n  # what the engine itself serves
     assert demo.annotation(pods[bad], contract.ANN_PREPARED_VERSION) is None
-    events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    events = events_once(kube, namespace, name, "AtomicPrepareFailed")
     warned = [e for e in events if e.reason == "AtomicPrepareFailed" and e.type == "Warning"]
     assert warned and bad in warned[0].message, [(e.reason, e.message) for e in events]
     print(f"prepare failed on {bad}: every replica stays on {committed}; trainer at "

@@ -12,20 +12,10 @@ from datetime import datetime
 from typing import Any
 
 import pytest
-from e2e_helpers import inference_pods, job, wait
+from e2e_helpers import events_once, inference_pods, job, wait
 
 from weightsync.crds import contract
 from weightsync.e2e import demo
-
-
-def _events_once(kube: Any, namespace: str, name: str, reason: str) -> list[Any]:
-    """The job's Events once one with REASON is there: the operator posts them right after the status write
-    that carried the condition, so a test that saw the condition may list them a moment too early."""
-    def listed() -> list[Any] | None:
-        events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
-        return events if any(e.reason == reason for e in events) else None
-
-    return list(wait(listed, 30, f"a {reason} Event on {name}"))
 
 pytestmark = [pytest.mark.e2e]
 
@@ -64,7 +54,7 @@ def test_wrong_engine_port_is_degraded_engine_unreachable_within_a_minute(cluste
     assert agent_started is not None
     since = (datetime.fromisoformat(d["lastTransitionTime"].replace("Z", "+00:00")) - agent_started).total_seconds()
     assert since <= 60, f"EngineUnreachable {since:.0f}s after the agent started (at most a minute)"
-    events = _events_once(kube, namespace, name, "EngineUnreachable")
+    events = events_once(kube, namespace, name, "EngineUnreachable")
     assert any(e.reason == "EngineUnreachable" and e.type == "Warning" for e in events), [e.reason for e in events]
     assert not any(e.reason == "SyncFailed" for e in events), "EngineUnreachable must not show as SyncFailed first"
     print(f"EngineUnreachable {since:.0f}s after the agent started: {d['message'][:200]}")
@@ -84,6 +74,7 @@ def test_crash_looping_engine_keeps_degraded_without_a_flip(cluster, kube, names
 
     wait(degraded, START_TIMEOUT, f"{name}: Degraded=True")
     samples: list[tuple[str, str]] = []
+    crash_messages: list[str] = []
     restarts_seen: set[int] = set()
     # The runtime's back-off doubles from 1 s up to 20 s and the engine runs 2 s: a cycle takes at most 22 s,
     # so 45 s hold at least two restarts and the runs between them.
@@ -92,6 +83,8 @@ def test_crash_looping_engine_keeps_degraded_without_a_flip(cluster, kube, names
         j = job(kube, namespace, name)
         d = _degraded(j)
         samples.append((d.get("status", ""), d.get("reason", "")))
+        if d.get("reason") == "CrashLoopBackOff":
+            crash_messages.append(d.get("message", ""))
         pod = next(iter(inference_pods(kube, namespace, name).values()))
         for s in (pod.get("status") or {}).get("containerStatuses") or []:
             if s["name"] == "engine":
@@ -102,8 +95,9 @@ def test_crash_looping_engine_keeps_degraded_without_a_flip(cluster, kube, names
     assert not flips, f"Degraded flipped during the crash loop: {samples}"
     reasons = {r for _, r in samples}
     assert reasons <= {"CrashLoopBackOff", "EngineUnreachable"} and "CrashLoopBackOff" in reasons, reasons
-    msg = _degraded(job(kube, namespace, name))["message"]
-    assert "container engine" in msg and "exit 3" in msg, msg
+    # each CrashLoopBackOff names the container and its exit code (read while sampled: between crashes the
+    # reason may be EngineUnreachable at any one read)
+    assert all("container engine" in m and "exit 3" in m for m in crash_messages), sorted(set(crash_messages))
 
 
 def test_trainer_that_exits_successfully_completes_the_job(cluster, kube, namespace, operator, process_runtime):
@@ -139,7 +133,7 @@ def test_trainer_that_exits_successfully_completes_the_job(cluster, kube, namesp
     # it exited once its agent heard the replica serve version 3, not before (the agent ends with the pod)
     trainer_log = cluster.runtime.log_path(namespace, f"{name}-trainer-0", "trainer").read_text(errors="replace")
     assert "every inference replica serves version 3" in trainer_log, trainer_log[-2000:]
-    events = _events_once(kube, namespace, name, "TrainerSucceeded")
+    events = events_once(kube, namespace, name, "TrainerSucceeded")
     assert any(e.reason == "TrainerSucceeded" and e.type == "Normal" for e in events), [e.reason for e in events]
     code, answer = demo.engine_get(next(iter(inference_pods(kube, namespace, name).values())), "/predict?x=0.5")
     assert code == 200 and answer["version"] == 3, answer

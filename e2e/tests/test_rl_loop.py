@@ -124,9 +124,11 @@ def test_rl_loop_learns_and_goes_on_while_an_inference_pod_is_deleted(cluster, k
     new = pods[victim]
     assert new["metadata"]["uid"] != deleted["uid"]
     last = STEPS + 1
-    assert (job(kube, namespace, name).get("status") or {}).get("servedVersion") == last
     wait(lambda: True if parse_version((demo.engine_get(new, "/weight_info")[1] or {}).get("weight_version", "")
                                        ) == last else None, 120, f"{victim} serves version {last}")
+    # the trainer's last wait_served counted serving replicas only; the status follows the pods' own writes
+    wait(lambda: (job(kube, namespace, name).get("status") or {}).get("servedVersion") == last or None, 30,
+         f"status.servedVersion {last}")
     for pod in pods.values():
         code, info = demo.engine_get(pod, "/weight_info")
         assert code == 200 and parse_version(info["weight_version"]) == last, info
@@ -134,8 +136,10 @@ def test_rl_loop_learns_and_goes_on_while_an_inference_pod_is_deleted(cluster, k
     # survivor loaded every version after the deletion; the first version the new pod loaded was published
     # more than one step after it)
     assert set(range(deleted["step"] + 1, STEPS + 2)) <= set(survivor), sorted(survivor)
-    renewed = committed_by_incarnation(cluster, namespace, victim, new["metadata"]["uid"])
-    assert renewed and min(renewed) > deleted["step"] + 2 and last in renewed, (deleted["step"], renewed)
+    # the agent logs the commit after the server took it and resumed (awaited: the server shows it first)
+    renewed = wait(lambda: (r := committed_by_incarnation(cluster, namespace, victim, new["metadata"]["uid"]))
+                   and last in r and r, 30, f"{victim}'s agent logs version {last} committed")
+    assert min(renewed) > deleted["step"] + 2, (deleted["step"], renewed)
     # the agent writes the pod's Synced condition after the commit the server and the log already show
     wait(lambda: demo.pod_condition(inference_pods(kube, namespace, name)[victim], contract.POD_CONDITION_SYNCED)
          == "True" or None, 30, f"{victim} Synced=True")

@@ -325,6 +325,19 @@ def engine_version(pod: Pod) -> int | None:
     return body.get("version") if code == 200 else None
 
 
+def engine_serving(pod: Pod, version: int) -> bool:
+    """The demo engine serves VERSION and generates: the agent resumes it after the commit that sets the
+    version, so a read right when the version shows can still find it paused."""
+    code, body = get_json(f"{pod.demo_url}/version", timeout=2)
+    return code == 200 and body.get("version") == version and body.get("paused") is False
+
+
+def agent_served(pod: Pod, version: int) -> dict[str, Any] | None:
+    """The agent's /healthz once it counts VERSION as served (after the engine's commit and resume)."""
+    code, body = get_json(f"{pod.metrics_url}/healthz", timeout=2)
+    return body if code == 200 and body.get("served") == version else None
+
+
 def metric_value(text: str, name: str, labels: str = "") -> float | None:
     """The value of one sample in Prometheus text format (labels as written, e.g. 'direction="sent"')."""
     for line in text.splitlines():

@@ -49,10 +49,10 @@ def test_agent_reports_on_its_pod_and_follows_pause(cluster: Any, kube: Any, nam
     wait_for(lambda: engine_version(i) == 3, 90, "engine at v3", c)
     wait_for(lambda: (pod().metadata.annotations or {}).get(contract.ANN_SERVED_VERSION) == "3", 30,
              "served-version annotation 3", c)
-    p = pod()
+    # the condition is its own patch, after the annotations' (one API round trip later)
+    p = wait_for(lambda: synced(x := pod()) == "True" and x, 15, "pod condition synced=True", c)
     last = json.loads(p.metadata.annotations[contract.ANN_LAST_SYNC])
     assert last["version"] == 3 and last["mode"] == "NCCL" and last["bytes"] > 0 and last["durationSeconds"] > 0
-    assert synced(p) == "True"
     assert contract.ANN_SYNC_ERROR not in p.metadata.annotations
 
     # spec.paused -> the operator's annotation -> the engine pauses, and the pod says so

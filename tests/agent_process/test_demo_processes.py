@@ -11,6 +11,8 @@ from pathlib import Path
 from podprocs import (
     Cluster,
     Pod,
+    agent_served,
+    engine_serving,
     engine_version,
     get_json,
     get_text,
@@ -56,13 +58,15 @@ def test_separated_gloo_two_replicas_bit_exact(tmp_path: Path, clusters: list[Cl
         seq = commits(p.demo_url)
         assert seq == sorted(set(seq)) and seq[-1] == 5, f"commits out of order: {seq}"
 
-    code, health = get_json(f"{infs[0].metrics_url}/healthz")
-    assert code == 200 and health["ok"] and health["served"] == 5 and health["role"] == "inference"
+    # the agent counts v5 served (healthz, then its metrics) after the engine's commit and resume
+    health = wait_for(lambda: agent_served(infs[0], 5), 15, f"{infs[0].name}'s agent counts version 5 served", c)
+    assert health["ok"] and health["role"] == "inference"
     assert health["verify"] is True
     code, health = get_json(f"{t.metrics_url}/healthz")
     assert code == 200 and health["published"] == 5
     _, tm = get_text(f"{t.metrics_url}/metrics")
-    _, im = get_text(f"{infs[0].metrics_url}/metrics")
+    im = wait_for(lambda: metric_value(m := get_text(f"{infs[0].metrics_url}/metrics")[1],
+                                       "weightsync_agent_served_version") == 5 and m, 15, "served_version gauge 5", c)
     assert metric_value(tm, "weightsync_agent_published_version") == 5
     assert (metric_value(tm, "weightsync_agent_transfer_bytes_total", 'direction="sent",mode="NCCL"') or 0) > 0
     assert metric_value(im, "weightsync_agent_served_version") == 5
@@ -137,7 +141,7 @@ def test_failed_load_is_aborted_and_engine_always_resumed(tmp_path: Path, cluste
     # start after v2 and the agent would load the newest version first)
     c.wait_linked(i)
     c.start_trainer(t, "--versions", "3", "--interval", "1.5")
-    wait_for(lambda: engine_version(i) == 3, 90, "engine at v3 after failed loads", c)
+    wait_for(lambda: engine_serving(i, 3), 90, "engine at v3 after failed loads, resumed", c)
     _, body = get_json(f"{i.demo_url}/events")
     events = [tuple(e) for e in body["events"]]
     aborted = [v for e, v in events if e == "abort"]
@@ -167,8 +171,7 @@ def test_inference_agent_killed_mid_load_never_serves_the_partial_version(tmp_pa
     t, i, killed = kill_inference_agent_mid_load(c)
     version, got = engine_sums(i.demo_url)
     assert version == 4 and got == trainer_sums(t, 4)
-    state = get_json(f"{i.demo_url}/version")[1]
-    assert state["paused"] is False, "the engine was left paused by the dead agent"
+    wait_for(lambda: engine_serving(i, 4), 15, "the engine resumed (not left paused by the dead agent)", c)
     _, body = get_json(f"{i.demo_url}/events")
     events = [tuple(e) for e in body["events"]]
     k = events.index(("abort", killed))

@@ -55,6 +55,17 @@ def _trainer_and_sglang(tmp_path: Path, clusters: list[Cluster], **agent_env: st
     return c, t, url
 
 
+def _after_generation_continued(url: str) -> list[dict[str, Any]] | None:
+    """The stand-in's events once the last pause_generation has its continue_generation (None before): the
+    agent resumes after the version is in, so a read right when the version shows can be a step early. A
+    pause never resumed never gets here."""
+    events: list[dict[str, Any]] = requests.get(f"{url}/standin/events", timeout=5).json()["events"]
+    ops = [e["op"] for e in events]
+    if "pause_generation" not in ops or ops.count("pause_generation") != ops.count("continue_generation"):
+        return None
+    return events
+
+
 def test_agent_drives_an_sglang_engine_over_http(tmp_path: Path, clusters: list[Cluster]) -> None:
     c, _, url = _trainer_and_sglang(tmp_path, clusters)
 
@@ -65,7 +76,9 @@ def test_agent_drives_an_sglang_engine_over_http(tmp_path: Path, clusters: list[
             return None
 
     wait_for(lambda: parse_version((state() or {}).get("weight_version")) == 2, 240, "SGLang serves version 2", c)
-    events = requests.get(f"{url}/standin/events", timeout=5).json()["events"]
+    # the version is set inside update_weight_version; the agent's flush_cache and continue_generation follow
+    events: list[dict[str, Any]] = wait_for(lambda: _after_generation_continued(url), 30,
+                                            "generation continued after version 2", c)
     ops = [e["op"] for e in events]
     assert "refused" not in ops, events
     for v in (1, 2):
@@ -143,7 +156,8 @@ def test_agent_loads_each_version_as_a_lora_adapter(tmp_path: Path, clusters: li
     wait_for(lambda: parse_version(lora().get("version")) == 2, 240, "SGLang serves adapter version 2", c)
     published = json.loads((c.root / t.name / "sock" / "demo-trainer-checksums.json").read_text())
     assert lora()["adapters"] == {"policy": published["2"]}
-    ops = [e["op"] for e in requests.get(f"{url}/standin/events", timeout=5).json()["events"]]
+    ops = [e["op"] for e in wait_for(lambda: _after_generation_continued(url), 30,
+                                     "generation continued after adapter version 2", c)]
     assert "refused" not in ops and "begin_weight_update" not in ops, ops
     assert ops.count("load_lora_adapter_from_tensors") == 2 and ops.count("unload_lora_adapter") == 2, ops
     assert ops.count("pause_generation") == ops.count("continue_generation") >= 2
