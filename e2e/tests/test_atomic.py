@@ -158,6 +158,9 @@ def test_atomic_four_replicas_sampled_continuously_never_serve_two_versions(
             return j if ok else None
 
         wait(done, START_TIMEOUT, f"{name}: version {last} committed on 5 Ready replicas")
+        # the status follows the pods: a few samples more, so a replica Ready only in the last round is seen
+        taken = len(samples)
+        wait(lambda: len(samples) >= taken + 3 or None, 30, "three more samples")
     finally:
         stop.set()
         sampler.join(timeout=30)

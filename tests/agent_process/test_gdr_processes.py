@@ -15,6 +15,7 @@ import pytest
 from podprocs import (
     Cluster,
     Pod,
+    agent_served,
     engine_version,
     get_json,
     get_text,
@@ -70,12 +71,12 @@ def test_gdr_two_replicas_and_a_late_replica_bit_exact(tmp_path: Path, clusters:
 
     _, tm = get_text(f"{t.metrics_url}/metrics")
     assert (metric_value(tm, "weightsync_agent_transfer_bytes_total", 'direction="sent",mode="GDR"') or 0) > 0
-    for p in (*infs, late):
+    for p in (*infs, late):  # the agent counts a version (healthz, then metrics) after the engine's resume
+        health = wait_for(lambda p=p: agent_served(p, VERSIONS), 15, f"{p.name}'s agent counts v{VERSIONS}", c)
+        assert health["mode"] == "GDR", health
         _, im = get_text(f"{p.metrics_url}/metrics")
         assert (metric_value(im, "weightsync_agent_transfer_bytes_total", 'direction="received",mode="GDR"')
                 or 0) > 0
-        code, health = get_json(f"{p.metrics_url}/healthz")
-        assert code == 200 and health["served"] == VERSIONS and health["mode"] == "GDR", health
 
 
 def _received(p: Pod) -> tuple[float, float, float]:
@@ -105,6 +106,8 @@ def test_gdr_delta_sync_sends_changed_words_bit_exact_and_a_late_replica_gets_fu
 
     for p in infs:
         wait_for(lambda p=p: engine_version(p) == DELTA_VERSIONS, 120, f"{p.name} serving v{DELTA_VERSIONS}", c)
+        # its byte counters are read below: the agent counts a version after the engine's commit and resume
+        wait_for(lambda p=p: agent_served(p, DELTA_VERSIONS), 15, f"{p.name}'s agent counts v{DELTA_VERSIONS}", c)
     assert_bit_exact(t, infs, DELTA_VERSIONS)
     for p in infs:
         seq = commits(p.demo_url)
@@ -122,6 +125,7 @@ def test_gdr_delta_sync_sends_changed_words_bit_exact_and_a_late_replica_gets_fu
 
     late = c.join_late(2)
     wait_for(lambda: engine_version(late) == DELTA_VERSIONS, 120, f"late replica serving v{DELTA_VERSIONS}", c)
+    wait_for(lambda: agent_served(late, DELTA_VERSIONS), 15, f"the late agent counts v{DELTA_VERSIONS}", c)
     assert_bit_exact(t, [*infs, late], DELTA_VERSIONS)
     assert commits(late.demo_url) == [DELTA_VERSIONS]
     full, wire, deltas = _received(late)

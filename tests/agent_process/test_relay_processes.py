@@ -12,7 +12,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from podprocs import Cluster, engine_version, get_json, get_text, metric_value, wait_for
+from podprocs import Cluster, agent_served, engine_version, get_json, get_text, metric_value, wait_for
 from test_demo_processes import engine_sums, trainer_sums
 
 from weightsync.crds import contract
@@ -60,8 +60,7 @@ def test_relay_chain_sends_each_version_once_and_every_replica_is_bit_exact(tmp_
     for m in ims:
         assert (metric_value(m, "weightsync_agent_verified_bytes_total") or 0) > 0  # checksums forwarded, checked
     assert "relay.done" in c.log_text(infs[0], "agent")
-    code, health = get_json(f"{infs[2].metrics_url}/healthz")
-    assert code == 200 and health["served"] == 3
+    wait_for(lambda: agent_served(infs[2], 3), 15, f"{infs[2].name}'s agent counts version 3 served", c)
 
 
 def test_a_replica_fetching_alone_is_sent_to_at_once(tmp_path: Path, clusters: list[Cluster]) -> None:
