@@ -642,8 +642,8 @@ def print_served(env: Environment, custom: Any, namespace: str, name: str, last:
 def run_demo(env: Environment, example: str, namespace: str, timeout: float, out: Callable[[str], None] = print,
              operator_log: Callable[[], str] | None = None, body: JSON | None = None) -> BitExactReport:
     """Apply EXAMPLE (or BODY, e.g. load_example + set_trainer_args) in NAMESPACE (an operator must serve it),
-    print the progress table until status.servedVersion reaches the trainer's last version (Synced and Ready), then check the
-    engines bit for bit. OPERATOR_LOG (the operator's log tail) goes into the failure message."""
+    print the progress table until status.servedVersion reaches the trainer's last version with the job Synced
+    and Ready, then check the engines bit for bit. OPERATOR_LOG (the operator's log tail) goes into the failure message."""
     if body is None:
         body = load_example(example, process_nodes=env.runtime is not None)
     name = body["metadata"]["name"]
@@ -672,8 +672,7 @@ def run_demo(env: Environment, example: str, namespace: str, timeout: float, out
             return text + log_tails(env, namespace, job_pods(api, namespace, name))
 
         poll(check, timeout, f"{namespace}/{name} status.servedVersion >= {last}, Synced=True and Ready=True",
-             interval=0.5,
-             on_timeout=diagnose)
+             interval=0.5, on_timeout=diagnose)
         print_served(env, custom, namespace, name, last, time.monotonic() - t0, out)
         report = verify_bit_exact(job_pods(api, namespace, name), last)
         for pod, version in report.engines.items():

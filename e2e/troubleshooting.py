@@ -101,7 +101,13 @@ def _complete(env: Any) -> tuple[str, str]:
     _wait_condition(env, "finished", contract.COND_READY, "True")
     return "finished", ("`Complete` reason `TrainerSucceeded`: the trainer (restartPolicy OnFailure) published "
                         "its last version and exited 0. The engine keeps serving that version; `Ready` counts "
-                        "the inference replicas only.")
+                        "the inference replicas only.\n\n"
+                        "The trainer pod's agent is the source of its versions and ends with the trainer, so a "
+                        "trainer that exits should first wait until the fleet serves its last version: "
+                        "`session.wait_served(last_version, timeout)` before closing its `TrainerSession` (the demo "
+                        "trainer's `--exit` does, for at most `--exit-wait-served` seconds, 300 by default). A "
+                        "replica that had not fetched the last version when the trainer pod ended stays on the "
+                        "version before (`SERVED` below `TRAINER`, `Synced=False`).")
 
 
 SCENARIOS: list[tuple[str, Callable[[Any], tuple[str, str]]]] = [
